@@ -1,0 +1,21 @@
+# Each target creates .venv on first use and reinstalls when pyproject.toml changes.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test clean
+
+$(VENV)/.installed: pyproject.toml tools/install.py
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) tools/install.py --extra test
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m gpipe.demo
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests
+
+clean:
+	rm -rf $(VENV)
