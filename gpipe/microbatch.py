@@ -1,0 +1,143 @@
+"""Moving tensors between batch, microbatch and loop-iteration layouts.
+
+    batch [B, ...]  --ToMicrobatches-->  [M, B/M, ...]
+        --PadForIterations-->  [T, B/M, ...]   (stage 0's input per iteration)
+    loop: buffer [S, B/M, ...] per iteration, stacked to [T, S, B/M, ...]
+        --LastStageOutputs-->  [M, B/M, ...]  --ToBatch-->  [B, ...]
+
+Which iteration reads or finishes which microbatch comes from
+`gpipe.schedule.Schedule`; this module only turns those index tables into
+gathers.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from gpipe import schedule as schedule_lib
+
+
+def IsTensor(x):
+  return isinstance(x, (tf.Tensor, tf.Variable)) or tf.is_tensor(x)
+
+
+def BatchSize(x):
+  """The static leading dim of `x`, or its dynamic one if unknown."""
+  dim = x.shape[0] if x.shape.rank else None
+  return dim if dim is not None else tf.shape(x)[0]
+
+
+def ResolveNumMicrobatches(batch_size, num_microbatches, microbatch_size):
+  """Returns M from the layer's params, checking divisibility.
+
+  Args:
+    batch_size: static batch size of the inputs.
+    num_microbatches: p.num_microbatches or None.
+    microbatch_size: p.microbatch_size or None.
+
+  Returns:
+    (M, needs_split): needs_split is False when the inputs are already
+    microbatched ([M, ...]) because neither param is set.
+
+  Raises:
+    ValueError: naming the parameter and the fix when B is not divisible.
+  """
+  if num_microbatches is not None and microbatch_size is not None:
+    raise ValueError(
+        f'Set only one of num_microbatches ({num_microbatches}) and '
+        f'microbatch_size ({microbatch_size}).')
+  if num_microbatches is None and microbatch_size is None:
+    return batch_size, False
+  if not isinstance(batch_size, int):
+    raise ValueError(
+        'The pipelined layer needs a static batch size to split it into '
+        'microbatches; got a dynamic one. Set the input shapes statically.')
+  if num_microbatches is not None:
+    if batch_size % num_microbatches:
+      raise ValueError(
+          f'Batch size {batch_size} is not divisible by num_microbatches='
+          f'{num_microbatches}. Use a num_microbatches that divides '
+          f'{batch_size} (e.g. {_Divisors(batch_size)}) or change the batch '
+          'size.')
+    return num_microbatches, True
+  if batch_size % microbatch_size:
+    raise ValueError(
+        f'Batch size {batch_size} is not divisible by microbatch_size='
+        f'{microbatch_size}. Use a microbatch_size that divides {batch_size} '
+        f'(e.g. {_Divisors(batch_size)}) or change the batch size.')
+  return batch_size // microbatch_size, True
+
+
+def _Divisors(n):
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def ToMicrobatches(x, num_microbatches):
+  """[B, ...] -> [M, B/M, ...]; microbatch m holds rows m, m+M, m+2M, ...
+
+  The batch is reshaped to [B/M, M, ...] and transposed, rather than reshaped
+  to [M, B/M, ...], so that a sharding of the batch dim carries over to the
+  B/M dim: the M dim is indexed by the loop and must stay unsharded.
+  """
+  if not IsTensor(x):
+    return x
+  shape = x.shape.as_list()
+  batch = shape[0]
+  rest = [d if d is not None else tf.shape(x)[i + 1]
+          for i, d in enumerate(shape[1:])]
+  reshaped = tf.reshape(x, [batch // num_microbatches, num_microbatches] + rest)
+  return tf.transpose(reshaped, [1, 0] + list(range(2, len(shape) + 1)))
+
+
+def ToBatch(x):
+  """[M, B/M, ...] -> [B, ...]; the inverse of ToMicrobatches."""
+  if not IsTensor(x):
+    return x
+  rank = x.shape.rank
+  transposed = tf.transpose(x, [1, 0] + list(range(2, rank)))
+  shape = tf.shape(transposed)
+  static = transposed.shape.as_list()
+  batch = (static[0] * static[1]
+           if static[0] is not None and static[1] is not None else
+           shape[0] * shape[1])
+  rest = [d if d is not None else shape[i + 2]
+          for i, d in enumerate(static[2:])]
+  return tf.reshape(transposed, [batch] + rest)
+
+
+def PadForIterations(x, schedule: schedule_lib.Schedule):
+  """[M, ...] -> [T, ...]: row i is what stage 0 reads at iteration i.
+
+  Rows of iterations where stage 0 reads no fresh microbatch (bubbles, and
+  the rotations of a circular schedule) are zeros.
+  """
+  if not IsTensor(x):
+    return x
+  zero = tf.zeros_like(x[:1])
+  with_zero = tf.concat([x, zero], axis=0)
+  index = np.asarray(schedule.InputIndexPerIteration(), np.int32)
+  return tf.gather(with_zero, index)
+
+
+def LastStageOutputs(stacked, schedule: schedule_lib.Schedule):
+  """[T, S, ...] buffer history -> [M, ...] final outputs, in microbatch order.
+
+  Entry i of the history is the buffer after iteration i; microbatch m's
+  result is the last stage's slot at OutputIteration(m).
+  """
+  if not IsTensor(stacked):
+    return stacked
+  last_stage = stacked[:, schedule.num_stages - 1]
+  index = np.asarray(schedule.OutputIterations(), np.int32)
+  return tf.gather(last_stage, index)
+
+
+def SliceForStages(x, microbatch_ids):
+  """[M, ...] -> [S, ...]: each stage's own microbatch of a per-example kwarg.
+
+  Args:
+    x: a microbatched tensor [M, ...], or a non-tensor passed through.
+    microbatch_ids: int32 [S], already clamped into [0, M).
+  """
+  if not IsTensor(x):
+    return x
+  return tf.gather(x, microbatch_ids)

@@ -1,0 +1,197 @@
+"""Schedule arithmetic of the pipeline: the one place it is computed.
+
+Every function here is pure and duck-typed: it works on Python ints, on NumPy
+arrays (tests and the schedule printer use these) and on TensorFlow int32
+tensors (the layer uses these inside its loop), because it only uses `+ - * //
+%`, comparisons and `&`. Nothing here builds a graph.
+
+Notation: S = num_stages, M = num_microbatches, R = circular_repeat, T = number
+of loop iterations. At iteration `i`, stage `s` works on the microbatch that
+entered the pipeline `i - s` iterations earlier.
+
+Linear schedule (R == 1): T = M + S - 1. Stage 0 reads microbatch `i` at
+iteration `i`; the buffer shifts one stage per iteration. S=3, M=4::
+
+    iteration   0  1  2  3  4  5
+    stage 0     0  1  2  3  .  .
+    stage 1     .  0  1  2  3  .
+    stage 2     .  .  0  1  2  3      ('.' = bubble)
+
+Circular schedule (R > 1): layer `r * S + s` is repeat `r` of stage `s`. The
+microbatches are cut into segments of S; each segment cycles through the S
+stages R times before the next one enters, so the buffer rotates (the last
+stage feeds stage 0) and stage 0 reads fresh input only in the first S
+iterations of every R * S block. A short last segment is padded, so
+T = R * ceil(M / S) * S + S - 1. S=2, M=3, R=2 (cells are microbatch/repeat)::
+
+    iteration   0    1    2    3    4    5    6    7    8
+    stage 0     0/0  1/0  0/1  1/1  2/0  .    2/1  .    .
+    stage 1     .    0/0  1/0  0/1  1/1  2/0  .    2/1  .
+
+The rotating buffer needs no storage beyond [S, ...]: a microbatch leaving the
+last stage at repeat r is exactly what stage 0 needs next, at repeat r + 1.
+"""
+
+import dataclasses
+
+
+def _CeilDiv(a, b):
+  return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """The static shape of a pipeline schedule.
+
+  Attributes:
+    num_stages: S, the number of pipeline stages (>= 1).
+    num_microbatches: M, the number of microbatches (>= 1).
+    circular_repeat: R, how many times each microbatch visits every stage.
+  """
+  num_stages: int
+  num_microbatches: int
+  circular_repeat: int = 1
+
+  def __post_init__(self):
+    for name in ('num_stages', 'num_microbatches', 'circular_repeat'):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f'{name} must be an integer >= 1, got {value!r}.')
+
+  @property
+  def circular(self):
+    return self.circular_repeat > 1
+
+  @property
+  def num_layers(self):
+    """Logical layers: S * R, in repeat-major order."""
+    return self.num_stages * self.circular_repeat
+
+  @property
+  def num_padded_microbatches(self):
+    """M rounded up to whole segments of S (circular), or M (linear)."""
+    if not self.circular:
+      return self.num_microbatches
+    return _CeilDiv(self.num_microbatches, self.num_stages) * self.num_stages
+
+  @property
+  def num_iterations(self):
+    """T: loop iterations, bubbles included."""
+    return (self.circular_repeat * self.num_padded_microbatches +
+            self.num_stages - 1)
+
+  @property
+  def bubble_fraction(self):
+    """Share of (iteration, stage) slots that do no useful work."""
+    useful = self.num_microbatches * self.circular_repeat
+    return 1.0 - useful / self.num_iterations
+
+  # -- Per (iteration, stage) quantities; duck-typed over ints/arrays/tensors.
+
+  def Offset(self, iteration, stage):
+    """Iterations since this stage's microbatch entered stage 0 (may be < 0)."""
+    return iteration - stage
+
+  def MicrobatchId(self, iteration, stage):
+    """Microbatch processed by `stage` at `iteration` (meaningful if valid).
+
+    Negative or >= M on bubbles; callers clamp before indexing with it.
+    """
+    t = self.Offset(iteration, stage)
+    if not self.circular:
+      return t
+    s, r = self.num_stages, self.circular_repeat
+    return (t // (r * s)) * s + t % s
+
+  def RepeatId(self, iteration, stage):
+    """Circular repeat that `stage` runs at `iteration` (0 when linear)."""
+    t = self.Offset(iteration, stage)
+    if not self.circular:
+      return t * 0
+    return (t // self.num_stages) % self.circular_repeat
+
+  def LayerId(self, iteration, stage):
+    """Logical layer index repeat * S + stage."""
+    return self.RepeatId(iteration, stage) * self.num_stages + stage
+
+  def IsValid(self, iteration, stage):
+    """True where `stage` does useful work at `iteration`, False on bubbles."""
+    t = self.Offset(iteration, stage)
+    in_range = (t >= 0) & (t < self.circular_repeat *
+                           self.num_padded_microbatches)
+    mb = self.MicrobatchId(iteration, stage)
+    return in_range & (mb >= 0) & (mb < self.num_microbatches)
+
+  def StageZeroReadsInput(self, iteration):
+    """True where stage 0 takes a fresh microbatch instead of the buffer.
+
+    Linear: always (the buffer shifts in zeros). Circular: in the first S
+    iterations of each R * S block; otherwise it takes the last stage's output.
+    """
+    if not self.circular:
+      return iteration >= 0
+    return iteration % (self.circular_repeat * self.num_stages) < self.num_stages
+
+  # -- Per microbatch quantities.
+
+  def InputIteration(self, microbatch):
+    """Iteration at which stage 0 reads `microbatch` (repeat 0)."""
+    if not self.circular:
+      return microbatch
+    s, r = self.num_stages, self.circular_repeat
+    return (microbatch // s) * r * s + microbatch % s
+
+  def OutputIteration(self, microbatch):
+    """Iteration at which the last stage finishes `microbatch` (last repeat)."""
+    return (self.InputIteration(microbatch) +
+            (self.circular_repeat - 1) * self.num_stages + self.num_stages - 1)
+
+  # -- Static index tables (Python lists) for padding and extraction.
+
+  def InputIndexPerIteration(self):
+    """For each iteration, the microbatch stage 0 reads, or M for none.
+
+    Index M points at an appended zero microbatch, so padding the inputs for
+    bubbles is a single gather.
+    """
+    table = [self.num_microbatches] * self.num_iterations
+    for m in range(self.num_microbatches):
+      table[self.InputIteration(m)] = m
+    return table
+
+  def OutputIterations(self):
+    """For each microbatch, the iteration whose last-stage output is final."""
+    return [self.OutputIteration(m) for m in range(self.num_microbatches)]
+
+  def Table(self):
+    """[T][S] of (microbatch, repeat) tuples, or None on bubbles."""
+    rows = []
+    for i in range(self.num_iterations):
+      row = []
+      for s in range(self.num_stages):
+        if self.IsValid(i, s):
+          row.append((self.MicrobatchId(i, s), self.RepeatId(i, s)))
+        else:
+          row.append(None)
+      rows.append(row)
+    return rows
+
+  def Render(self):
+    """A text diagram of the schedule, one row per stage."""
+    cells = self.Table()
+    width = 5 if self.circular else 3
+    lines = ['iteration ' + ''.join(f'{i:>{width}}' for i in
+                                    range(self.num_iterations))]
+    for s in range(self.num_stages):
+      row = []
+      for i in range(self.num_iterations):
+        cell = cells[i][s]
+        if cell is None:
+          text = '.'
+        elif self.circular:
+          text = f'{cell[0]}/{cell[1]}'
+        else:
+          text = str(cell[0])
+        row.append(f'{text:>{width}}')
+      lines.append(f'stage {s:<4}' + ''.join(row))
+    return '\n'.join(lines)
