@@ -24,15 +24,16 @@ stage feeds stage 0) and stage 0 reads fresh input only in the first S
 iterations of every R * S block. A short last segment is padded, so
 T = R * ceil(M / S) * S + S - 1. S=2, M=3, R=2 (cells are microbatch/repeat)::
 
-    iteration   0    1    2    3    4    5    6    7    8
-    stage 0     0/0  1/0  0/1  1/1  2/0  .    2/1  .    .
-    stage 1     .    0/0  1/0  0/1  1/1  2/0  .    2/1  .
+    iteration     0    1    2    3    4    5    6    7    8
+    stage 0     0/0  1/0  0/1  1/1  2/0    .  2/1    .    .
+    stage 1       .  0/0  1/0  0/1  1/1  2/0    .  2/1    .
 
 The rotating buffer needs no storage beyond [S, ...]: a microbatch leaving the
 last stage at repeat r is exactly what stage 0 needs next, at repeat r + 1.
 """
 
 import dataclasses
+import numbers
 
 
 def _CeilDiv(a, b):
@@ -55,8 +56,11 @@ class Schedule:
   def __post_init__(self):
     for name in ('num_stages', 'num_microbatches', 'circular_repeat'):
       value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      if (not isinstance(value, numbers.Integral) or isinstance(value, bool) or
+          value < 1):
         raise ValueError(f'{name} must be an integer >= 1, got {value!r}.')
+      # NumPy integers are accepted and stored as plain ints.
+      object.__setattr__(self, name, int(value))
 
   @property
   def circular(self):

@@ -1,9 +1,11 @@
 """Small Lingvo body layers the tests pipeline, and NumPy versions of them.
 
-Each layer's NumPy twin (`Np*`) is the independent reference: the tests run
-the pipelined layer in TensorFlow and the plain sequential stack in NumPy,
-with the same weights.
+The `*Fn` functions are the independent references: the same math as the
+layers, written over NumPy or TensorFlow, applied layer by layer in a plain
+loop by the tests.
 """
+
+import types
 
 import numpy as np
 
@@ -13,6 +15,32 @@ from lingvo.core import base_layer
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
+
+# The math of each body written once over an array namespace, so the NumPy
+# reference (forward) and the TensorFlow plain-loop reference (gradients) are
+# the same formula, independent of the layer code under test.
+NP = types.SimpleNamespace(
+    einsum=np.einsum, tanh=np.tanh, sin=np.sin, sum=np.sum)
+TF = types.SimpleNamespace(
+    einsum=tf.einsum, tanh=tf.tanh, sin=tf.sin, sum=tf.reduce_sum)
+
+
+def DenseFn(xp, w, b, x, scale=None, shift=None):
+  """tanh(x @ w + b) [* scale] [+ shift]."""
+  y = xp.tanh(xp.einsum('...d,de->...e', x, w) + b)
+  if scale is not None:
+    y = y * scale
+  if shift is not None:
+    y = y + shift
+  return y
+
+
+def MultiInputFn(xp, w, v, x, nested):
+  """(x, nested) -> (x', nested'); see MultiInputBody."""
+  x1 = xp.tanh(xp.einsum('...d,de->...e', x, w) + nested['a'])
+  a1 = xp.sin(nested['a'] * v) + 0.5 * x
+  b1 = nested['b'] * 0.9 + xp.sum(x1, axis=-1)
+  return x1, {'a': a1, 'b': b1}
 
 
 def _Init(scale=0.5):
@@ -43,14 +71,6 @@ class DenseBody(base_layer.BaseLayer):
     return y
 
 
-def NpDense(w, b, x, scale=None, shift=None):
-  y = np.tanh(np.einsum('...d,de->...e', x, w) + b)
-  if scale is not None:
-    y = y * scale
-  if shift is not None:
-    y = y + shift
-  return y
-
 
 class MultiInputBody(base_layer.BaseLayer):
   """FProp(x, unused_none, nested) -> (x', None, NestedMap(a', b')).
@@ -77,12 +97,6 @@ class MultiInputBody(base_layer.BaseLayer):
     b1 = nested.b * 0.9 + tf.reduce_sum(x1, axis=-1)
     return x1, None, NestedMap(a=a1, b=b1)
 
-
-def NpMultiInput(w, v, x, nested):
-  x1 = np.tanh(np.einsum('...d,de->...e', x, w) + nested['a'])
-  a1 = np.sin(nested['a'] * v) + 0.5 * x
-  b1 = nested['b'] * 0.9 + np.sum(x1, axis=-1)
-  return x1, {'a': a1, 'b': b1}
 
 
 class StageParallelDenseBody(base_layer.BaseLayer):

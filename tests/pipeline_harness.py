@@ -1,0 +1,366 @@
+"""Builds a pipelined layer and its independent references, in either mode.
+
+The references never call the layer's code: weights are read from the
+layer's variables and sliced per logical layer here (layer r * S + s), then
+the body's math (tests/bodies.py) is applied layer after layer in a plain
+Python loop — in NumPy for the forward pass, and in TensorFlow for gradients
+(TF autodiff of the plain loop).
+
+Modes:
+  'graph': tf.Graph + tf.compat.v1.Session, tf.gradients (Lingvo's home).
+  'jit':   TF2, tf.function(jit_compile=True) with tf.GradientTape.
+"""
+
+import dataclasses
+import threading
+from typing import Any
+
+import numpy as np
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import layers
+from lingvo.core import py_utils
+from tests import bodies
+
+NestedMap = py_utils.NestedMap
+
+# Largest errors seen across the run, reported at the end of the session.
+_ERRORS = {'abs': 0.0, 'rel': 0.0, 'checks': 0}
+_ERRORS_LOCK = threading.Lock()
+
+
+def LargestErrors():
+  return dict(_ERRORS)
+
+
+@dataclasses.dataclass
+class Case:
+  """One configuration of the pipelined layer and its inputs."""
+  num_stages: int = 2
+  num_microbatches: Any = 2
+  microbatch_size: Any = None
+  circular_repeat: int = 1
+  body: str = 'dense'  # dense | multi | stage_parallel
+  per_stage_vars: bool = False
+  shard_stages_1d: bool = False
+  batch: int = 4
+  # Shape of one example, last dim = feature dim.
+  example_shape: tuple = (3, 4)
+  kwargs: bool = False  # per-example `scale` kwarg.
+  kwargs_no_batch: bool = False  # an unsliced `shift` via FPropFn.
+  premicrobatched: bool = False  # inputs already [M, mb, ...]
+  store_body_intermediates: bool = False
+  unroll: str = 'never'
+  seed: int = 0
+
+  @property
+  def dim(self):
+    return self.example_shape[-1]
+
+  def Params(self):
+    if self.body == 'dense':
+      body = dict(single_stage_body=bodies.DenseBody.Params().Set(dim=self.dim))
+    elif self.body == 'multi':
+      body = dict(
+          single_stage_body=bodies.MultiInputBody.Params().Set(dim=self.dim))
+    else:
+      body = dict(
+          stage_parallel_body=bodies.StageParallelDenseBody.Params().Set(
+              dim=self.dim, num_stages=self.num_stages))
+    return layers.PipelinedLayer.Params().Set(
+        name='pipe',
+        num_stages=self.num_stages,
+        num_microbatches=(None
+                          if self.premicrobatched else self.num_microbatches),
+        microbatch_size=None if self.premicrobatched else self.microbatch_size,
+        circular_repeat=self.circular_repeat,
+        per_stage_vars=self.per_stage_vars,
+        shard_stages_1d=self.shard_stages_1d,
+        store_body_intermediates=self.store_body_intermediates,
+        unroll=self.unroll,
+        random_seed=1234 + self.seed,
+        **body)
+
+
+def _Inputs(case):
+  """NumPy inputs, kwargs and output cotangents for a case."""
+  rng = np.random.RandomState(case.seed)
+  shape = (case.batch,) + tuple(case.example_shape)
+  x = rng.uniform(-1, 1, shape).astype(np.float32)
+  args = [x]
+  if case.body == 'multi':
+    args = [
+        x, None, {
+            'a': rng.uniform(-1, 1, shape).astype(np.float32),
+            'b': rng.uniform(-1, 1, shape[:-1]).astype(np.float32),
+        }
+    ]
+  kwargs = {}
+  if case.kwargs:
+    kwargs['scale'] = rng.uniform(0.5, 1.5, (case.batch,) + (1,) *
+                                  len(case.example_shape)).astype(np.float32)
+  no_batch = {}
+  if case.kwargs_no_batch:
+    no_batch['shift'] = np.float32(0.25)
+  return args, kwargs, no_batch
+
+
+def PerLayerWeights(case, var_values):
+  """Slices the layer's variable values into [layer] -> {name: array}.
+
+  Written against the documented variable layouts, not the layer's code:
+    single_stage_body:   body/<v> [S, (R,) ...]
+    per_stage_vars:      body_iter_<s>/<v> [(R,) ...]
+    stage_parallel_body: body/<v> [(R,) S, ...]
+  """
+  s_count, r_count = case.num_stages, case.circular_repeat
+  weights = []
+  for r in range(r_count):
+    for s in range(s_count):
+      if case.per_stage_vars:
+        vals = var_values['body_iter_%05d' % s]
+        w = {k: (v[r] if r_count > 1 else v) for k, v in vals.items()}
+      elif case.body == 'stage_parallel':
+        w = {k: (v[r][s] if r_count > 1 else v[s])
+             for k, v in var_values['body'].items()}
+      else:
+        w = {k: (v[s][r] if r_count > 1 else v[s])
+             for k, v in var_values['body'].items()}
+      weights.append(w)
+  return weights
+
+
+def SequentialReference(xp, case, weights, args, kwargs, no_batch):
+  """The plain stack: every logical layer in order on the whole batch."""
+  shift = no_batch.get('shift')
+  scale = kwargs.get('scale')
+  if case.body == 'multi':
+    x, _, nested = args
+    for w in weights:
+      x, nested = bodies.MultiInputFn(xp, w['w'], w['v'], x, nested)
+    return [x, None, nested]
+  x = args[0]
+  for w in weights:
+    x = bodies.DenseFn(xp, w['w'], w['b'], x, scale, shift)
+  return [x]
+
+
+def _Cotangents(outputs, seed):
+  rng = np.random.RandomState(seed + 100)
+  return tf.nest.map_structure(
+      lambda o: None if o is None else rng.uniform(-1, 1, o.shape).astype(
+          np.float32), outputs)
+
+
+def _Loss(outputs, cotangents):
+  terms = [
+      tf.reduce_sum(o * c)
+      for o, c in zip(tf.nest.flatten(outputs), tf.nest.flatten(cotangents))
+      if o is not None
+  ]
+  return tf.add_n(terms)
+
+
+def _ToTf(tree, watch=None):
+  """NumPy tree -> constant tensors; `watch` (a tape's) sees each of them."""
+
+  def Const(v):
+    if v is None:
+      return None
+    t = tf.constant(v)
+    if watch is not None:
+      watch(t)
+    return t
+
+  return tf.nest.map_structure(Const, tree)
+
+
+def _Premicrobatch(case, tree):
+  """[B, ...] -> [M, B/M, ...] the way the layer documents (row m + k*M)."""
+  m = case.num_microbatches
+
+  def Split(v):
+    if v is None or np.ndim(v) == 0:
+      return v
+    v = v.reshape((v.shape[0] // m, m) + v.shape[1:])
+    return np.swapaxes(v, 0, 1).copy()
+
+  return tf.nest.map_structure(Split, tree)
+
+
+def _Unpremicrobatch(case, tree):
+  del case
+
+  def Merge(v):
+    if v is None:
+      return v
+    v = np.swapaxes(v, 0, 1)
+    return v.reshape((-1,) + v.shape[2:])
+
+  return tf.nest.map_structure(Merge, tree)
+
+
+def _Compute(layer, case, args, kwargs, no_batch, cotangents, watch=None):
+  """Builds pipelined and reference losses; returns the tensors to fetch."""
+  theta = layer.theta
+  flat_vars = [v for v in tf.nest.flatten(layer.vars)]
+  t_args = _ToTf(args, watch)
+  t_kwargs = _ToTf(kwargs)
+  t_no_batch = _ToTf(no_batch)
+  if case.premicrobatched:
+    p_args = _ToTf(_Premicrobatch(case, args), watch)
+    p_kwargs = _ToTf(_Premicrobatch(case, kwargs))
+  else:
+    p_args, p_kwargs = t_args, t_kwargs
+  if case.body == 'multi':
+    p_args[2] = NestedMap(p_args[2])
+  if case.kwargs_no_batch:
+    out = layer.FPropFn(theta, 'FProp', *p_args, padded_per_stage_states=[],
+                        kwargs_no_batch=t_no_batch, **p_kwargs)
+  else:
+    out = layer.FProp(theta, *p_args, **p_kwargs)
+  out = list(out) if isinstance(out, tuple) else [out]
+
+  values = {}
+  for name, child in layer.vars.items():
+    values[name] = dict(child.items())
+  weights = PerLayerWeights(case, values)
+  ref = SequentialReference(bodies.TF, case, weights, t_args, t_kwargs,
+                            t_no_batch)
+  cot = _ToTf(cotangents)
+  cot_p = _ToTf(_Premicrobatch(case, cotangents)) if case.premicrobatched else cot
+  loss = _Loss(out, cot_p)
+  ref_loss = _Loss(ref, cot)
+  x_in = p_args[0]
+  return dict(
+      out=out,
+      ref=ref,
+      vars=flat_vars,
+      loss=(loss, ref_loss),
+      x=(x_in, t_args[0]))
+
+
+def RunCase(case, mode):
+  """Runs a case; returns a dict of NumPy results for Compare*()."""
+  args, kwargs, no_batch = _Inputs(case)
+  if mode == 'graph':
+    with tf.Graph().as_default():
+      tf.compat.v1.set_random_seed(case.seed)
+      layer = case.Params().Instantiate()
+      probe = SequentialReference(bodies.NP, case, PerLayerWeights(
+          case, _ZeroValues(layer, case)), args, kwargs, no_batch)
+      cotangents = _Cotangents(probe, case.seed)
+      t = _Compute(layer, case, args, kwargs, no_batch, cotangents)
+      loss, ref_loss = t['loss']
+      x_p, x_r = t['x']
+      grads = _Dense(tf.gradients(loss, t['vars'] + [x_p]))
+      ref_grads = _Dense(tf.gradients(ref_loss, t['vars'] + [x_r]))
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        res = _SessionRun(
+            sess,
+            dict(out=_Fetchable(t['out']), ref=_Fetchable(t['ref']),
+                 grads=grads, ref_grads=ref_grads,
+                 vars={k: dict(v.items()) for k, v in layer.vars.items()}))
+  else:
+    layer = case.Params().Instantiate()
+    probe = SequentialReference(bodies.NP, case, PerLayerWeights(
+        case, _ZeroValues(layer, case)), args, kwargs, no_batch)
+    cotangents = _Cotangents(probe, case.seed)
+
+    @tf.function(jit_compile=True)
+    def Step():
+      with tf.GradientTape(persistent=True) as tape:
+        t = _Compute(layer, case, args, kwargs, no_batch, cotangents,
+                     watch=tape.watch)
+      loss, ref_loss = t['loss']
+      x_p, x_r = t['x']
+      return dict(
+          out=_Fetchable(t['out']),
+          ref=_Fetchable(t['ref']),
+          grads=_Dense(tape.gradient(loss, t['vars'] + [x_p])),
+          ref_grads=_Dense(tape.gradient(ref_loss, t['vars'] + [x_r])))
+
+    res = tf.nest.map_structure(lambda v: None if v is None else v.numpy(),
+                                Step())
+    res['vars'] = {
+        k: {n: v.numpy() for n, v in child.items()}
+        for k, child in layer.vars.items()
+    }
+  if case.premicrobatched:
+    res['out'] = _Unpremicrobatch(case, res['out'])
+    res['grads'][-1] = _Unpremicrobatch(case, res['grads'][-1])
+  res['np_ref'] = SequentialReference(
+      bodies.NP, case, PerLayerWeights(case, res['vars']), args, kwargs,
+      no_batch)
+  return res
+
+
+
+def _ZeroValues(layer, case):
+  del case
+  return {
+      k: {n: np.zeros(v.shape.as_list(), np.float32) for n, v in child.items()}
+      for k, child in layer.vars.items()
+  }
+
+
+def _Dense(grads):
+  """Gradients as dense tensors (a gather's gradient is IndexedSlices)."""
+  return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+
+
+def _Fetchable(tree):
+  """Outputs as plain lists/dicts with None leaves kept as None."""
+  return [dict(o) if isinstance(o, dict) else o for o in tree]
+
+
+def _SessionRun(sess, fetches):
+  """sess.run that passes None leaves through (sessions cannot fetch None)."""
+  flat = tf.nest.flatten(fetches)
+  real = [x for x in flat if x is not None]
+  values = iter(sess.run(real))
+  return tf.nest.pack_sequence_as(
+      fetches, [None if x is None else next(values) for x in flat])
+
+
+def _Record(actual, expected):
+  diff = np.abs(np.asarray(actual, np.float64) - expected)
+  abs_err = float(diff.max()) if diff.size else 0.0
+  scale = np.maximum(np.abs(expected), 1.0)
+  rel_err = float((diff / scale).max()) if diff.size else 0.0
+  with _ERRORS_LOCK:
+    _ERRORS['abs'] = max(_ERRORS['abs'], abs_err)
+    _ERRORS['rel'] = max(_ERRORS['rel'], rel_err)
+    _ERRORS['checks'] += 1
+
+
+def AssertClose(actual, expected, what, rtol=1e-5, atol=1e-5):
+  """|actual - expected| <= atol + rtol * |expected|, elementwise."""
+  flat_a = tf.nest.flatten(actual)
+  flat_e = tf.nest.flatten(expected)
+  assert len(flat_a) == len(flat_e), (what, len(flat_a), len(flat_e))
+  for a, e in zip(flat_a, flat_e):
+    if e is None:
+      assert a is None, f'{what}: expected None, got {a}'
+      continue
+    a = np.asarray(a)
+    e = np.asarray(e)
+    assert a.shape == e.shape, f'{what}: shape {a.shape} != {e.shape}'
+    _Record(a, e)
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=what)
+
+
+def CheckCase(case, mode):
+  """Pipelined == NumPy sequential (forward) == TF plain loop (grads)."""
+  res = RunCase(case, mode)
+  AssertClose(res['out'], res['np_ref'], 'forward vs NumPy reference')
+  AssertClose(res['out'], res['ref'], 'forward vs TF reference')
+  assert len(res['grads']) == len(res['ref_grads'])
+  for i, (g, r) in enumerate(zip(res['grads'], res['ref_grads'])):
+    assert r is not None, f'reference gradient {i} is None'
+    assert g is not None, f'pipelined gradient {i} is None'
+    assert np.abs(r).max() > 0, f'reference gradient {i} is all zero'
+    AssertClose(g, r, f'gradient {i}')
+  return res
