@@ -208,28 +208,30 @@ class PipelinedLayer(base_layer.BaseLayer):
     if not args:
       raise ValueError('PipelinedLayer.FProp needs at least one input.')
     if p.unroll == 'always' or (p.unroll == 'eval_only' and self.do_eval):
-      kwargs = {**kwargs, **(kwargs_no_batch or {})}
-      return self._UnrolledFProp(theta, fn_name, *args, **kwargs)
+      return self._UnrolledFProp(theta, fn_name, args, kwargs,
+                                 kwargs_no_batch or {})
     return self._PipelinedFProp(theta, fn_name, args, kwargs,
                                 kwargs_no_batch or {})
 
-  def _UnrolledFProp(self, theta, fn_name, *args, **kwargs):
+  def _UnrolledFProp(self, theta, fn_name, args, kwargs, kwargs_no_batch):
     """Runs the S * R layers one after another on the whole batch."""
     p = self.params
-    outputs = args
+    outputs = tuple(args)
     with tf.name_scope(p.name):
       for repeat in range(p.circular_repeat):
         for stage in range(p.num_stages):
           with tf.name_scope(f'layer_{repeat * p.num_stages + stage:03d}'):
             outputs = self._UnrolledLayer(theta, fn_name, repeat, stage,
-                                          outputs, kwargs)
+                                          outputs, kwargs, kwargs_no_batch)
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
-  def _UnrolledLayer(self, theta, fn_name, repeat, stage, inputs, kwargs):
+  def _UnrolledLayer(self, theta, fn_name, repeat, stage, inputs, kwargs,
+                     kwargs_no_batch):
     p = self.params
     fn = getattr(self._body, fn_name)
     if p.stage_parallel_body is None:
-      out = fn(self.layer_theta(theta, repeat, stage), *inputs, **kwargs)
+      out = fn(self.layer_theta(theta, repeat, stage), *inputs, **kwargs,
+               **kwargs_no_batch)
       return self._CheckBodyOutputs(inputs, out)
     # A stage-parallel body computes every stage: feed all stages the same
     # input and keep this stage's result.
@@ -238,9 +240,10 @@ class PipelinedLayer(base_layer.BaseLayer):
       stacked_theta = tf.nest.map_structure(lambda t: t[repeat], stacked_theta)
     expand = lambda x: _MapTensor(  # pylint: disable=g-long-lambda
         lambda t: tf.broadcast_to(t[None], [p.num_stages] + _Shape(t)), x)
-    out = fn(stacked_theta, *expand(inputs),
-             **{k: expand(v) for k, v in kwargs.items()})
-    out = self._CheckBodyOutputs(inputs, out)
+    expanded = expand(inputs)
+    out = fn(stacked_theta, *expanded,
+             **{k: expand(v) for k, v in kwargs.items()}, **kwargs_no_batch)
+    out = self._CheckBodyOutputs(expanded, out)
     return _MapTensor(lambda t: t[stage], out)
 
   def _CheckBodyOutputs(self, inputs, out):
@@ -521,8 +524,10 @@ def _CheckLeadingDims(args, kwargs, batch):
   """Every tensor input and per-example kwarg must share the batch dim."""
   for where, tree in (('args', args), ('kwargs', kwargs)):
     for x in tf.nest.flatten(tree):
-      if microbatch.IsTensor(x) and x.shape.rank and x.shape[0] is not None:
-        if isinstance(batch, int) and x.shape[0] != batch:
+      dim0 = x.shape.as_list()[0] if (microbatch.IsTensor(x) and
+                                       x.shape.rank) else None
+      if dim0 is not None:
+        if isinstance(batch, int) and dim0 != batch:
           raise ValueError(
               f'All {where} must have the batch size {batch} as leading dim; '
               f'got a tensor of shape {x.shape}. Pass unbatched values via '
@@ -580,8 +585,9 @@ def _StructureMismatch(inputs, outputs):
             f'{f" of {len(outputs)}" if isinstance(outputs, tuple) else ""}')
   try:
     tf.nest.assert_same_structure(inputs, outputs, check_types=False)
-  except (ValueError, TypeError) as e:
-    return f'nesting differs ({e})'
+  except (ValueError, TypeError):
+    return (f'nesting differs: inputs {_Outline(inputs)}, outputs '
+            f'{_Outline(outputs)}')
   for x, y in zip(tf.nest.flatten(inputs), tf.nest.flatten(outputs)):
     if (x is None) != (y is None):
       return f'input {x} but output {y}'
@@ -594,6 +600,17 @@ def _StructureMismatch(inputs, outputs):
     if not x.shape.is_compatible_with(y.shape):
       return f'input shape {x.shape}, output shape {y.shape}'
   return ''
+
+
+def _Outline(tree):
+  """A structure with leaves drawn as T (tensor), None, or their type."""
+
+  def Leaf(x):
+    if x is None:
+      return 'None'
+    return 'T' if microbatch.IsTensor(x) else type(x).__name__
+
+  return str(tf.nest.map_structure(Leaf, tree)).replace("'", '')
 
 
 def _MaskBubbles(valid, x):
@@ -615,7 +632,7 @@ def _StageParallelAuxLoss(aux_losses, num_stages):
     return None
   total = tf.zeros([num_stages], tf.float32)
   for loss in aux_losses:
-    if loss.shape.rank != 1 or loss.shape[0] != num_stages:
+    if loss.shape.as_list() != [num_stages]:
       raise ValueError(
           'A stage_parallel_body must add aux losses of shape [num_stages]='
           f'[{num_stages}] (one per stage); got shape {loss.shape}.')

@@ -22,7 +22,7 @@ def IsTensor(x):
 
 def BatchSize(x):
   """The static leading dim of `x`, or its dynamic one if unknown."""
-  dim = x.shape[0] if x.shape.rank else None
+  dim = x.shape.as_list()[0] if x.shape.rank else None
   return dim if dim is not None else tf.shape(x)[0]
 
 

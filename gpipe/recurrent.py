@@ -405,7 +405,7 @@ def _NumIterations(inputs):
   if not flat:
     raise ValueError('Recurrent needs at least one input tensor with a '
                      'leading iterations dim.')
-  dims = {x.shape[0] for x in flat}
+  dims = {x.shape.as_list()[0] if x.shape.rank else None for x in flat}
   if len(dims) != 1 or None in dims:
     raise ValueError(
         'All Recurrent inputs must share one static leading dim (the number '

@@ -1,0 +1,320 @@
+"""PipelinedLayer's user-facing contract beyond numerics.
+
+Clear errors for bad params and bad bodies, layer_theta's layout, the
+unrolled modes, aux losses through AuxLossContext, and the whole layer under
+TF1 behaviour (tf.compat.v1.disable_v2_behavior, Lingvo's trainer setting) in
+a subprocess.
+"""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import layers
+from lingvo.core import base_layer
+from lingvo.core import cluster_factory
+from lingvo.core import py_utils
+from tests import bodies
+from tests import pipeline_harness as harness
+
+NestedMap = py_utils.NestedMap
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _Params(**overrides):
+  p = layers.PipelinedLayer.Params().Set(
+      name='pipe',
+      num_stages=2,
+      num_microbatches=2,
+      single_stage_body=bodies.DenseBody.Params().Set(dim=4),
+      unroll='never')
+  return p.Set(**overrides)
+
+
+def _FProp(p, batch=4, **kwargs):
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    x = tf.zeros([batch, 4])
+    return layer.FProp(layer.theta, x, **kwargs)
+
+
+# -- Errors name the parameter, the values and the fix. ---------------------
+
+
+@pytest.mark.parametrize('overrides,pattern', [
+    (dict(num_stages=0), r'num_stages must be an integer >= 1, got 0'),
+    (dict(circular_repeat=0), r'circular_repeat must be an integer >= 1, got 0'),
+    (dict(unroll='sometimes'), r"unroll must be one of .*'sometimes'"),
+    (dict(aux_loss_microbatch_accumulation='max'),
+     r"aux_loss_microbatch_accumulation must be one of .*'max'"),
+    (dict(microbatch_size=2),
+     r'Set only one of num_microbatches \(2\) and microbatch_size \(2\)'),
+    (dict(num_microbatches=0), r'num_microbatches must be None or an integer'),
+    (dict(stage_parallel_body=bodies.StageParallelDenseBody.Params()),
+     r'Set exactly one of single_stage_body and stage_parallel_body'),
+    (dict(shard_stages_1d=True, pipeline_stage_mesh_dim=0,
+          device_mesh=np.arange(2)),
+     r'at most one of shard_stages_1d and pipeline_stage_mesh_dim'),
+    (dict(pipeline_stage_mesh_dim=0), r'needs device_mesh'),
+    (dict(pipeline_stage_mesh_dim=2, device_mesh=np.arange(4).reshape(2, 2)),
+     r'pipeline_stage_mesh_dim=2 is not an axis of device_mesh'),
+])
+def test_bad_params_raise_at_construction(overrides, pattern):
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match=pattern):
+      _Params(**overrides).Instantiate()
+
+
+def test_mesh_axis_must_match_num_stages():
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError,
+                       match=r'device_mesh axis 1 has 4 devices but '
+                       r'num_stages=2'):
+      _Params(pipeline_stage_mesh_dim=1,
+              device_mesh=np.arange(8).reshape(2, 4)).Instantiate()
+
+
+def test_per_stage_vars_with_stage_parallel_body():
+  p = _Params(
+      single_stage_body=None,
+      stage_parallel_body=bodies.StageParallelDenseBody.Params().Set(
+          num_stages=2),
+      per_stage_vars=True)
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match=r'per_stage_vars=True needs '
+                       r'single_stage_body'):
+      p.Instantiate()
+
+
+def test_batch_not_divisible_by_num_microbatches():
+  with pytest.raises(ValueError,
+                     match=r'Batch size 4 is not divisible by '
+                     r'num_microbatches=3.*\[1, 2, 4\]'):
+    _FProp(_Params(num_microbatches=3), batch=4)
+
+
+def test_batch_not_divisible_by_microbatch_size():
+  with pytest.raises(ValueError,
+                     match=r'Batch size 6 is not divisible by '
+                     r'microbatch_size=4'):
+    _FProp(_Params(num_microbatches=None, microbatch_size=4), batch=6)
+
+
+def test_kwarg_with_other_batch_size():
+  with pytest.raises(ValueError, match=r'batch size 4 as leading dim.*'
+                     r'kwargs_no_batch'):
+    _FProp(_Params(), batch=4, scale=tf.ones([3, 1]))
+
+
+class _TwoOutputBody(base_layer.BaseLayer):
+
+  def FProp(self, theta, x):
+    return x, x
+
+
+class _DtypeChangingBody(base_layer.BaseLayer):
+
+  def FProp(self, theta, x):
+    return tf.cast(x, tf.float64)
+
+
+class _ShapeChangingBody(base_layer.BaseLayer):
+
+  def FProp(self, theta, x):
+    return tf.concat([x, x], axis=-1)
+
+
+@pytest.mark.parametrize('unroll', ['never', 'always'])
+@pytest.mark.parametrize('body,pattern', [
+    (_TwoOutputBody,
+     r'nesting differs: inputs \(T,\), outputs \(\(T, T\),\)'),
+    (_DtypeChangingBody, r'input dtype float32, output dtype float64'),
+    (_ShapeChangingBody, r'input shape \(\d+, 4\), output shape \(\d+, 8\)'),
+])
+def test_body_outputs_must_match_inputs(body, pattern, unroll):
+  p = _Params(single_stage_body=body.Params(), unroll=unroll)
+  with pytest.raises(ValueError,
+                     match=r'single_stage_body \(' + body.__name__ +
+                     r'\) must return the same structure as its inputs.*' +
+                     pattern):
+    _FProp(p)
+
+
+def test_padded_per_stage_states_not_yet_supported():
+  with tf.Graph().as_default():
+    layer = _Params().Instantiate()
+    with pytest.raises(NotImplementedError, match='padded_per_stage_states'):
+      layer.FPropFn(layer.theta, 'FProp', tf.zeros([4, 4]),
+                    padded_per_stage_states=[tf.zeros([3, 2, 1])])
+
+
+# -- layer_theta and variable layout. ---------------------------------------
+
+
+@pytest.mark.parametrize('per_stage_vars', [False, True])
+@pytest.mark.parametrize('circular_repeat', [1, 3])
+def test_layer_theta_is_repeat_major(per_stage_vars, circular_repeat):
+  s_count = 3
+  with tf.Graph().as_default():
+    layer = _Params(num_stages=s_count, circular_repeat=circular_repeat,
+                    per_stage_vars=per_stage_vars).Instantiate()
+    theta = layer.theta
+    picked = {(r, s): layer.layer_theta(theta, r, s)
+              for r in range(circular_repeat) for s in range(s_count)}
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      picked_v, vars_v = sess.run([picked, layer.vars])
+  values = {k: dict(v) for k, v in vars_v.items()}
+  case = harness.Case(num_stages=s_count, circular_repeat=circular_repeat,
+                      per_stage_vars=per_stage_vars)
+  expected = harness.PerLayerWeights(case, values)
+  for (r, s), got in picked_v.items():
+    want = expected[r * s_count + s]
+    for name in ('w', 'b'):
+      np.testing.assert_array_equal(got[name], want[name])
+  # Distinct layers really have distinct weights.
+  assert not np.array_equal(expected[0]['w'], expected[-1]['w'])
+
+
+def test_layer_theta_rejects_out_of_range_indices():
+  with tf.Graph().as_default():
+    layer = _Params(circular_repeat=2).Instantiate()
+    with pytest.raises(ValueError, match=r'repeat_idx=2 is out of range'):
+      layer.layer_theta(layer.theta, 2, 0)
+    with pytest.raises(ValueError, match=r'stage_idx=-1 is out of range'):
+      layer.layer_theta(layer.theta, 0, -1)
+
+
+@pytest.mark.parametrize('circular_repeat', [1, 2])
+def test_variable_shapes(circular_repeat):
+  with tf.Graph().as_default():
+    layer = _Params(num_stages=3, circular_repeat=circular_repeat).Instantiate()
+    lead = [3, circular_repeat] if circular_repeat > 1 else [3]
+    assert layer.vars.body.w.shape.as_list() == lead + [4, 4]
+    assert layer.vars.body.b.shape.as_list() == lead + [4]
+    layer = _Params(name='pipe2', num_stages=3, circular_repeat=circular_repeat,
+                    per_stage_vars=True).Instantiate()
+    lead = [circular_repeat] if circular_repeat > 1 else []
+    for s in range(3):
+      child = layer.vars['body_iter_%05d' % s]
+      assert child.w.shape.as_list() == lead + [4, 4]
+      assert child.w.name.startswith('pipe2/iter_%05d/' % s)
+
+
+# -- Unrolled modes. ---------------------------------------------------------
+
+
+def _OpTypes(graph):
+  return {op.type for op in graph.get_operations()}
+
+
+def test_unroll_eval_only_unrolls_in_eval_and_pipelines_in_training():
+  for do_eval in (False, True):
+    with tf.Graph().as_default() as graph:
+      with cluster_factory.SetEval(do_eval):
+        layer = _Params(unroll='eval_only').Instantiate()
+        y = layer.FProp(layer.theta, tf.ones([4, 4]))
+        y_ref = layer.FProp(layer.theta, tf.ones([4, 4]))  # same mode twice
+      has_loop = any(t in _OpTypes(graph) for t in ('While', 'StatelessWhile'))
+      assert has_loop == (not do_eval)
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        a, b = sess.run([y, y_ref])
+      np.testing.assert_array_equal(a, b)
+
+
+def test_unroll_always_builds_no_loop():
+  with tf.Graph().as_default() as graph:
+    layer = _Params(unroll='always', circular_repeat=2).Instantiate()
+    layer.FProp(layer.theta, tf.ones([4, 4]))
+    assert not {'While', 'StatelessWhile'} & _OpTypes(graph)
+
+
+# -- Aux losses. -------------------------------------------------------------
+
+
+class _AuxLossBody(bodies.DenseBody):
+  """DenseBody that adds mean(y^2) of its output as an aux loss."""
+
+  def FProp(self, theta, x, scale=None, shift=None):
+    y = super().FProp(theta, x, scale, shift)
+    py_utils.AuxLossContext.Current().AddLoss(tf.reduce_mean(tf.square(y)))
+    return y
+
+
+@pytest.mark.parametrize('accumulation', ['mean', 'sum'])
+@pytest.mark.parametrize('circular_repeat', [1, 2])
+def test_aux_loss_equals_sequential_per_microbatch(accumulation,
+                                                   circular_repeat):
+  s_count, m_count, batch = 3, 4, 8
+  p = _Params(
+      num_stages=s_count,
+      num_microbatches=m_count,
+      circular_repeat=circular_repeat,
+      aux_loss_microbatch_accumulation=accumulation,
+      single_stage_body=_AuxLossBody.Params().Set(dim=4))
+  x_np = np.random.RandomState(0).uniform(-1, 1, [batch, 4]).astype(np.float32)
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    with py_utils.AuxLossContext() as ctx:
+      layer.FProp(layer.theta, tf.constant(x_np))
+    assert len(ctx.aux_losses) == 1
+    aux = ctx.aux_losses[0]
+    grads = tf.gradients(aux, layer.vars.Flatten())
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      aux_v, grads_v, vars_v = sess.run([aux, grads, layer.vars])
+  weights = harness.PerLayerWeights(
+      harness.Case(num_stages=s_count, circular_repeat=circular_repeat),
+      {k: dict(v) for k, v in vars_v.items()})
+  # Microbatch m holds rows m, m + M, ... (see gpipe.microbatch).
+  total = 0.0
+  for m in range(m_count):
+    h = x_np[m::m_count]
+    for w in weights:
+      h = bodies.DenseFn(bodies.NP, w['w'], w['b'], h)
+      total += np.mean(np.square(h))
+  if accumulation == 'mean':
+    total /= m_count
+  np.testing.assert_allclose(aux_v, total, rtol=1e-5)
+  assert all(np.abs(g).max() > 0 for g in grads_v)
+
+
+# -- TF1 behaviour, as Lingvo's trainer runs. --------------------------------
+
+_TF1_SCRIPT = """
+import tensorflow as tf
+tf.compat.v1.disable_v2_behavior()
+from tests import pipeline_harness as h
+for case in [
+    h.Case(num_stages=3, num_microbatches=4, batch=8, circular_repeat=2,
+           kwargs=True, shard_stages_1d=True),
+    h.Case(body='multi', num_stages=2, num_microbatches=3, batch=6,
+           circular_repeat=3, per_stage_vars=True),
+    h.Case(body='stage_parallel', num_stages=3, num_microbatches=2, batch=4,
+           circular_repeat=2, store_body_intermediates=True),
+]:
+  h.CheckCase(case, 'graph')
+assert not tf.executing_eagerly()
+print('TF1 OK', h.LargestErrors()['checks'])
+"""
+
+
+def test_tf1_behaviour_subprocess():
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+  env['PYTHONPATH'] = str(_ROOT) + os.pathsep + env.get('PYTHONPATH', '')
+  proc = subprocess.run([sys.executable, '-c', _TF1_SCRIPT],
+                        cwd=_ROOT,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=600,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert 'TF1 OK' in proc.stdout

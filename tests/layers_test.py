@@ -1,0 +1,173 @@
+"""PipelinedLayer equals the plain sequential stack: outputs and gradients.
+
+Every case compares the pipelined layer with two references that do not use
+the layer's code (see tests/pipeline_harness.py): a NumPy loop over the
+logical layers (forward) and TF autodiff of a plain TF loop (gradients w.r.t.
+every variable and the input). float32, |err| <= 1e-5 + 1e-5 * |ref|.
+"""
+
+import pytest
+
+from tests import pipeline_harness as harness
+
+Case = harness.Case
+MODES = ('graph', 'jit')
+
+
+def _MicrobatchCounts(num_stages):
+  """M in {1, fewer than S, = S, not a multiple of S, many}."""
+  counts = {1, num_stages, num_stages + 1, 4 * num_stages}
+  if num_stages > 2:
+    counts.add(num_stages - 1)
+  return sorted(counts)
+
+
+_SWEEP = [(s, m, r)
+          for s in (1, 2, 3, 4)
+          for m in _MicrobatchCounts(s)
+          for r in (1, 2, 3)]
+
+
+@pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat', _SWEEP,
+                         ids=[f'S{s}-M{m}-R{r}' for s, m, r in _SWEEP])
+def test_schedule_sweep_graph(num_stages, num_microbatches, circular_repeat):
+  harness.CheckCase(
+      Case(
+          num_stages=num_stages,
+          num_microbatches=num_microbatches,
+          circular_repeat=circular_repeat,
+          batch=2 * num_microbatches), 'graph')
+
+
+_JIT_SWEEP = [(1, 1, 1), (2, 1, 2), (2, 3, 1), (3, 2, 3), (3, 4, 2), (4, 4, 1),
+              (4, 9, 2)]
+
+
+@pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat',
+                         _JIT_SWEEP,
+                         ids=[f'S{s}-M{m}-R{r}' for s, m, r in _JIT_SWEEP])
+def test_schedule_sweep_jit(num_stages, num_microbatches, circular_repeat):
+  harness.CheckCase(
+      Case(
+          num_stages=num_stages,
+          num_microbatches=num_microbatches,
+          circular_repeat=circular_repeat,
+          batch=2 * num_microbatches), 'jit')
+
+
+# Body kind x per_stage_vars x circular_repeat x shard_stages_1d, with M=4 not
+# a multiple of S=3 (so circular schedules pad a segment).
+_BODIES = [('dense', False), ('dense', True), ('stage_parallel', False)]
+_CONFIGS = [(body, per_stage, r, shard)
+            for body, per_stage in _BODIES
+            for r in (1, 2, 3)
+            for shard in (False, True)]
+
+
+def _ConfigId(config):
+  body, per_stage, r, shard = config
+  return (f'{body}{"-per_stage_vars" if per_stage else ""}-R{r}'
+          f'{"-shard_stages_1d" if shard else ""}')
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('config', _CONFIGS, ids=[_ConfigId(c) for c in _CONFIGS])
+def test_config_matrix(config, mode):
+  body, per_stage, r, shard = config
+  harness.CheckCase(
+      Case(
+          body=body,
+          per_stage_vars=per_stage,
+          circular_repeat=r,
+          shard_stages_1d=shard,
+          num_stages=3,
+          num_microbatches=4,
+          batch=8,
+          kwargs=True), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('example_shape', [(4,), (3, 4), (2, 3, 4)],
+                         ids=['rank2', 'rank3', 'rank4'])
+def test_input_ranks(example_shape, mode):
+  harness.CheckCase(
+      Case(
+          example_shape=example_shape,
+          num_stages=2,
+          num_microbatches=3,
+          circular_repeat=2,
+          batch=6), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('circular_repeat', [1, 2])
+def test_tuple_and_nested_inputs_with_none(circular_repeat, mode):
+  harness.CheckCase(
+      Case(
+          body='multi',
+          num_stages=3,
+          num_microbatches=4,
+          circular_repeat=circular_repeat,
+          batch=8), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_microbatch_size_instead_of_num_microbatches(mode):
+  harness.CheckCase(
+      Case(
+          num_stages=2,
+          num_microbatches=None,
+          microbatch_size=2,
+          circular_repeat=2,
+          batch=10), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_kwargs_are_microbatched_and_kwargs_no_batch_broadcast(mode):
+  harness.CheckCase(
+      Case(
+          num_stages=3,
+          num_microbatches=5,
+          circular_repeat=2,
+          batch=10,
+          kwargs=True,
+          kwargs_no_batch=True), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_premicrobatched_inputs(mode):
+  # Neither num_microbatches nor microbatch_size: inputs are [M, mb, ...].
+  harness.CheckCase(
+      Case(
+          num_stages=2,
+          num_microbatches=3,
+          premicrobatched=True,
+          circular_repeat=2,
+          batch=6), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('body', ['dense', 'stage_parallel'])
+def test_store_body_intermediates(body, mode):
+  harness.CheckCase(
+      Case(
+          body=body,
+          num_stages=3,
+          num_microbatches=4,
+          circular_repeat=2,
+          batch=8,
+          store_body_intermediates=True), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('body,per_stage', _BODIES)
+def test_unroll_always(body, per_stage, mode):
+  harness.CheckCase(
+      Case(
+          body=body,
+          per_stage_vars=per_stage,
+          num_stages=3,
+          num_microbatches=4,
+          circular_repeat=2,
+          batch=8,
+          unroll='always'), mode)
