@@ -213,9 +213,14 @@ def _BackwardLoop(structs, theta, state0, inputs, captures, cell_fn,
         tf.where(t > 0, tf.gather(h, prev), s0)
         for h, s0 in zip(flat_stacked, flat_state0)
     ]
-    state_in = [tf.identity(x) for x in state_in]
-    theta_in = [tf.identity(x) for x in flat_theta]
-    inputs_in = [tf.identity(tf.gather(x, t)) for x in flat_inputs]
+    # Fresh tensors to differentiate w.r.t. The stop_gradient keeps their
+    # gradients apart from the captures': a cell may also capture the very
+    # tensor it gets as theta, state0 or inputs, and that path is counted
+    # once, as a capture.
+    fresh = lambda x: tf.identity(tf.stop_gradient(x))
+    state_in = [fresh(x) for x in state_in]
+    theta_in = [fresh(x) for x in flat_theta]
+    inputs_in = [fresh(tf.gather(x, t)) for x in flat_inputs]
     # Captured tensors appear in this graph as placeholders; differentiate
     # w.r.t. those.
     graph = tf.compat.v1.get_default_graph()

@@ -318,3 +318,8 @@ def test_tf1_behaviour_subprocess():
                         check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert 'TF1 OK' in proc.stdout
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))

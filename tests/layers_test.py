@@ -171,3 +171,8 @@ def test_unroll_always(body, per_stage, mode):
           circular_repeat=2,
           batch=8,
           unroll='always'), mode)
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))

@@ -197,3 +197,8 @@ def test_recurrent_cumsum_graph_mode():
     # Inputs with different sequence lengths trip assert_same_dim0.
     with pytest.raises(tf.errors.InvalidArgumentError, match='_SeqLen'):
       sess.run(acc, {x: xs, y: xs[:3]})
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))

@@ -517,3 +517,8 @@ def test_positional_args_and_default_repeat():
     Schedule(0, 6)
   with pytest.raises(ValueError, match='num_microbatches'):
     Schedule(4, 0)
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))
