@@ -264,14 +264,16 @@ class PipelinedLayer(base_layer.BaseLayer):
     """Loop theta: the stage-stacked weights, annotated on the stage dim."""
     p = self.params
     if p.per_stage_vars:
-      stages = [theta[_PerStageChildName(s)] for s in range(p.num_stages)]
-      return NestedMap(stages=stages)
+      return NestedMap(
+          stages=[theta[_PerStageChildName(s)] for s in range(p.num_stages)])
+    # Stage-parallel circular weights are [R, S, ...]; all others [S, ...].
+    stage_dim = 1 if (p.stage_parallel_body is not None and
+                      p.circular_repeat > 1) else 0
     return NestedMap(body=tf.nest.map_structure(
-        lambda t: self._SplitStages(t, 1 if (
-            p.stage_parallel_body is not None and p.circular_repeat > 1) else 0),
-        theta.body))
+        lambda t: self._SplitStages(t, stage_dim), theta.body))
 
   def _SplitStages(self, x, stage_dim):
+    """Annotates the stage dim of x as split over the pipeline's devices."""
     p = self.params
     if p.shard_stages_1d:
       return sharding.Split(x, stage_dim, p.num_stages)
@@ -281,94 +283,116 @@ class PipelinedLayer(base_layer.BaseLayer):
     return x
 
   def _ReplicateLoopDim(self, x):
-    p = self.params
-    if p.shard_stages_1d or p.pipeline_stage_mesh_dim is not None:
-      return sharding.Replicate(x) if p.shard_stages_1d else x
+    """Annotates x ([M, ...] or [T, ...]) as replicated: the loop indexes it.
+
+    Only with shard_stages_1d; on a device mesh the other axes may shard the
+    batch, which a full replicate would undo.
+    """
+    if self.params.shard_stages_1d:
+      return sharding.Replicate(x)
     return x
 
   def _PipelinedFProp(self, theta, fn_name, args, kwargs, kwargs_no_batch):
+    """Microbatches, runs the loop over the buffer, reassembles the batch."""
     p = self.params
-    flat_args = tf.nest.flatten(args)
-    tensor_leaves = [x for x in flat_args if microbatch.IsTensor(x)]
+    loop = self._LoopSetup(args, kwargs)
+    loop.fn_name = fn_name
+    loop.kwargs_no_batch = kwargs_no_batch
+    state0 = NestedMap(
+        buffer=[
+            self._SplitStages(
+                tf.zeros([p.num_stages] + _Shape(x)[1:], x.dtype), 0)
+            for x in loop.mb_leaves
+        ],
+        iteration=tf.constant(0, tf.int32),
+        aux_loss=tf.constant(0.0, tf.float32))
+    inputs = NestedMap(stage0=[
+        microbatch.PadForIterations(x, loop.schedule) for x in loop.mb_leaves
+    ])
+    with tf.name_scope(p.name):
+      states, final, _ = recurrent.Recurrent(
+          self._StackedTheta(theta),
+          state0,
+          inputs,
+          lambda th, st, inp: self._Iteration(loop, th, st, inp),
+          store_intermediates=p.store_body_intermediates)
+      outputs = []
+      for history in states.buffer:
+        history = self._SplitStages(history, 1)
+        out = microbatch.LastStageOutputs(history, loop.schedule)
+        out = self._ReplicateLoopDim(out)
+        outputs.append(microbatch.ToBatch(out) if loop.split else out)
+      self._AddAuxLoss(final.aux_loss, loop.schedule.num_microbatches)
+    result = tuple(loop.Rebuild(outputs))
+    return result[0] if len(result) == 1 else result
+
+  def _LoopSetup(self, args, kwargs):
+    """Checks the inputs and splits them into microbatches.
+
+    Returns:
+      A NestedMap: schedule; split (whether the batch was split here);
+      mb_leaves, the [M, ...] tensor leaves of args (the buffer carries only
+      these; None leaves stay None); Rebuild(leaves) to put such leaves back
+      into the structure of args; mb_kwargs, the [M, ...] kwargs.
+    """
+    p = self.params
+    tensor_leaves = [x for x in tf.nest.flatten(args) if microbatch.IsTensor(x)]
     if not tensor_leaves:
       raise ValueError('PipelinedLayer.FProp needs at least one tensor input.')
     batch = microbatch.BatchSize(tensor_leaves[0])
     num_mb, split = microbatch.ResolveNumMicrobatches(batch, p.num_microbatches,
                                                       p.microbatch_size)
     _CheckLeadingDims(args, kwargs, batch)
-    sched = self.Schedule(num_mb)
-
-    to_mb = ((lambda x: microbatch.ToMicrobatches(x, num_mb)) if split else
-             (lambda x: x))
-    mb_args = _MapTensor(to_mb, args)
-    mb_kwargs = _MapTensor(to_mb, kwargs)
-    mb_args = _MapTensor(self._ReplicateLoopDim, mb_args)
-
-    # Only tensor leaves travel through the buffer; None leaves stay None.
-    flat_mb = tf.nest.flatten(mb_args)
-    slots = [i for i, x in enumerate(flat_mb) if microbatch.IsTensor(x)]
-    padded = [microbatch.PadForIterations(flat_mb[i], sched) for i in slots]
-    buffer0 = [
-        self._SplitStages(
-            tf.zeros([p.num_stages] + _Shape(flat_mb[i])[1:],
-                     flat_mb[i].dtype), 0) for i in slots
-    ]
+    if split:
+      to_mb = lambda x: microbatch.ToMicrobatches(x, num_mb)
+      args, kwargs = _MapTensor(to_mb, args), _MapTensor(to_mb, kwargs)
+    args = _MapTensor(self._ReplicateLoopDim, args)
+    flat = tf.nest.flatten(args)
+    slots = [i for i, x in enumerate(flat) if microbatch.IsTensor(x)]
 
     def Rebuild(leaves):
-      full = list(flat_mb)
+      full = list(flat)
       for i, leaf in zip(slots, leaves):
         full[i] = leaf
-      return tf.nest.pack_sequence_as(mb_args, full)
+      return tuple(tf.nest.pack_sequence_as(args, full))
 
-    state0 = NestedMap(
-        buffer=buffer0,
-        iteration=tf.constant(0, tf.int32),
-        aux_loss=tf.constant(0.0, tf.float32))
-    inputs = NestedMap(stage0=padded)
+    def Leaves(tree):
+      flat_tree = tf.nest.flatten(tree)
+      return [flat_tree[i] for i in slots]
+
+    return NestedMap(
+        schedule=self.Schedule(num_mb),
+        split=split,
+        mb_leaves=[flat[i] for i in slots],
+        mb_kwargs=kwargs,
+        Rebuild=Rebuild,
+        Leaves=Leaves)
+
+  def _Iteration(self, loop, loop_theta, state, inp):
+    """One loop iteration: every stage runs on its slot of the buffer."""
+    p = self.params
+    sched = loop.schedule
+    it = state.iteration
     stage_ids = tf.range(p.num_stages, dtype=tf.int32)
-
-    def Cell(loop_theta, state, inp):
-      it = state.iteration
-      stage_in = [
-          self._SplitStages(self._ShiftIn(sched, it, buf, x), 0)
-          for buf, x in zip(state.buffer, inp.stage0)
-      ]
-      mb_ids = tf.clip_by_value(sched.MicrobatchId(it, stage_ids), 0,
-                                num_mb - 1)
-      repeat_ids = tf.clip_by_value(sched.RepeatId(it, stage_ids), 0,
-                                    p.circular_repeat - 1)
-      outs, stage_aux = self._RunStages(loop_theta, fn_name,
-                                        Rebuild(stage_in), mb_kwargs,
-                                        kwargs_no_batch, mb_ids, repeat_ids)
-      out_leaves = [tf.nest.flatten(outs)[i] for i in slots]
-      valid = sched.IsValid(it, stage_ids)
-      new_buffer = [
-          self._SplitStages(_MaskBubbles(valid, o), 0) for o in out_leaves
-      ]
-      aux = state.aux_loss
-      if stage_aux is not None:
-        aux += tf.reduce_sum(tf.where(valid, stage_aux,
-                                      tf.zeros_like(stage_aux)))
-      return NestedMap(buffer=new_buffer, iteration=it + 1, aux_loss=aux), {}
-
-    with tf.name_scope(p.name):
-      states, final, _ = recurrent.Recurrent(
-          self._StackedTheta(theta),
-          state0,
-          inputs,
-          Cell,
-          store_intermediates=p.store_body_intermediates)
-      history = [
-          self._SplitStages(h, 1) if p.shard_stages_1d else h
-          for h in states.buffer
-      ]
-      outputs = [microbatch.LastStageOutputs(h, sched) for h in history]
-      outputs = [self._ReplicateLoopDim(o) for o in outputs]
-      if split:
-        outputs = [microbatch.ToBatch(o) for o in outputs]
-      self._AddAuxLoss(final.aux_loss, num_mb)
-    result = tuple(Rebuild(outputs))
-    return result[0] if len(result) == 1 else result
+    stage_in = [
+        self._SplitStages(self._ShiftIn(sched, it, buf, x), 0)
+        for buf, x in zip(state.buffer, inp.stage0)
+    ]
+    mb_ids = tf.clip_by_value(
+        sched.MicrobatchId(it, stage_ids), 0, sched.num_microbatches - 1)
+    repeat_ids = tf.clip_by_value(
+        sched.RepeatId(it, stage_ids), 0, p.circular_repeat - 1)
+    outs, stage_aux = self._RunStages(loop_theta, loop.fn_name,
+                                      loop.Rebuild(stage_in), loop.mb_kwargs,
+                                      loop.kwargs_no_batch, mb_ids, repeat_ids)
+    valid = sched.IsValid(it, stage_ids)
+    new_buffer = [
+        self._SplitStages(_MaskBubbles(valid, o), 0) for o in loop.Leaves(outs)
+    ]
+    aux = state.aux_loss
+    if stage_aux is not None:
+      aux += tf.reduce_sum(tf.where(valid, stage_aux, tf.zeros_like(stage_aux)))
+    return NestedMap(buffer=new_buffer, iteration=it + 1, aux_loss=aux), {}
 
   def _ShiftIn(self, sched, iteration, buf, stage0_input):
     """The stages' inputs this iteration: stage 0 new input, others buffer.
