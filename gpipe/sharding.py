@@ -43,14 +43,18 @@ def Replicate(x):
   return xla_sharding.replicate(x, use_sharding_op=True)
 
 
-def MeshSplit(x, device_mesh, tensor_split_dims_mapping):
+def MeshSplit(x, device_mesh, tensor_split_dims_mapping,
+              unspecified_dims=None):
   """Splits `x` over an N-D `device_mesh`.
 
   Args:
     x: a tensor.
-    device_mesh: an N-D numpy array of device ids.
+    device_mesh: an N-D array of device ids.
     tensor_split_dims_mapping: for each dim of x, the mesh axis that splits it,
-      or -1 to keep it whole.
+      or -1 to keep it whole. Mesh axes no dim uses replicate x.
+    unspecified_dims: dims whose sharding the partitioner may choose (their
+      mapping entry must be -1): how a partially specified annotation leaves
+      room for the body's own annotations on the other mesh axes.
 
   Returns:
     The annotated tensor.
@@ -63,26 +67,12 @@ def MeshSplit(x, device_mesh, tensor_split_dims_mapping):
     raise ValueError(
         f'tensor_split_dims_mapping {mapping} has {len(mapping)} entries but '
         f'the tensor has rank {x.shape.rank}.')
-  if all(m < 0 for m in mapping):
-    return Replicate(x)
-  tile = [1] * len(mapping)
-  used_axes = []
-  for dim, axis in enumerate(mapping):
-    if axis >= 0:
-      tile[dim] = device_mesh.shape[axis]
-      used_axes.append(axis)
-  unused_axes = [a for a in range(device_mesh.ndim) if a not in used_axes]
-  # Order the devices by the tensor dims they split, then the unused axes
-  # (which replicate) last.
-  perm = [mapping[d] for d in range(len(mapping)) if mapping[d] >= 0]
-  assignment = np.transpose(device_mesh, perm + unused_axes)
-  if unused_axes:
-    replicas = int(np.prod([device_mesh.shape[a] for a in unused_axes]))
-    assignment = assignment.reshape(tile + [replicas])
-    return xla_sharding.partial_tile(
-        x, assignment).apply_to_tensor(x, use_sharding_op=True)
-  assignment = assignment.reshape(tile)
-  return xla_sharding.tile(x, assignment, use_sharding_op=True)
+  return xla_sharding.mesh_split(
+      x,
+      device_mesh,
+      mapping,
+      use_sharding_op=True,
+      unspecified_dims=list(unspecified_dims or []))
 
 
 def SplitStageDim(x, stage_dim, num_stages, device_mesh=None, mesh_dim=None):
@@ -96,5 +86,6 @@ def SplitStageDim(x, stage_dim, num_stages, device_mesh=None, mesh_dim=None):
   if device_mesh is not None and mesh_dim is not None:
     mapping = [-1] * x.shape.rank
     mapping[stage_dim] = mesh_dim
-    return MeshSplit(x, device_mesh, mapping)
+    others = [d for d in range(x.shape.rank) if d != stage_dim]
+    return MeshSplit(x, device_mesh, mapping, unspecified_dims=others)
   return Split(x, stage_dim, num_stages)

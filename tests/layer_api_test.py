@@ -236,6 +236,30 @@ def test_unroll_always_builds_no_loop():
     assert not {'While', 'StatelessWhile'} & _OpTypes(graph)
 
 
+# -- Sharding annotations are always emitted. --------------------------------
+
+
+def _ShardingOps(graph):
+  """XlaSharding ops in the graph and in its functions (loop bodies)."""
+  count = sum(op.type == 'XlaSharding' for op in graph.get_operations())
+  for fdef in graph.as_graph_def().library.function:
+    count += sum(node.op == 'XlaSharding' for node in fdef.node_def)
+  return count
+
+
+@pytest.mark.parametrize('overrides,expected', [
+    (dict(), False),
+    (dict(shard_stages_1d=True), True),
+    (dict(pipeline_stage_mesh_dim=0, device_mesh=np.arange(4).reshape(2, 2)),
+     True),
+])
+def test_sharding_annotations_on_cpu(overrides, expected):
+  with tf.Graph().as_default() as graph:
+    layer = _Params(**overrides).Instantiate()
+    layer.FProp(layer.theta, tf.ones([4, 4]))
+    assert (_ShardingOps(graph) > 0) == expected
+
+
 # -- Aux losses. -------------------------------------------------------------
 
 

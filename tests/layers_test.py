@@ -87,6 +87,22 @@ def test_config_matrix(config, mode):
 
 
 @pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('circular_repeat', [1, 2])
+@pytest.mark.parametrize('body,per_stage', _BODIES)
+def test_pipeline_stage_mesh_dim(body, per_stage, circular_repeat, mode):
+  harness.CheckCase(
+      Case(
+          body=body,
+          per_stage_vars=per_stage,
+          pipeline_stage_mesh_dim=True,
+          num_stages=2,
+          num_microbatches=3,
+          circular_repeat=circular_repeat,
+          batch=6,
+          kwargs=True), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
 @pytest.mark.parametrize('example_shape', [(4,), (3, 4), (2, 3, 4)],
                          ids=['rank2', 'rank3', 'rank4'])
 def test_input_ranks(example_shape, mode):

@@ -44,6 +44,8 @@ class Case:
   body: str = 'dense'  # dense | multi | stage_parallel
   per_stage_vars: bool = False
   shard_stages_1d: bool = False
+  # Stage dim over axis 0 of a [S, 2] device mesh instead.
+  pipeline_stage_mesh_dim: bool = False
   batch: int = 4
   # Shape of one example, last dim = feature dim.
   example_shape: tuple = (3, 4)
@@ -77,6 +79,9 @@ class Case:
         circular_repeat=self.circular_repeat,
         per_stage_vars=self.per_stage_vars,
         shard_stages_1d=self.shard_stages_1d,
+        pipeline_stage_mesh_dim=0 if self.pipeline_stage_mesh_dim else None,
+        device_mesh=(np.arange(2 * self.num_stages).reshape(
+            self.num_stages, 2) if self.pipeline_stage_mesh_dim else None),
         store_body_intermediates=self.store_body_intermediates,
         unroll=self.unroll,
         random_seed=1234 + self.seed,
