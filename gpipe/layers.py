@@ -21,6 +21,9 @@ the layout changes in `gpipe.microbatch`, the loop and its recomputing
 gradient in `gpipe.recurrent`, and annotations in `gpipe.sharding`.
 """
 
+import contextlib
+
+from absl import flags
 import numpy as np
 import tensorflow as tf
 
@@ -29,6 +32,7 @@ from gpipe import microbatch
 from gpipe import recurrent
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
+from gpipe import stage_vars
 from lingvo.core import base_layer
 from lingvo.core import gshard_utils
 from lingvo.core import py_utils
@@ -122,7 +126,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     """Adds the [circular_repeat] variable dim (unsharded) when circular."""
     p = self.params
     if p.circular_repeat == 1:
-      return _NullContext()
+      return contextlib.nullcontext()
     return _Chain(
         gshard_utils.MeshSplitDimPrefixContext(-1),
         py_utils.VariableShapePrefixContext(p.circular_repeat))
@@ -217,22 +221,35 @@ class PipelinedLayer(base_layer.BaseLayer):
     """Runs the S * R layers one after another on the whole batch."""
     p = self.params
     outputs = tuple(args)
+    names = self._NonTrainableNames()
+    carried = self._NonTrainableValues(theta, names)
     with tf.name_scope(p.name):
       for repeat in range(p.circular_repeat):
         for stage in range(p.num_stages):
           with tf.name_scope(f'layer_{repeat * p.num_stages + stage:03d}'):
-            outputs = self._UnrolledLayer(theta, fn_name, repeat, stage,
-                                          outputs, kwargs, kwargs_no_batch)
+            outputs, carried = self._UnrolledLayer(theta, fn_name, repeat,
+                                                   stage, outputs, kwargs,
+                                                   kwargs_no_batch, names,
+                                                   carried)
+      outputs = self._AfterAssigning(names, carried, outputs)
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
   def _UnrolledLayer(self, theta, fn_name, repeat, stage, inputs, kwargs,
-                     kwargs_no_batch):
+                     kwargs_no_batch, names, carried):
+    """One logical layer on the whole batch; returns (outputs, carried)."""
     p = self.params
     fn = getattr(self._body, fn_name)
     if p.stage_parallel_body is None:
-      out = fn(self.layer_theta(theta, repeat, stage), *inputs, **kwargs,
-               **kwargs_no_batch)
-      return self._CheckBodyOutputs(inputs, out)
+      current = [_TakeStageSlice(v, stage, repeat, p.circular_repeat)
+                 for v in carried]
+      out, new = self._CallWithStageVars(
+          fn, self.layer_theta(theta, repeat, stage), names, current, inputs,
+          dict(kwargs, **kwargs_no_batch))
+      carried = [
+          _PutStageSlice(v, stage, repeat, n, p.circular_repeat)
+          for v, n in zip(carried, new)
+      ]
+      return self._CheckBodyOutputs(inputs, out), carried
     # A stage-parallel body computes every stage: feed all stages the same
     # input and keep this stage's result.
     stacked_theta = theta.body
@@ -244,7 +261,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     out = fn(stacked_theta, *expanded,
              **{k: expand(v) for k, v in kwargs.items()}, **kwargs_no_batch)
     out = self._CheckBodyOutputs(expanded, out)
-    return _MapTensor(lambda t: t[stage], out)
+    return _MapTensor(lambda t: t[stage], out), carried
 
   def _CheckBodyOutputs(self, inputs, out):
     """Returns the body's outputs as a tuple like inputs, or a clear error."""
@@ -261,16 +278,35 @@ class PipelinedLayer(base_layer.BaseLayer):
     return out
 
   def _StackedTheta(self, theta):
-    """Loop theta: the stage-stacked weights, annotated on the stage dim."""
+    """Loop theta: the stage-stacked weights, annotated on the stage dim.
+
+    Per-stage variables are stacked here, outside the loop, so the loop sees
+    one layout; with sharding each is first split on its least-padding dim,
+    and the stack is resharded onto the stage dim once per step.
+    """
     p = self.params
     if p.per_stage_vars:
-      return NestedMap(
-          stages=[theta[_PerStageChildName(s)] for s in range(p.num_stages)])
+      per_stage = [
+          tf.nest.map_structure(self._SplitPerStageVar,
+                                theta[_PerStageChildName(s)])
+          for s in range(p.num_stages)
+      ]
+      body = tf.nest.map_structure(lambda *xs: tf.stack(xs), *per_stage)
+    else:
+      body = theta.body
     # Stage-parallel circular weights are [R, S, ...]; all others [S, ...].
     stage_dim = 1 if (p.stage_parallel_body is not None and
                       p.circular_repeat > 1) else 0
     return NestedMap(body=tf.nest.map_structure(
-        lambda t: self._SplitStages(t, stage_dim), theta.body))
+        lambda t: self._SplitStages(t, stage_dim), body))
+
+  def _SplitPerStageVar(self, x):
+    """Splits one stage's own variable over the pipeline's devices."""
+    p = self.params
+    dim = sharding.LeastPaddingDim(x.shape.as_list(), p.num_stages)
+    if dim is None:
+      return x
+    return self._SplitStages(x, dim)
 
   def _SplitStages(self, x, stage_dim):
     """Annotates the stage dim of x as split over the pipeline's devices."""
@@ -292,25 +328,47 @@ class PipelinedLayer(base_layer.BaseLayer):
       return sharding.Replicate(x)
     return x
 
+  def _ReplicateBookkeeping(self, x):
+    """Annotates a loop counter, index vector or scalar as replicated."""
+    if self._StageMesh() is None:
+      return x
+    return sharding.Replicate(x)
+
   def _PipelinedFProp(self, theta, fn_name, args, kwargs, kwargs_no_batch):
     """Microbatches, runs the loop over the buffer, reassembles the batch."""
     p = self.params
     loop = self._LoopSetup(args, kwargs)
     loop.fn_name = fn_name
     loop.kwargs_no_batch = kwargs_no_batch
+    # Every (layer, microbatch) draws its random numbers from its own stream
+    # base_seed + StepSeedOffset(layer, microbatch); see _Iteration.
+    loop.base_seed = _IncStepSeed()
+    # Read now: the backward pass recomputes the body outside the caller's
+    # GlobalStepContext.
+    loop.global_step = _CallerGlobalStep()
+    loop.summary_names = []
+    loop.var_names = self._NonTrainableNames()
+    # Carried: the buffer, and the body's non-trainable variables (see
+    # gpipe.stage_vars). The iteration index comes in as an input and each
+    # iteration's aux loss goes out as an extra, summed afterwards:
+    # loop-carried scalars are what the partitioner tends to mis-shard.
     state0 = NestedMap(
         buffer=[
-            self._SplitStages(
-                tf.zeros([p.num_stages] + _Shape(x)[1:], x.dtype), 0)
+            self._SplitStages(_BubbleFiller(x, p.num_stages), 0)
             for x in loop.mb_leaves
         ],
-        iteration=tf.constant(0, tf.int32),
-        aux_loss=tf.constant(0.0, tf.float32))
-    inputs = NestedMap(stage0=[
-        microbatch.PadForIterations(x, loop.schedule) for x in loop.mb_leaves
-    ])
+        vars=[
+            self._SplitStages(tf.stop_gradient(v), 0)
+            for v in self._NonTrainableValues(theta, loop.var_names)
+        ])
+    inputs = NestedMap(
+        stage0=[
+            microbatch.PadForIterations(x, loop.schedule)
+            for x in loop.mb_leaves
+        ],
+        iteration=tf.range(loop.schedule.num_iterations, dtype=tf.int32))
     with tf.name_scope(p.name):
-      states, final, _ = recurrent.Recurrent(
+      states, final, extras = recurrent.Recurrent(
           self._StackedTheta(theta),
           state0,
           inputs,
@@ -322,7 +380,10 @@ class PipelinedLayer(base_layer.BaseLayer):
         out = microbatch.LastStageOutputs(history, loop.schedule)
         out = self._ReplicateLoopDim(out)
         outputs.append(microbatch.ToBatch(out) if loop.split else out)
-      self._AddAuxLoss(final.aux_loss, loop.schedule.num_microbatches)
+      self._AddAuxLoss(
+          tf.reduce_sum(extras.aux_loss), loop.schedule.num_microbatches)
+      self._AddSummaries(loop.summary_names, extras.summaries)
+      outputs = self._AfterAssigning(loop.var_names, final.vars, outputs)
     result = tuple(loop.Rebuild(outputs))
     return result[0] if len(result) == 1 else result
 
@@ -372,50 +433,93 @@ class PipelinedLayer(base_layer.BaseLayer):
     """One loop iteration: every stage runs on its slot of the buffer."""
     p = self.params
     sched = loop.schedule
-    it = state.iteration
+    # Loop bookkeeping is replicated explicitly: left unannotated, the
+    # partitioner may propagate the body's manual sharding into it.
+    pin = self._ReplicateBookkeeping
+    it = pin(inp.iteration)
     stage_ids = tf.range(p.num_stages, dtype=tf.int32)
     stage_in = [
-        self._SplitStages(self._ShiftIn(sched, it, buf, x), 0)
-        for buf, x in zip(state.buffer, inp.stage0)
+        self._SplitStages(
+            self._StageInputs(sched, it, self._SplitStages(buf, 0),
+                              self._ReplicateLoopDim(x)),
+            0) for buf, x in zip(state.buffer, inp.stage0)
     ]
-    mb_ids = tf.clip_by_value(
-        sched.MicrobatchId(it, stage_ids), 0, sched.num_microbatches - 1)
-    repeat_ids = tf.clip_by_value(
-        sched.RepeatId(it, stage_ids), 0, p.circular_repeat - 1)
-    outs, stage_aux = self._RunStages(loop_theta, loop.fn_name,
-                                      loop.Rebuild(stage_in), loop.mb_kwargs,
-                                      loop.kwargs_no_batch, mb_ids, repeat_ids)
-    valid = sched.IsValid(it, stage_ids)
+    stage_in_tree = loop.Rebuild(stage_in)
+    # Per-stage [S] vectors live with their stages; each device computes its
+    # own entry from the replicated iteration index.
+    per_stage = lambda v: self._SplitStages(v, 0)
+    mb_ids = per_stage(tf.clip_by_value(
+        sched.MicrobatchId(it, stage_ids), 0, sched.num_microbatches - 1))
+    repeat_ids = per_stage(tf.clip_by_value(
+        sched.RepeatId(it, stage_ids), 0, p.circular_repeat - 1))
+    layer_ids = repeat_ids * p.num_stages + stage_ids
+    rng = NestedMap(
+        seeds=per_stage(loop.base_seed + tf.cast(
+            sched.StepSeedOffset(layer_ids, mb_ids), loop.base_seed.dtype)),
+        global_step=loop.global_step)
+    outs, stats = self._RunStages(loop_theta, loop.fn_name, stage_in_tree,
+                                  loop.mb_kwargs, loop.kwargs_no_batch,
+                                  mb_ids, repeat_ids, rng,
+                                  (loop.var_names, state.vars))
+    valid = per_stage(sched.IsValid(it, stage_ids))
     new_buffer = [
-        self._SplitStages(_MaskBubbles(valid, o), 0) for o in loop.Leaves(outs)
+        self._SplitStages(
+            RotateStages(self._SplitStages(_MaskBubbles(valid, o, x), 0)), 0)
+        for o, x in zip(loop.Leaves(outs), stage_in)
     ]
-    aux = state.aux_loss
-    if stage_aux is not None:
-      aux += tf.reduce_sum(tf.where(valid, stage_aux, tf.zeros_like(stage_aux)))
-    return NestedMap(buffer=new_buffer, iteration=it + 1, aux_loss=aux), {}
+    # Bubbles' aux losses and summaries are dropped by the same select.
+    keep = lambda v: tf.where(valid, v, tf.zeros_like(v))
+    aux = tf.constant(0.0, tf.float32)
+    if stats.aux is not None:
+      aux = tf.reduce_sum(keep(stats.aux))
+    loop.summary_names = [name for name, _, _ in stats.summaries]
+    summaries = [
+        (per_stage(keep(value * weight)), per_stage(keep(weight)))
+        for _, value, weight in stats.summaries
+    ]
+    # Bubbles keep the non-trainable state they found.
+    new_vars = [
+        per_stage(_SelectStages(valid, new, old))
+        for new, old in zip(stats.vars, state.vars)
+    ]
+    return NestedMap(buffer=new_buffer, vars=new_vars), NestedMap(
+        aux_loss=pin(aux), summaries=summaries)
 
-  def _ShiftIn(self, sched, iteration, buf, stage0_input):
-    """The stages' inputs this iteration: stage 0 new input, others buffer.
+  def _StageInputs(self, sched, iteration, rotated, stage0_input):
+    """The stages' inputs: the rotated buffer, stage 0 maybe a fresh input.
 
-    Linear: buffer shifted right by one stage (stage 0's slot gets the
-    input). Circular: rotated, so the last stage feeds stage 0 whenever stage
-    0 does not read a fresh microbatch.
+    The carried buffer is last iteration's outputs already rotated by one
+    stage (see RotateStages): slot s holds what stage s - 1 produced, and
+    slot 0 what the last stage produced. Stage 0 takes the fresh microbatch
+    whenever the schedule says it reads one: always when linear (the wrapped
+    slot is dropped), in the first S iterations of each R * S block when
+    circular (otherwise it keeps the wrapped slot: the microbatch's next
+    repeat).
     """
     p = self.params
-    if p.circular_repeat == 1:
-      shifted = tf.concat([tf.zeros_like(buf[:1]), buf[:-1]], axis=0)
-    else:
-      shifted = tf.concat([buf[-1:], buf[:-1]], axis=0)
     reads = tf.logical_and(
         tf.equal(tf.range(p.num_stages), 0),
         sched.StageZeroReadsInput(iteration))
-    reads = tf.reshape(reads, [p.num_stages] + [1] * (buf.shape.rank - 1))
-    fresh = tf.broadcast_to(stage0_input[None], _Shape(buf))
-    return tf.where(reads, fresh, shifted)
+    reads = tf.reshape(reads, [p.num_stages] + [1] * (rotated.shape.rank - 1))
+    fresh = tf.broadcast_to(stage0_input[None], _Shape(rotated))
+    return tf.where(reads, fresh, rotated)
 
   def _RunStages(self, loop_theta, fn_name, stage_args, mb_kwargs,
-                 kwargs_no_batch, mb_ids, repeat_ids):
-    """Runs every stage on its own slot of `stage_args` ([S, ...] leaves)."""
+                 kwargs_no_batch, mb_ids, repeat_ids, rng, carried):
+    """Runs every stage on its own slot of `stage_args` ([S, ...] leaves).
+
+    rng.seeds [S] are the stages' step seeds; rng.global_step the step the
+    body sees (the caller's, also when the backward pass recomputes).
+    carried = (names, values): the body's non-trainable variables, values
+    [S, (R,) ...] as the loop carries them.
+
+    Returns:
+      (outputs, stats): outputs with [S, ...] leaves; stats.aux, the [S] aux
+      losses the body added (or None); stats.summaries, [(name, value [S],
+      weight [S])] of the TPU summaries it added; stats.vars, the carried
+      values with each stage's assignments applied.
+    """
+    names, values = carried
     p = self.params
     fn = getattr(self._body, fn_name)
     stage_args = tuple(stage_args)
@@ -428,12 +532,26 @@ class PipelinedLayer(base_layer.BaseLayer):
       kw = {k: microbatch.SliceForStages(v, mb_ids)
             for k, v in mb_kwargs.items()}
       kw.update(kwargs_no_batch)
-      with py_utils.AuxLossContext(reentrant=True) as aux_ctx:
+      with _StageContext(rng.seeds[0], rng.global_step) as ctx:
         out = fn(theta_now, *stage_args, **kw)
+      summaries = [
+          (name, _PerStage(v, p.num_stages), _PerStage(w, p.num_stages))
+          for name, v, w in ctx.Summaries()
+      ]
       return (self._CheckBodyOutputs(stage_args, out),
-              _StageParallelAuxLoss(aux_ctx.aux_losses, p.num_stages))
+              NestedMap(
+                  aux=_StageParallelAuxLoss(ctx.aux_losses, p.num_stages),
+                  summaries=summaries,
+                  vars=values))
 
-    per_stage, per_stage_aux = [], []
+    stage_mesh = self._StageMesh()
+    if stage_mesh is not None and sharding.IsSpmdPartitioning():
+      return self._RunStagesManual(stage_mesh, loop_theta, fn_name, stage_args,
+                                   mb_kwargs, kwargs_no_batch, mb_ids,
+                                   repeat_ids, rng, carried)
+    # One device: run the stages one after another on their slices.
+    per_stage, per_stage_aux, per_stage_summaries = [], [], []
+    per_stage_vars = []
     for stage in range(p.num_stages):
       with tf.name_scope(f'stage_{stage:03d}'):
         theta_s = self._OneStageTheta(loop_theta, stage, repeat_ids[stage])
@@ -443,27 +561,197 @@ class PipelinedLayer(base_layer.BaseLayer):
             for k, v in mb_kwargs.items()
         }
         kw.update(kwargs_no_batch)
-        with py_utils.AuxLossContext(reentrant=True) as aux_ctx:
-          out = fn(theta_s, *args_s, **kw)
+        current = [
+            _TakeStageSlice(v, stage, repeat_ids[stage], p.circular_repeat)
+            for v in values
+        ]
+        with _StageContext(rng.seeds[stage], rng.global_step) as ctx:
+          out, new = self._CallWithStageVars(fn, theta_s, names, current,
+                                             args_s, kw)
+        per_stage_vars.append([
+            _PutRepeat(v[stage], repeat_ids[stage], n, p.circular_repeat)
+            for v, n in zip(values, new)
+        ])
         per_stage.append(self._CheckBodyOutputs(args_s, out))
-        per_stage_aux.append(_SumAuxLosses(aux_ctx.aux_losses))
+        per_stage_aux.append(_SumAuxLosses(ctx.aux_losses))
+        per_stage_summaries.append(ctx.Summaries())
     outs = tf.nest.map_structure(
         lambda *xs: None if xs[0] is None else tf.stack(xs), *per_stage)
-    if all(a is None for a in per_stage_aux):
-      return outs, None
-    zero = tf.constant(0.0, tf.float32)
-    return outs, tf.stack([zero if a is None else a for a in per_stage_aux])
+    aux = None
+    if any(a is not None for a in per_stage_aux):
+      zero = tf.constant(0.0, tf.float32)
+      aux = tf.stack([zero if a is None else a for a in per_stage_aux])
+    summaries = [
+        (entries[0][0], tf.stack([v for _, v, _ in entries]),
+         tf.stack([w for _, _, w in entries]))
+        for entries in zip(*per_stage_summaries)
+    ]
+    new_values = [tf.stack(rows) for rows in zip(*per_stage_vars)]
+    return outs, NestedMap(aux=aux, summaries=summaries, vars=new_values)
 
   def _OneStageTheta(self, loop_theta, stage, repeat_id):
-    p = self.params
-    if p.per_stage_vars:
-      theta_s = loop_theta.stages[stage]
-    else:
-      theta_s = tf.nest.map_structure(lambda t: t[stage], loop_theta.body)
-    if p.circular_repeat > 1:
+    theta_s = tf.nest.map_structure(lambda t: t[stage], loop_theta.body)
+    if self.params.circular_repeat > 1:
       theta_s = tf.nest.map_structure(lambda t: tf.gather(t, repeat_id),
                                       theta_s)
     return theta_s
+
+  def _StageMesh(self):
+    """(device_mesh, stage axis) of the manual region, or None if unsharded."""
+    p = self.params
+    if p.shard_stages_1d:
+      return sharding.StageMesh(p.num_stages)
+    if p.pipeline_stage_mesh_dim is not None:
+      return sharding.StageMesh(p.num_stages, p.device_mesh,
+                                p.pipeline_stage_mesh_dim)
+    return None
+
+  def _RunStagesManual(self, stage_mesh, loop_theta, fn_name, stage_args,
+                       mb_kwargs, kwargs_no_batch, mb_ids, repeat_ids, rng,
+                       carried):
+    """Runs the body once, in a manual region: each device its own stage.
+
+    [S, ...] tensors (stage dim split) become each device's [...] slice; the
+    body's outputs and aux loss go back to [S, ...]. What enters needs no
+    communication: every stage-dim tensor already lives on its stage's
+    device, and per-example kwargs are gathered by microbatch id first.
+    """
+    p = self.params
+    mesh, mesh_dim = stage_mesh
+    to_manual = lambda x: sharding.ToManualStage(x, mesh, mesh_dim)
+    from_manual = lambda x: sharding.FromManualStage(x, mesh, mesh_dim)
+    theta = tf.nest.map_structure(to_manual, loop_theta.body)
+    if p.circular_repeat > 1:
+      theta = tf.nest.map_structure(
+          lambda t: tf.gather(t, to_manual(repeat_ids)), theta)
+    args = _MapTensor(to_manual, stage_args)
+    kw = {
+        k: _MapTensor(lambda t: to_manual(tf.gather(t, mb_ids)), v)
+        for k, v in mb_kwargs.items()
+    }
+    kw.update({
+        k: _MapTensor(
+            lambda t: sharding.BroadcastToManualStage(t, mesh, mesh_dim), v)
+        for k, v in kwargs_no_batch.items()
+    })
+    fn = getattr(self._body, fn_name)
+    global_step = rng.global_step
+    if global_step is not None:
+      global_step = sharding.BroadcastToManualStage(
+          tf.convert_to_tensor(global_step), mesh, mesh_dim)
+    names, values = carried
+    repeat_id = to_manual(repeat_ids)
+    with sharding.ManualStageRegion(mesh_dim), \
+        _StageContext(to_manual(rng.seeds), global_step) as ctx:
+      mine = [to_manual(v) for v in values]  # [(R,) ...] on each device
+      current = [_TakeRepeat(v, repeat_id, p.circular_repeat) for v in mine]
+      out, new = self._CallWithStageVars(fn, theta, names, current, args, kw)
+      new_values = [
+          _PutRepeat(v, repeat_id, n, p.circular_repeat)
+          for v, n in zip(mine, new)
+      ]
+      out = self._CheckBodyOutputs(args, out)
+      aux = _SumAuxLosses(ctx.aux_losses)
+      summaries = [(name, tf.cast(v, tf.float32), tf.cast(w, tf.float32))
+                   for name, v, w in ctx.Summaries()]
+    outs = _MapTensor(from_manual, out)
+    summaries = [(name, from_manual(v), from_manual(w))
+                 for name, v, w in summaries]
+    return outs, NestedMap(
+        aux=None if aux is None else from_manual(aux), summaries=summaries,
+        vars=[from_manual(v) for v in new_values])
+
+  # ---------------------------------------------------------------------------
+  # Non-trainable variables (see gpipe.stage_vars).
+
+  def _NonTrainableNames(self):
+    """Names (as in the body's theta) of its non-trainable variables.
+
+    A stage_parallel_body manages its own stacked variables: none.
+    """
+    if self.params.stage_parallel_body is not None:
+      return []
+    return [name for name, _ in stage_vars.NonTrainableItems(self._body.vars)]
+
+  def _StageVariables(self, name):
+    """The variable(s) behind `name`: [stacked], or one per stage."""
+    p = self.params
+    if p.per_stage_vars:
+      return [
+          dict(self.vars[_PerStageChildName(s)].FlattenItems())[name]
+          for s in range(p.num_stages)
+      ]
+    return [dict(self.vars.body.FlattenItems())[name]]
+
+  def _NonTrainableValues(self, theta, names):
+    """The named variables' values in theta, each [S, (R,) ...]."""
+    p = self.params
+    if p.per_stage_vars:
+      per_stage = [
+          dict(theta[_PerStageChildName(s)].FlattenItems())
+          for s in range(p.num_stages)
+      ]
+      return [tf.stack([values[n] for values in per_stage]) for n in names]
+    stacked = dict(theta.body.FlattenItems()) if names else {}
+    return [tf.convert_to_tensor(stacked[n]) for n in names]
+
+  def _AfterAssigning(self, names, values, outputs):
+    """Writes the final values back; outputs that run after the writes."""
+    if not names:
+      return outputs
+    assigns = []
+    for name, value in zip(names, values):
+      variables = self._StageVariables(name)
+      if self.params.per_stage_vars:
+        assigns += [v.assign(value[s], read_value=False)
+                    for s, v in enumerate(variables)]
+      else:
+        assigns.append(variables[0].assign(value, read_value=False))
+    with tf.control_dependencies(assigns):
+      return _MapTensor(tf.identity, outputs)
+
+  def _CallWithStageVars(self, fn, theta, names, current, args, kwargs):
+    """Calls the body with its non-trainable variables standing for `current`.
+
+    The body's theta entries and `self.vars` reads give the carried values;
+    its assignments are collected instead of written.
+
+    Returns:
+      (outputs, new values of the named variables).
+    """
+    if not names:
+      return fn(theta, *args, **kwargs), []
+    stand_ins = {
+        name: stage_vars.StageVar(value, name)
+        for name, value in zip(names, current)
+    }
+    by_id = {
+        id(v): stand_ins[name]
+        for name, v in self._body.vars.FlattenItems()
+        if name in stand_ins
+    }
+    theta = theta.Pack([
+        stand_ins[name].value() if name in stand_ins else t
+        for name, t in theta.FlattenItems()
+    ])
+    with self._body.TransformVarsTempContext(lambda v: by_id.get(id(v), v)):
+      out = fn(theta, *args, **kwargs)
+    return out, [stand_ins[name].value() for name in names]
+
+  def _AddSummaries(self, names, accumulated):
+    """Adds `<name>/stage_<i>`: the body's summary averaged over stage i.
+
+    Each is the weighted mean over the valid iterations of stage i (every
+    microbatch, and with circular_repeat > 1 every repeat of the stage), with
+    the summed weight as its weight.
+    """
+    for name, (weighted, weight) in zip(names, accumulated):
+      weighted = tf.reduce_sum(weighted, axis=0)
+      weight = tf.reduce_sum(weight, axis=0)
+      mean = tf.math.divide_no_nan(weighted, weight)
+      for stage in range(self.params.num_stages):
+        py_utils.AddTpuSummaryTensor(f'{name}/stage_{stage}', mean[stage],
+                                     weight[stage])
 
   def _AddAuxLoss(self, total, num_microbatches):
     """Adds the pipeline's aux loss to the caller's AuxLossContext."""
@@ -497,7 +785,8 @@ def _ValidateParams(p):
   if p.aux_loss_microbatch_accumulation not in _AUX_LOSS_ACCUMULATIONS:
     raise ValueError(
         'aux_loss_microbatch_accumulation must be one of '
-        f'{_AUX_LOSS_ACCUMULATIONS}, got {p.aux_loss_microbatch_accumulation!r}.')
+        f'{_AUX_LOSS_ACCUMULATIONS}, got '
+        f'{p.aux_loss_microbatch_accumulation!r}.')
   if (p.single_stage_body is None) == (p.stage_parallel_body is None):
     raise ValueError(
         'Set exactly one of single_stage_body and stage_parallel_body; got '
@@ -558,15 +847,6 @@ def _CheckLeadingDims(args, kwargs, batch):
               'kwargs_no_batch.')
 
 
-class _NullContext:
-
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *unused):
-    return False
-
-
 class _Chain:
   """Enters several context managers in order."""
 
@@ -581,6 +861,34 @@ class _Chain:
     for m in reversed(self._managers):
       m.__exit__(*exc)
     return False
+
+
+def _IncStepSeed():
+  """py_utils.GetIncStepSeed(), safe against a stale seed of a dead graph.
+
+  Lingvo keys the step seed by id() of the default graph; a new graph can
+  reuse the id of one that was garbage collected, and would then be handed
+  a tensor of that dead graph. Such a seed is reset first, as for a new
+  graph.
+  """
+  seed = py_utils.GetStepSeed()
+  if (not tf.executing_eagerly() and hasattr(seed, 'graph') and
+      seed.graph is not tf.compat.v1.get_default_graph()):
+    py_utils.ResetStepSeed()
+  return py_utils.GetIncStepSeed()
+
+
+def _CallerGlobalStep():
+  """The global step the caller's FProp sees, or None where there is none.
+
+  Lingvo reads its --xla_device flag to find a global step when no
+  GlobalStepContext is active; without parsed flags (a plain script or a
+  test) there is none to find.
+  """
+  try:
+    return py_utils.GetGlobalStep()
+  except flags.UnparsedFlagAccessError:
+    return None
 
 
 def _Shape(t):
@@ -637,10 +945,133 @@ def _Outline(tree):
   return str(tf.nest.map_structure(Leaf, tree)).replace("'", '')
 
 
-def _MaskBubbles(valid, x):
-  """Zeros the [S] stage slots of x that ran a bubble this iteration."""
-  mask = tf.reshape(valid, [-1] + [1] * (x.shape.rank - 1))
-  return tf.where(mask, x, tf.zeros_like(x))
+@tf.custom_gradient
+def RotateStages(x):
+  """[S, ...] -> slot s gets slot s - 1, slot 0 gets slot S - 1.
+
+  Along a split stage dim this is exactly one collective-permute once
+  partitioned, and so is its gradient, the opposite rotation (written out:
+  TensorFlow's gradient of the concat of two slices is two permutes). A
+  shift that pads a zero in instead becomes an all-to-all.
+  """
+  rotated = tf.concat([x[-1:], x[:-1]], axis=0)
+
+  def Grad(dy):
+    return tf.concat([dy[1:], dy[:1]], axis=0)
+
+  return rotated, Grad
+
+
+def _TakeRepeat(value, repeat, circular_repeat):
+  """value[repeat] of a [R, ...] value when circular; value itself if not."""
+  if circular_repeat == 1:
+    return value
+  return tf.gather(value, repeat)
+
+
+def _PutRepeat(value, repeat, new, circular_repeat):
+  """value with [repeat] replaced by new (circular), or new (linear)."""
+  if circular_repeat == 1:
+    return new
+  hit = tf.equal(tf.range(circular_repeat), repeat)
+  hit = tf.reshape(hit, [circular_repeat] + [1] * new.shape.rank)
+  return tf.where(hit, new[None], value)
+
+
+def _TakeStageSlice(value, stage, repeat, circular_repeat):
+  """A stage's (and repeat's) slice of a [S, (R,) ...] value."""
+  return _TakeRepeat(value[stage], repeat, circular_repeat)
+
+
+def _PutStageSlice(value, stage, repeat, new, circular_repeat):
+  """The [S, (R,) ...] value with that stage's (repeat's) slice replaced."""
+  row = _PutRepeat(value[stage], repeat, new, circular_repeat)
+  rows = [row if s == stage else value[s] for s in range(value.shape[0])]
+  return tf.stack(rows)
+
+
+def _SelectStages(valid, new, old):
+  """Per stage slot: new where the stage was valid, old on bubbles."""
+  mask = tf.reshape(valid, [-1] + [1] * (new.shape.rank - 1))
+  return tf.where(mask, new, old)
+
+
+def _MaskBubbles(valid, out, stage_in):
+  """Bubble slots of the [S] stage outputs pass their input through instead.
+
+  Bubbles never compute on zeros: the loop starts from real data
+  (_BubbleFiller) and a bubble hands its own input on, so every bubble runs
+  the body on some real microbatch's values. A body that is finite on real
+  data (but, say, divides by its input) thus stays finite on bubbles, and
+  the select's zero cotangent times a finite local derivative keeps the
+  gradients finite too. The pass-through is cut from the gradient.
+  """
+  mask = tf.reshape(valid, [-1] + [1] * (out.shape.rank - 1))
+  return tf.where(mask, out, tf.stop_gradient(stage_in))
+
+
+def _BubbleFiller(x, num_stages):
+  """The initial buffer: microbatch 0 of x ([M, ...]) in every stage slot.
+
+  What the stages work on before the first microbatch reaches them; their
+  results are discarded (see _MaskBubbles), so any real data will do.
+  """
+  return tf.stop_gradient(
+      tf.broadcast_to(x[:1], [num_stages] + _Shape(x)[1:]))
+
+
+class _StageContext(contextlib.ExitStack):
+  """What the body sees while computing one stage (or all, in one call).
+
+  Its own step seed (the (layer, microbatch) stream), the caller's global
+  step, and its own AuxLossContext and TPU summary context, so that the aux
+  losses and summaries it adds can be masked on bubbles and combined by the
+  pipeline instead of reaching the caller once per iteration.
+  """
+
+  def __init__(self, step_seed, global_step):
+    super().__init__()
+    self._step_seed = step_seed
+    self._global_step = global_step
+
+  def __enter__(self):
+    super().__enter__()
+    py_utils.ResetStepSeed(self._step_seed)
+    if self._global_step is not None:
+      self.enter_context(py_utils.GlobalStepContext(self._global_step))
+    self._aux_ctx = self.enter_context(
+        py_utils.AuxLossContext(reentrant=True))
+    self.enter_context(py_utils.TpuSummaryTensorContext())
+    # Lingvo keeps the innermost context's entries on this stack; its public
+    # getter folds the (in-loop, meaningless) name scope into each key.
+    self._entries = py_utils._TPU_SUMMARY_CONTEXTS.stack[-1]  # pylint: disable=protected-access
+    return self
+
+  @property
+  def aux_losses(self):
+    return self._aux_ctx.aux_losses
+
+  def Summaries(self):
+    """[(name, value, weight)] the body added, float32, in order."""
+    out, seen = [], {}
+    for entry in self._entries:
+      value, weight = entry.value
+      name = entry.name
+      if name in seen:
+        seen[name] += 1
+        name = f'{name}_{seen[name]}'
+      else:
+        seen[name] = 0
+      out.append((name, tf.cast(value, tf.float32),
+                  tf.cast(weight, tf.float32)))
+    return out
+
+
+def _PerStage(x, num_stages):
+  """A stage-parallel body's summary as [num_stages] (a scalar: for all)."""
+  if x.shape.rank == 0:
+    return tf.broadcast_to(x, [num_stages])
+  return tf.reshape(x, [num_stages])
 
 
 def _SumAuxLosses(aux_losses):

@@ -2,7 +2,8 @@
 
     batch [B, ...]  --ToMicrobatches-->  [M, B/M, ...]
         --PadForIterations-->  [T, B/M, ...]   (stage 0's input per iteration)
-    loop: buffer [S, B/M, ...] per iteration, stacked to [T, S, B/M, ...]
+    loop: buffer [S, B/M, ...] per iteration (rotated: slot 0 holds the
+          last stage's output), stacked to [T, S, B/M, ...]
         --LastStageOutputs-->  [M, B/M, ...]  --ToBatch-->  [B, ...]
 
 Which iteration reads or finishes which microbatch comes from
@@ -108,25 +109,30 @@ def PadForIterations(x, schedule: schedule_lib.Schedule):
   """[M, ...] -> [T, ...]: row i is what stage 0 reads at iteration i.
 
   Rows of iterations where stage 0 reads no fresh microbatch (bubbles, and
-  the rotations of a circular schedule) are zeros.
+  the rotations of a circular schedule) hold a copy of microbatch 0, cut from
+  the gradient: bubbles compute on real data and their results are dropped,
+  so a body that is only finite on real data stays finite (not zeros, on
+  which a body dividing by its input would make Inf and NaN gradients).
   """
   if not IsTensor(x):
     return x
-  zero = tf.zeros_like(x[:1])
-  with_zero = tf.concat([x, zero], axis=0)
   index = np.asarray(schedule.InputIndexPerIteration(), np.int32)
-  return tf.gather(with_zero, index)
+  is_filler = index == schedule.num_microbatches
+  rows = tf.gather(x, np.where(is_filler, 0, index))
+  mask = np.reshape(is_filler, [-1] + [1] * (x.shape.rank - 1))
+  return tf.where(mask, tf.stop_gradient(rows), rows)
 
 
 def LastStageOutputs(stacked, schedule: schedule_lib.Schedule):
   """[T, S, ...] buffer history -> [M, ...] final outputs, in microbatch order.
 
-  Entry i of the history is the buffer after iteration i; microbatch m's
-  result is the last stage's slot at OutputIteration(m).
+  Entry i of the history is the buffer after iteration i, which the loop
+  stores rotated by one stage: slot 0 holds what the last stage produced.
+  Microbatch m's result is slot 0 at OutputIteration(m).
   """
   if not IsTensor(stacked):
     return stacked
-  last_stage = stacked[:, schedule.num_stages - 1]
+  last_stage = stacked[:, 0]
   index = np.asarray(schedule.OutputIterations(), np.int32)
   return tf.gather(last_stage, index)
 

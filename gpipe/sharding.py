@@ -10,12 +10,33 @@ num_stages devices) or `pipeline_stage_mesh_dim` (the stage dim over one axis
 of `device_mesh`):
 
   tensor                          annotation            why
+  per-stage var (per_stage_vars)  least-padding dim     1/S each, resharded
+                                  split                 to the stage dim once,
+                                                        outside the loop
   stacked theta [S, (R,) ...]     stage dim split       each device holds 1/S
   stage-0 inputs [T, mb, ...]     replicated (dim 0)    indexed by the loop
   buffer state [S, mb, ...]       stage dim split       shift = 1 permute
   buffer history [T, S, mb, ...]  stage dim (1) split   no gather in the loop
+  aux loss per stage [S]          stage dim split       summed after masking
   outputs [M, mb, ...]            replicated (dim 0)    leaves the pipeline
+
+How the stages run (the body sees one stage, without the stage dim):
+
+  * Partitioned (inside `SpmdPartitioning()`, or when Lingvo's
+    `--xla_device=tpu`): the [S, ...] stage inputs and the stacked theta
+    enter a *manual* region (`ToManualStage`: full [S, ...] -> per-device
+    [...]), the body runs once, and its outputs leave it (`FromManualStage`).
+    Each device computes exactly its own stage; the body's own annotations
+    (`MeshSplit`) are sub-grouped on the other mesh axes.
+  * One device (CPU/GPU, no partitioner): the manual-sharding ops have no
+    single-device kernel (TF has no CPU kernel for XlaSpmdFullToShardShape,
+    and XLA:CPU rejects the shape change), so the layer runs the body once
+    per stage on the stage's slice and stacks the results. Same annotations
+    around the loop, same numbers.
 """
+
+import contextlib
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -23,6 +44,42 @@ import tensorflow as tf
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 # pylint: enable=g-direct-tensorflow-import
+from lingvo.core import gshard_utils
+from lingvo.core import py_utils_flags
+
+
+class _Stacks(threading.local):
+
+  def __init__(self):
+    super().__init__()
+    self.partitioning = []
+    self.manual_mesh_dims = []
+
+
+_STACKS = _Stacks()
+
+
+@contextlib.contextmanager
+def SpmdPartitioning(enabled=True):
+  """Builds graphs for the XLA SPMD partitioner (TPU, or N virtual devices).
+
+  Inside, pipelined layers run their stages in a manual-sharding region, one
+  stage per device. Outside, they run the stages one after another, which is
+  what a single device without a partitioner can execute. Lingvo's
+  `--xla_device=tpu` turns this on too.
+  """
+  _STACKS.partitioning.append(bool(enabled))
+  try:
+    yield
+  finally:
+    _STACKS.partitioning.pop()
+
+
+def IsSpmdPartitioning():
+  """True when graphs are being built for the SPMD partitioner."""
+  if _STACKS.partitioning:
+    return _STACKS.partitioning[-1]
+  return py_utils_flags.use_tpu()
 
 
 def _IsTensor(x):
@@ -41,6 +98,18 @@ def Replicate(x):
   if not _IsTensor(x):
     return x
   return xla_sharding.replicate(x, use_sharding_op=True)
+
+
+def CopySharding(source, x):
+  """Annotates `x` with the sharding of `source`, if `source` has one.
+
+  `source` is an annotated tensor, or a graph-mode variable whose handle
+  carries an `_XlaSharding` attribute (as Lingvo's TPU variables do); use it
+  to give a value derived from a weight the weight's own layout.
+  """
+  if not _IsTensor(x):
+    return x
+  return xla_sharding.copy_sharding(source, x, use_sharding_op=True)
 
 
 def MeshSplit(x, device_mesh, tensor_split_dims_mapping,
@@ -67,11 +136,13 @@ def MeshSplit(x, device_mesh, tensor_split_dims_mapping,
     raise ValueError(
         f'tensor_split_dims_mapping {mapping} has {len(mapping)} entries but '
         f'the tensor has rank {x.shape.rank}.')
+  manual = list(_STACKS.manual_mesh_dims)
   return xla_sharding.mesh_split(
       x,
       device_mesh,
       mapping,
       use_sharding_op=True,
+      manual_mesh_dims=manual or None,
       unspecified_dims=list(unspecified_dims or []))
 
 
@@ -89,3 +160,92 @@ def SplitStageDim(x, stage_dim, num_stages, device_mesh=None, mesh_dim=None):
     others = [d for d in range(x.shape.rank) if d != stage_dim]
     return MeshSplit(x, device_mesh, mapping, unspecified_dims=others)
   return Split(x, stage_dim, num_stages)
+
+
+def StageMesh(num_stages, device_mesh=None, mesh_dim=None):
+  """(device_mesh, stage mesh axis): a 1-D mesh of S devices by default."""
+  if device_mesh is not None and mesh_dim is not None:
+    return np.asarray(device_mesh), mesh_dim
+  return np.arange(num_stages), 0
+
+
+def _StageDimSharding(rank, device_mesh, mesh_dim):
+  mapping = [mesh_dim] + [-1] * (rank - 1)
+  return xla_sharding.mesh_split_sharding(device_mesh, mapping)
+
+
+def ToManualStage(x, device_mesh, mesh_dim):
+  """[S, ...] (stage dim split) -> [...]: each device's own stage, manual.
+
+  Only the stage mesh axis becomes manual; the other dims stay unspecified,
+  so the partitioner keeps whatever sharding they have on the other axes.
+  """
+  if not _IsTensor(x):
+    return x
+  rank = x.shape.rank
+  sharding = _StageDimSharding(rank, device_mesh, mesh_dim)
+  manual = xla_sharding.auto_to_manual_spmd_partition(
+      x,
+      sharding.proto.SerializeToString(),
+      single_dim=0,
+      unspecified_dims=list(range(1, rank)))
+  return tf.squeeze(manual, 0)
+
+
+def FromManualStage(x, device_mesh, mesh_dim):
+  """[...] per device (manual) -> [S, ...] with the stage dim split."""
+  if not _IsTensor(x):
+    return x
+  num_stages = device_mesh.shape[mesh_dim]
+  full_shape = [num_stages] + x.shape.as_list()
+  rank = len(full_shape)
+  sharding = _StageDimSharding(rank, device_mesh, mesh_dim)
+  return xla_sharding.manual_to_auto_spmd_partition(
+      tf.expand_dims(x, 0),
+      sharding.proto.SerializeToString(),
+      full_shape=full_shape,
+      single_dim=0,
+      unspecified_dims=list(range(1, rank)))
+
+
+def BroadcastToManualStage(x, device_mesh, mesh_dim):
+  """A value every stage needs whole (e.g. kwargs_no_batch), made manual."""
+  if not _IsTensor(x):
+    return x
+  num_stages = device_mesh.shape[mesh_dim]
+  stacked = tf.broadcast_to(x[None], [num_stages] + x.shape.as_list())
+  return ToManualStage(stacked, device_mesh, mesh_dim)
+
+
+@contextlib.contextmanager
+def ManualStageRegion(mesh_dim):
+  """Inside the body of a manual region: annotations are sub-grouped.
+
+  The stage mesh axis is manual there, so `MeshSplit` (ours and Lingvo's
+  gshard_utils.MeshSplit) marks it as such and splits only the other axes.
+  """
+  _STACKS.manual_mesh_dims.append(mesh_dim)
+  try:
+    with gshard_utils.ManualMeshDimContext(mesh_dim):
+      yield
+  finally:
+    _STACKS.manual_mesh_dims.pop()
+
+
+def LeastPaddingDim(shape, num_devices):
+  """The dim of `shape` that splits over num_devices with least padding.
+
+  A per-stage variable is split on this dim so each device holds about 1/S
+  of it; ties go to the larger dim, then the earlier one. Dims smaller than
+  num_devices cannot be split; None when no dim can (scalars included).
+  """
+  candidates = [d for d, size in enumerate(shape) if size >= num_devices]
+  if not candidates:
+    return None
+
+  def Cost(dim):
+    size = shape[dim]
+    padding = -(-size // num_devices) * num_devices - size
+    return (padding, -size, dim)
+
+  return min(candidates, key=Cost)

@@ -1,0 +1,252 @@
+"""Checks that a pipelined layer partitions as intended, for your params.
+
+    python -m gpipe.check_partitioning --params my_module.PipelineParams \\
+        --input_shape 16,128 --num_devices 4
+
+`--params` names a `PipelinedLayer` Params object, or a function returning
+one, importable as module.attribute. The check builds one training step of
+the layer (forward, a loss, gradients w.r.t. every weight and the input),
+partitions it with XLA's SPMD partitioner for N virtual CPU devices, runs it,
+and prints:
+
+  * the collectives per kind inside the loop bodies (the forward loop and
+    its backward loop) and outside them: a pipeline's buffer shift is one
+    collective-permute per carried tensor and iteration; an all-gather or
+    all-to-all of the stage-stacked weights means an annotation is wrong;
+  * each weight's per-device shape, and the bytes one device holds vs the
+    total;
+  * the largest difference between the partitioned run and the same step run
+    unpartitioned on one device.
+
+Exit status 0 when the partitioned run matches and no weight is gathered.
+"""
+
+import argparse
+import dataclasses
+import importlib
+import sys
+
+import numpy as np
+import tensorflow as tf
+
+import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import partitioning
+from gpipe import sharding
+from lingvo.core import py_utils
+
+NestedMap = py_utils.NestedMap
+
+
+@dataclasses.dataclass
+class PipelineStep:
+  """One training step of a pipelined layer as a function of arrays.
+
+  fn(*weights, *inputs) returns [*outputs, loss, *d loss/d trainable
+  weights, *d loss/d inputs]. Weights (every theta leaf, non-trainable ones
+  included) are arguments, not captured variables, so each is one entry
+  parameter of the compiled module.
+  """
+  fn: object
+  args: list  # NumPy: the weights' values, then the inputs
+  weight_names: list
+  grad_names: list  # the trainable weights, in order
+  num_inputs: int
+  variables: list  # the layer's variables (the step assigns non-trainable)
+
+  @property
+  def num_weights(self):
+    return len(self.weight_names)
+
+  def ResultNames(self):
+    """A name for each of fn's results."""
+    return ([f'output {i}' for i in range(self.num_inputs)] + ['loss'] +
+            [f'd loss/d {n}' for n in self.grad_names] +
+            [f'd loss/d input {i}' for i in range(self.num_inputs)])
+
+
+def BuildPipelineStep(layer, input_shapes, seed=0):
+  """A PipelineStep for `layer` on float32 inputs of `input_shapes`."""
+  theta = layer.theta
+  names = [name for name, _ in theta.FlattenItems()]
+  weights = [tf.convert_to_tensor(v).numpy() for _, v in theta.FlattenItems()]
+  variables = dict(layer.vars.FlattenItems())
+  trainable = [i for i, n in enumerate(names) if variables[n].trainable]
+  rng = np.random.RandomState(seed)
+  inputs = [rng.uniform(-1, 1, s).astype(np.float32) for s in input_shapes]
+  # The body returns its inputs' structure, so the outputs have the inputs'
+  # shapes; a fixed random projection of them is the loss.
+  cotangents = [rng.uniform(-1, 1, s).astype(np.float32) for s in input_shapes]
+
+  def Step(*flat):
+    w = [tf.convert_to_tensor(t) for t in flat[:len(names)]]
+    x = list(flat[len(names):])
+    with tf.GradientTape() as tape:
+      tape.watch(w + x)
+      step_theta = theta.Pack(w)
+      # A training step at global step 0 (bodies with dropout read it).
+      with py_utils.GlobalStepContext(tf.constant(0, tf.int64)):
+        out = layer.FProp(step_theta, *x)
+      out = list(out) if isinstance(out, tuple) else [out]
+      loss = tf.add_n(
+          [tf.reduce_sum(o * c) for o, c in zip(out, cotangents)])
+    grads = tape.gradient(loss, [w[i] for i in trainable] + x)
+    grads = [tf.convert_to_tensor(g) for g in grads]
+    return out + [loss] + grads
+
+  return PipelineStep(
+      fn=Step, args=weights + inputs, weight_names=names,
+      grad_names=[names[i] for i in trainable], num_inputs=len(inputs),
+      variables=layer.vars.Flatten())
+
+
+@dataclasses.dataclass
+class Report:
+  """What partitioning a pipelined step gave."""
+  run: partitioning.PartitionedRun
+  step: PipelineStep
+  expected: list  # the step's results run unpartitioned on one device
+
+  @property
+  def max_abs_diff(self):
+    """Largest |partitioned - unpartitioned| over every result."""
+    return max(
+        float(np.max(np.abs(a - e))) if np.size(e) else 0.0
+        for a, e in zip(self.run.outputs, self.expected))
+
+  def WeightShapes(self):
+    """[(name, full shape, per-device shape)] for every weight."""
+    return [(name, tuple(np.shape(value)), shard)
+            for name, value, shard in zip(self.step.weight_names,
+                                          self.step.args,
+                                          self.run.param_shard_shapes)]
+
+  def WeightBytes(self):
+    """(bytes one device holds, total bytes) of the weights."""
+    per_device = total = 0
+    weights = self.step.args[:self.step.num_weights]
+    for value, shard in zip(weights, self.run.param_shard_shapes):
+      itemsize = np.asarray(value).dtype.itemsize
+      per_device += int(np.prod(shard, dtype=np.int64)) * itemsize
+      total += np.asarray(value).nbytes
+    return per_device, total
+
+  def GatheredWeights(self):
+    """All-gathers and all-to-alls that move a whole weight (or a stage's).
+
+    Judged by shape: the collective's result has the full shape of a
+    weight, or its shape without the leading stage (and repeat) dims, i.e.
+    some device received weights that another device owns. Activation
+    shapes that happen to equal a weight's shape would be reported too.
+    """
+    suspects = set()
+    for value in self.step.args[:self.step.num_weights]:
+      shape = tuple(np.shape(value))
+      suspects.update(shape[k:] for k in range(min(len(shape), 3)))
+    return [
+        c for c in self.run.collectives
+        if c.kind in ('all-gather', 'all-to-all') and
+        any(s in suspects for s in partitioning.ShapesOf(c.shape))
+    ]
+
+  def Summary(self):
+    lines = [f'Partitioned for {self.run.num_devices} virtual devices.']
+    for i, body in enumerate(self.run.loops):
+      lines.append(f'  loop {i} ({body}): {_Counts(self.run.LoopCounts(i))}')
+    lines.append(f'  outside the loops: {_Counts(self.run.Counts("outside"))}')
+    lines.append('Weights (full shape -> per-device shape):')
+    for name, full, shard in self.WeightShapes():
+      lines.append(f'  {name}: {list(full)} -> {list(shard)}')
+    per_device, total = self.WeightBytes()
+    lines.append(f'Weight bytes per device: {per_device} of {total} '
+                 f'({per_device / max(total, 1):.3f} of the total).')
+    gathered = self.GatheredWeights()
+    lines.append('Weights gathered or transposed: ' + (
+        'none' if not gathered else '; '.join(
+            f'{c.kind} {c.shape} from {c.op_name or "?"}' for c in gathered)))
+    lines.append(f'Largest |partitioned - unpartitioned|: '
+                 f'{self.max_abs_diff:.3g}')
+    return '\n'.join(lines)
+
+
+def _Counts(counts):
+  if not counts:
+    return 'no collectives'
+  return ', '.join(f'{n} {kind}' for kind, n in sorted(counts.items()))
+
+
+def RunUnpartitioned(step):
+  """The step on one device, jit-compiled, as NumPy arrays."""
+  compiled = tf.function(step.fn, jit_compile=True, autograph=False)
+  return [t.numpy() for t in compiled(*[tf.constant(a) for a in step.args])]
+
+
+def RunStepPartitioned(step, num_devices):
+  """The step partitioned for `num_devices`, its stages in a manual region."""
+
+  def Partitioned(*args):
+    with sharding.SpmdPartitioning():
+      return step.fn(*args)
+
+  return partitioning.RunPartitioned(
+      Partitioned, step.args, num_devices, variables=step.variables)
+
+
+def CheckPartitioning(layer_params, input_shapes, num_devices, seed=0):
+  """Partitions one training step of the layer; returns a Report."""
+  with tf.init_scope():
+    layer = layer_params.Copy().Instantiate()
+  step = BuildPipelineStep(layer, input_shapes, seed)
+  expected = RunUnpartitioned(step)
+  run = RunStepPartitioned(step, num_devices)
+  return Report(run=run, step=step, expected=expected)
+
+
+def _LoadParams(spec):
+  module_name, _, attr = spec.rpartition('.')
+  if not module_name:
+    raise ValueError(f'--params must be module.attribute, got {spec!r}.')
+  value = getattr(importlib.import_module(module_name), attr)
+  return value() if callable(value) else value
+
+
+def _ParseShape(text):
+  try:
+    return tuple(int(d) for d in text.split(','))
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f'--input_shape must be comma-separated integers, got {text!r}.'
+    ) from None
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(
+      description=__doc__.split('\n\n')[0],
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--params', required=True,
+                      help='module.attribute: PipelinedLayer Params, or a '
+                      'function returning them')
+  parser.add_argument('--input_shape', type=_ParseShape, action='append',
+                      required=True,
+                      help='shape of one input, batch first, e.g. 16,128; '
+                      'repeat for several inputs')
+  parser.add_argument('--num_devices', type=int, default=None,
+                      help='virtual devices (default: num_stages, or the '
+                      'size of device_mesh)')
+  parser.add_argument('--tolerance', type=float, default=1e-4,
+                      help='largest accepted |partitioned - unpartitioned|')
+  args = parser.parse_args(argv)
+  params = _LoadParams(args.params)
+  num_devices = args.num_devices
+  if num_devices is None:
+    num_devices = (np.asarray(params.device_mesh).size
+                   if params.device_mesh is not None else params.num_stages)
+  report = CheckPartitioning(params, args.input_shape, num_devices)
+  print(report.Summary())
+  ok = report.max_abs_diff <= args.tolerance and not report.GatheredWeights()
+  print('OK' if ok else 'MISMATCH' if report.max_abs_diff > args.tolerance
+        else 'WEIGHTS GATHERED')
+  return 0 if ok else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())

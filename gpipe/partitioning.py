@@ -1,0 +1,291 @@
+"""What XLA's SPMD partitioner makes of a TensorFlow computation, on CPU.
+
+No TPU is needed to check a sharding: the HLO that `tf.function(...,
+jit_compile=True)` produces carries every annotation, and XLA's SPMD
+partitioner (the one in jaxlib) can partition it for N virtual CPU devices
+and run it::
+
+    fn, args --TF--> HLO (+ Sharding custom-calls) --jaxlib, N devices-->
+        partitioned per-device HLO + results on N devices
+
+`RunPartitioned` does that (the jaxlib side runs in a subprocess, see
+`gpipe.spmd_worker`) and returns the results, the per-device shapes of the
+parameters and outputs, and every collective in the partitioned module,
+classified as inside a while loop's body or outside. Wrong annotations are
+caught by the collectives, not the numbers: an all-gather of a weight still
+computes the right result.
+
+Needs jax and jaxlib (`pip install '.[spmd]'`); `IsAvailable()` says whether
+they are installed.
+"""
+
+import collections
+import dataclasses
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import tensorflow as tf
+
+from gpipe import spmd_worker
+from tensorflow.compiler.xla.service import hlo_pb2  # pylint: disable=g-direct-tensorflow-import
+
+COLLECTIVE_KINDS = ('collective-permute', 'all-gather', 'all-reduce',
+                    'all-to-all', 'reduce-scatter', 'collective-broadcast')
+
+
+def IsAvailable():
+  """True if jax and jaxlib are installed (they run the partitioner)."""
+  return (importlib.util.find_spec('jax') is not None and
+          importlib.util.find_spec('jaxlib') is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of the partitioned per-device module."""
+  kind: str
+  shape: str  # its result type, e.g. 'f32[1,2,8]{2,1,0}'
+  computation: str
+  loop: int  # index into PartitionedRun.loops, or -1 outside every loop
+  op_name: str = ''  # the TensorFlow op it was partitioned from
+
+
+@dataclasses.dataclass
+class PartitionedRun:
+  """The partitioned module, its results and how it splits the tensors."""
+  num_devices: int
+  outputs: list  # of np.ndarray, full (reassembled) shapes
+  param_shard_shapes: list  # per entry parameter, one device's shape
+  output_shard_shapes: list
+  collectives: list  # of Collective
+  loops: list  # of the while loops' body computation names, outer loops only
+  hlo: str  # the partitioned per-device module
+
+  def Counts(self, where='all'):
+    """{kind: count} over 'all', 'loops' (any loop body) or 'outside'."""
+    counts = collections.Counter()
+    for c in self.collectives:
+      if (where == 'all' or (where == 'loops' and c.loop >= 0) or
+          (where == 'outside' and c.loop < 0)):
+        counts[c.kind] += 1
+    return dict(counts)
+
+  def LoopCounts(self, loop):
+    """{kind: count} in the body of while loop `loop` (and what it calls)."""
+    return dict(collections.Counter(
+        c.kind for c in self.collectives if c.loop == loop))
+
+
+def LowerToHlo(fn, args):
+  """Serialized HloModuleProto of fn(*args) compiled with jit_compile=True."""
+  compiled = tf.function(fn, jit_compile=True, autograph=False)
+  return compiled.experimental_get_compiler_ir(*args)(stage='hlo_serialized')
+
+
+def RunPartitioned(fn, args, num_devices, variables=(), timeout=900):
+  """Partitions fn(*args) for `num_devices` virtual CPU devices and runs it.
+
+  Args:
+    fn: a TensorFlow function of tensors returning a flat list/tuple of
+      tensors. Trainable weights should be arguments, not captured variables,
+      so that each weight is one entry parameter whose per-device shape the
+      run reports.
+    args: NumPy arrays, the arguments.
+    num_devices: how many virtual devices to partition for.
+    variables: variables fn may capture (read or assign) that tf.function
+      does not track itself; their current values are passed in.
+    timeout: seconds the partition-and-run subprocess may take.
+
+  Returns:
+    A PartitionedRun.
+  """
+  if not IsAvailable():
+    raise RuntimeError(
+        'Checking partitioning needs jax and jaxlib: '
+        "pip install 'gpipe[spmd]' (or: pip install jax jaxlib).")
+  args = [np.asarray(a) for a in args]
+  tensors = [tf.constant(a) for a in args]
+  compiled = tf.function(fn, jit_compile=True, autograph=False)
+  concrete = compiled.get_concrete_function(*tensors)
+  output_shapes = [o.shape.as_list() for o in concrete.outputs]
+  # Captured tensors and variables (e.g. ones the step assigns) follow the
+  # arguments as entry parameters; their updates follow the outputs.
+  args = args + _CapturedValues(concrete, variables)
+  proto = _WithoutAliasing(
+      compiled.experimental_get_compiler_ir(*tensors)(stage='hlo_serialized'))
+  with tempfile.TemporaryDirectory(prefix='gpipe_spmd_') as workdir:
+    work = pathlib.Path(workdir)
+    (work / 'module.pb').write_bytes(proto)
+    np.savez(work / 'inputs.npz', **{f'arg_{i}': a for i, a in enumerate(args)})
+    (work / 'config.json').write_text(
+        json.dumps({'num_devices': num_devices,
+                    'output_shapes': output_shapes}))
+    env = dict(os.environ)
+    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+    proc = subprocess.run(
+        [sys.executable, '-m', spmd_worker.__name__, workdir],
+        env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if proc.returncode:
+      raise RuntimeError(
+          f'Partitioning for {num_devices} devices failed (exit code '
+          f'{proc.returncode}):\n{proc.stderr[-4000:]}')
+    report = json.loads((work / 'report.json').read_text())
+    results = np.load(work / 'outputs.npz')
+    outputs = [results[f'out_{i}'] for i in range(len(results.files))]
+    hlo = (work / 'partitioned.hlo').read_text()
+  collectives, loops = AnalyzeHlo(hlo)
+  return PartitionedRun(
+      num_devices=num_devices,
+      outputs=outputs,
+      param_shard_shapes=[tuple(s) for s in report['param_shard_shapes']],
+      output_shard_shapes=[tuple(s) for s in report['output_shard_shapes']],
+      collectives=collectives,
+      loops=loops,
+      hlo=hlo)
+
+
+def _WithoutAliasing(serialized):
+  """The module without its input/output aliases.
+
+  TensorFlow aliases an assigned variable's parameter with its new value;
+  the partitioner may shard the two differently, which aliasing forbids.
+  The check runs the step once, so nothing needs updating in place.
+  """
+  module = hlo_pb2.HloModuleProto()
+  module.ParseFromString(serialized)
+  module.ClearField('input_output_alias')
+  return module.SerializeToString()
+
+
+def _CapturedValues(concrete, variables):
+  """Current values of a concrete function's captured inputs, in order.
+
+  A captured resource is looked up among the function's own variables and
+  `variables` (those tf.function does not track, e.g. Lingvo's).
+  """
+  variables = {
+      id(v.handle): v for v in list(concrete.variables) + list(variables)
+  }
+  values = []
+  for captured in concrete.captured_inputs:
+    if captured.dtype == tf.resource:
+      if id(captured) not in variables:
+        raise ValueError(
+            f'The function captures a resource ({captured!r}) that is not a '
+            'known variable; pass the variable in `variables`.')
+      captured = variables[id(captured)]
+    values.append(np.asarray(captured.numpy()))
+  return values
+
+
+# -----------------------------------------------------------------------------
+# Reading HLO text.
+
+_COMPUTATION_RE = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
+_INSTRUCTION_RE = re.compile(
+    r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s(?P<op>[a-z][a-z0-9\-]*)\(')
+_CALLEE_RE = re.compile(
+    r'\b(?:body|condition|to_apply|calls|true_computation|false_computation)'
+    r'=%?([\w.\-]+)')
+_BRANCHES_RE = re.compile(r'branch_computations=\{([^}]*)\}')
+_WHILE_BODY_RE = re.compile(r'\bbody=%?([\w.\-]+)')
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+
+
+def _ParseComputations(hlo_text):
+  """{computation name: [instruction lines]}, and the entry's name."""
+  computations, entry, current = {}, None, None
+  for line in hlo_text.splitlines():
+    if not line.startswith((' ', '\t')):
+      match = _COMPUTATION_RE.match(line)
+      if match:
+        current = match.group(1)
+        computations[current] = []
+        if line.startswith('ENTRY'):
+          entry = current
+        continue
+      if line.startswith('}'):
+        current = None
+      continue
+    if current is not None:
+      computations[current].append(line)
+  return computations, entry
+
+
+def ShapesOf(hlo_type):
+  """'f32[1,8,8]{2,1,0}' -> [(1, 8, 8)]; a tuple type gives each element's."""
+  return [
+      tuple(int(d) for d in dims.split(',') if d)
+      for dims in re.findall(r'[a-z]\w*\[([\d,]*)\]', hlo_type)
+  ]
+
+
+def _Callees(line):
+  names = _CALLEE_RE.findall(line)
+  for group in _BRANCHES_RE.findall(line):
+    names += [n.strip().lstrip('%') for n in group.split(',') if n.strip()]
+  return names
+
+
+def _Walk(computations, root, into_loops):
+  """Computations reachable from `root`, and the while bodies on the way.
+
+  With into_loops=False a while instruction is not entered: its body is
+  listed, but neither it nor what it calls counts as reached.
+  """
+  reached, loops, todo = set(), [], [root]
+  while todo:
+    name = todo.pop()
+    if name in reached or name not in computations:
+      continue
+    reached.add(name)
+    for line in computations[name]:
+      body = _WHILE_BODY_RE.search(line)
+      if body and ' while(' in line:
+        loops.append(body.group(1))
+        if not into_loops:
+          continue
+      todo.extend(_Callees(line))
+  return reached, loops
+
+
+def AnalyzeHlo(hlo_text):
+  """Finds the collectives of an HLO module and the loops they run in.
+
+  Returns:
+    (collectives, loops): a list of Collective, and the body computation
+    names of the module's outermost while loops; Collective.loop indexes
+    that list (-1: outside every loop). A nested loop counts as part of the
+    loop that contains it.
+  """
+  computations, entry = _ParseComputations(hlo_text)
+  _, loops = _Walk(computations, entry, into_loops=False)
+  owner = {}
+  for index, body in enumerate(loops):
+    reached, _ = _Walk(computations, body, into_loops=True)
+    for name in reached:
+      owner.setdefault(name, index)
+
+  collectives = []
+  for name, lines in computations.items():
+    for line in lines:
+      match = _INSTRUCTION_RE.match(line)
+      if not match:
+        continue
+      op = match.group('op')
+      if op.endswith('-done'):
+        continue
+      kind = op[:-len('-start')] if op.endswith('-start') else op
+      if kind in COLLECTIVE_KINDS:
+        op_name = _OP_NAME_RE.search(line)
+        collectives.append(
+            Collective(kind=kind, shape=match.group('type'), computation=name,
+                       loop=owner.get(name, -1),
+                       op_name=op_name.group(1) if op_name else ''))
+  return collectives, loops

@@ -1,0 +1,292 @@
+"""The pipelined layer partitions as intended on N virtual CPU devices.
+
+Each case lowers one training step (forward, loss, gradients w.r.t. every
+weight and the input) to HLO, partitions it with XLA's SPMD partitioner
+(jaxlib) and runs it (gpipe.check_partitioning). Checked:
+  * the partitioned results equal the same step run unpartitioned on one
+    device (which tests/layers_test.py checks against the plain stack);
+  * the forward loop and its backward loop each hold exactly one
+    collective-permute per carried buffer tensor, and nothing that moves a
+    weight (all-gather / all-to-all of a weight's shape) runs anywhere;
+  * each device holds one stage of every stage-stacked weight (leading dim
+    1), or 1/S of each per-stage variable's split dim.
+A negative control shows that a wrong annotation is caught.
+
+Shapes are chosen so no activation has a weight's shape (feature dim 8,
+microbatches of 3 rows, or 6 on the 2-D mesh), which the shape-based
+weight-movement check relies on, and so every split is even (the runner
+places whole shards only).
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import check_partitioning
+from gpipe import layers
+from gpipe import partitioning
+from gpipe import sharding
+from lingvo.core import py_utils
+from tests import bodies
+
+DIM = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  num_stages: int
+  circular_repeat: int = 1
+  per_stage_vars: bool = False
+  mesh: bool = False  # stages over axis 0 of a [S, 2] mesh; batch over axis 1
+  # dense | multi (3 buffer tensors, a None input) | training (dropout, aux
+  # loss and summaries inside the manual region) | stateful (a moving average
+  # in a non-trainable variable, carried through the loop)
+  body: str = 'dense'
+  num_microbatches: int = 8
+
+  @property
+  def num_devices(self):
+    return self.num_stages * (2 if self.mesh else 1)
+
+  @property
+  def microbatch_rows(self):
+    return 6 if self.mesh else 3
+
+  @property
+  def device_mesh(self):
+    return np.arange(self.num_devices).reshape(self.num_stages, 2)
+
+  def Params(self, layer_cls=layers.PipelinedLayer):
+    if self.mesh:
+      body = bodies.MeshDenseBody.Params().Set(
+          dim=DIM, device_mesh=self.device_mesh, batch_mesh_dim=1)
+    elif self.body == 'multi':
+      body = bodies.MultiInputBody.Params().Set(dim=DIM)
+    elif self.body == 'training':
+      body = bodies.TrainingBody.Params().Set(dim=DIM, keep_prob=0.5)
+    elif self.body == 'stateful':
+      body = bodies.StatefulBody.Params().Set(dim=DIM, with_counter=False)
+    else:
+      body = bodies.DenseBody.Params().Set(dim=DIM)
+    p = layer_cls.Params().Set(
+        name='pipe',
+        num_stages=self.num_stages,
+        num_microbatches=self.num_microbatches,
+        circular_repeat=self.circular_repeat,
+        per_stage_vars=self.per_stage_vars,
+        single_stage_body=body,
+        random_seed=7)
+    if self.mesh:
+      p.Set(pipeline_stage_mesh_dim=0, device_mesh=self.device_mesh)
+    else:
+      p.Set(shard_stages_1d=True)
+    return p
+
+  def InputShapes(self):
+    batch = self.num_microbatches * self.microbatch_rows
+    if self.body == 'multi':
+      return [(batch, DIM), (batch, DIM), (batch,)]
+    return [(batch, DIM)]
+
+  @property
+  def num_buffer_tensors(self):
+    return len(self.InputShapes())
+
+
+def _CaseId(case):
+  parts = [f'S{case.num_stages}', f'dev{case.num_devices}',
+           f'R{case.circular_repeat}']
+  if case.per_stage_vars:
+    parts.append('per_stage_vars')
+  if case.mesh:
+    parts.append('mesh4x2' if case.num_stages == 4 else 'mesh')
+  if case.body != 'dense':
+    parts.append(case.body)
+  return '-'.join(parts)
+
+
+CASES = [
+    Case(num_stages=2),
+    Case(num_stages=4),
+    Case(num_stages=4, circular_repeat=2),
+    Case(num_stages=8),
+    Case(num_stages=4, per_stage_vars=True),
+    Case(num_stages=4, circular_repeat=2, per_stage_vars=True),
+    Case(num_stages=4, mesh=True),
+    Case(num_stages=4, circular_repeat=2, mesh=True),
+    Case(num_stages=2, body='multi'),
+    Case(num_stages=4, circular_repeat=2, body='training'),
+    Case(num_stages=4, circular_repeat=2, body='stateful'),
+]
+
+
+class _MultiInputLayer(layers.PipelinedLayer):
+  """Feeds MultiInputBody its (x, None, NestedMap(a, b)) structure."""
+
+  def FProp(self, theta, x, a, b):
+    out = super().FProp(theta, x, None, py_utils.NestedMap(a=a, b=b))
+    return out[0], out[2].a, out[2].b
+
+
+def _Check(case, layer_cls=None):
+  if layer_cls is None:
+    layer_cls = (_MultiInputLayer if case.body == 'multi' else
+                 layers.PipelinedLayer)
+  return check_partitioning.CheckPartitioning(
+      case.Params(layer_cls), case.InputShapes(), case.num_devices)
+
+
+@pytest.fixture(scope='module', params=CASES, ids=[_CaseId(c) for c in CASES])
+def checked(request):
+  if not partitioning.IsAvailable():
+    pytest.fail('jax and jaxlib are needed (they are in the test extra).')
+  case = request.param
+  return case, _Check(case)
+
+
+def test_partitioned_step_equals_unpartitioned(checked):
+  _, report = checked
+  names = report.step.ResultNames()
+  assert len(report.run.outputs) == len(report.expected) == len(names)
+  for name, got, want in zip(names, report.run.outputs, report.expected):
+    assert got.shape == want.shape, name
+    assert np.abs(want).max() > 0, f'{name} is all zero: nothing checked'
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_each_loop_shifts_each_buffer_tensor_with_one_permute(checked):
+  case, report = checked
+  run = report.run
+  assert len(run.loops) == 2, f'expected forward + backward loop: {run.loops}'
+  for loop in range(2):
+    counts = run.LoopCounts(loop)
+    assert counts.get('collective-permute') == case.num_buffer_tensors, (
+        loop, counts)
+    assert 'all-to-all' not in counts, (loop, counts)
+  # The forward loop needs nothing but the shift.
+  assert set(run.LoopCounts(0)) == {'collective-permute'}, run.LoopCounts(0)
+
+
+def test_no_weight_is_gathered(checked):
+  case, report = checked
+  assert not report.GatheredWeights(), report.Summary()
+  all_to_all = [c for c in report.run.collectives if c.kind == 'all-to-all']
+  if case.per_stage_vars:
+    # The documented reshard: each per-stage variable from its split dim to
+    # the stage dim, once forward and once for its gradient, outside loops.
+    assert all(c.loop == -1 for c in all_to_all), all_to_all
+    assert len(all_to_all) == 2 * len(report.step.weight_names) // (
+        case.num_stages), all_to_all
+  else:
+    assert not all_to_all, report.Summary()
+
+
+def test_each_device_holds_one_stage_of_the_weights(checked):
+  case, report = checked
+  for name, full, shard in report.WeightShapes():
+    if case.per_stage_vars:
+      dim = sharding.LeastPaddingDim(list(full), case.num_stages)
+      expected = list(full)
+      expected[dim] = -(-full[dim] // case.num_stages)
+      assert list(shard) == expected, (name, full, shard)
+    else:
+      assert shard == (1,) + full[1:], (name, full, shard)
+  per_device, total = report.WeightBytes()
+  assert per_device <= -(-total // case.num_stages) * 1.5, (per_device, total)
+
+
+class _ReplicatedWeightsLayer(layers.PipelinedLayer):
+  """A wrong annotation: the stacked weights marked replicated."""
+
+  def _StackedTheta(self, theta):
+    stacked = super()._StackedTheta(theta)
+    return tf.nest.map_structure(sharding.Replicate, stacked)
+
+
+def test_negative_control_catches_replicated_weights():
+  if not partitioning.IsAvailable():
+    pytest.fail('jax and jaxlib are needed (they are in the test extra).')
+  case = Case(num_stages=4)
+  report = _Check(case, _ReplicatedWeightsLayer)
+  # The numbers are still right: only the collectives show the mistake.
+  assert report.max_abs_diff < 1e-5
+  gathered = set()
+  for c in report.GatheredWeights():
+    gathered.update(partitioning.ShapesOf(c.shape))
+  full_shapes = {full for _, full, _ in report.WeightShapes()}
+  assert full_shapes <= gathered, report.Summary()
+
+
+def CliParams():
+  return Case(num_stages=2).Params()
+
+
+def test_check_partitioning_command(capsys):
+  status = check_partitioning.main([
+      '--params', 'tests.partitioning_test.CliParams', '--input_shape',
+      f'24,{DIM}'
+  ])
+  out = capsys.readouterr().out
+  assert status == 0, out
+  assert 'Partitioned for 2 virtual devices.' in out
+  assert '1 collective-permute' in out
+  assert 'body.w: [2, 8, 8] -> [1, 8, 8]' in out
+  assert out.strip().endswith('OK')
+
+
+_TOY_HLO = """\
+HloModule toy
+
+%fused (p0: f32[2]) -> f32[2] {
+  %p0 = f32[2]{0} parameter(0)
+  ROOT %cp = f32[2]{0} collective-permute(%p0), source_target_pairs={{0,1},{1,0}}
+}
+
+%body (arg: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %arg = (s32[], f32[2]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%arg), index=0
+  %x = f32[2]{0} get-tuple-element(%arg), index=1
+  %f = f32[2]{0} fusion(%x), kind=kLoop, calls=%fused
+  %ag = f32[4]{0} all-gather(%f), dimensions={0}, metadata={op_name="loop/gather"}
+  ROOT %t = (s32[], f32[2]{0}) tuple(%i, %f)
+}
+
+%cond (arg: (s32[], f32[2])) -> pred[] {
+  %arg = (s32[], f32[2]{0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[2]) -> f32[2] {
+  %x = f32[2]{0} parameter(0)
+  %ar-start = f32[2]{0} all-reduce-start(%x), to_apply=%add
+  %ar-done = f32[2]{0} all-reduce-done(%ar-start)
+  %init = (s32[], f32[2]{0}) tuple(%zero, %ar-done)
+  %w = (s32[], f32[2]{0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[2]{0} get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_shapes_of_hlo_types():
+  assert partitioning.ShapesOf('f32[1,8,8]{2,1,0}') == [(1, 8, 8)]
+  assert partitioning.ShapesOf('f32[]') == [()]
+  assert partitioning.ShapesOf('(f32[2,3]{1,0}, s32[4]{0})') == [(2, 3), (4,)]
+
+
+def test_analyze_hlo_finds_collectives_in_and_out_of_loops():
+  collectives, loops = partitioning.AnalyzeHlo(_TOY_HLO)
+  assert loops == ['body']
+  found = sorted((c.kind, c.loop, c.shape) for c in collectives)
+  assert found == [('all-gather', 0, 'f32[4]{0}'),
+                   ('all-reduce', -1, 'f32[2]{0}'),
+                   ('collective-permute', 0, 'f32[2]{0}')]
+  gather = [c for c in collectives if c.kind == 'all-gather'][0]
+  assert gather.op_name == 'loop/gather'
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))

@@ -1,0 +1,405 @@
+"""Training semantics inside the loop: aux losses, summaries, dropout, bubbles.
+
+The reference is the plain stack run microbatch by microbatch: for each
+microbatch m (rows m, m + M, ... of the batch), the body's own FProp is
+applied layer after layer with that layer's weights sliced from the
+variables by their documented layout (layer r * S + s: body/<v>[s, r]), each
+call in its own AuxLossContext / TpuSummaryTensorContext, with the step seed
+the documented stream of (layer, microbatch):
+base + Schedule.StepSeedOffset(layer, microbatch). Nothing of the pipeline's
+code runs in the reference.
+
+The body (tests/bodies.py TrainingBody) adds an aux loss and a summary, may apply dropout, and
+may multiply by x / x: 1 on real data, NaN on the zeros a careless pipeline
+would feed its bubbles.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import layers
+from gpipe import schedule as schedule_lib
+from lingvo.core import py_utils
+from tests import bodies
+
+DIM = bodies.TrainingBody.Params().dim
+BASE_SEED = 1000
+GLOBAL_STEP = 7
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  num_stages: int
+  num_microbatches: int
+  circular_repeat: int = 1
+  accumulation: str = 'mean'
+  keep_prob: float = 1.0
+  divide_by_input: bool = False
+  shard_stages_1d: bool = False
+  rows: int = 2  # per microbatch
+
+  @property
+  def num_layers(self):
+    return self.num_stages * self.circular_repeat
+
+  @property
+  def batch(self):
+    return self.rows * self.num_microbatches
+
+  def Params(self):
+    return layers.PipelinedLayer.Params().Set(
+        name='pipe',
+        num_stages=self.num_stages,
+        num_microbatches=self.num_microbatches,
+        circular_repeat=self.circular_repeat,
+        aux_loss_microbatch_accumulation=self.accumulation,
+        shard_stages_1d=self.shard_stages_1d,
+        unroll='never',
+        single_stage_body=bodies.TrainingBody.Params().Set(
+            keep_prob=self.keep_prob, divide_by_input=self.divide_by_input),
+        random_seed=3)
+
+
+def _LayerTheta(case, theta, layer):
+  """Layer `layer`'s weights, sliced by the documented variable layout."""
+  r, s = divmod(layer, case.num_stages)
+  if case.circular_repeat > 1:
+    return tf.nest.map_structure(lambda v: v[s][r], theta.body)
+  return tf.nest.map_structure(lambda v: v[s], theta.body)
+
+
+def _Reference(case, pipe, theta, x):
+  """The plain stack, microbatch by microbatch, with per-call contexts."""
+  m_count = case.num_microbatches
+  sched = schedule_lib.Schedule(case.num_stages, m_count, case.circular_repeat)
+  outs, aux_total = [], 0.0
+  summaries = []  # (stage, value, weight)
+  for m in range(m_count):
+    h = x[m::m_count]
+    for layer in range(case.num_layers):
+      py_utils.ResetStepSeed(BASE_SEED + sched.StepSeedOffset(layer, m))
+      with py_utils.AuxLossContext(reentrant=True) as aux_ctx:
+        with py_utils.TpuSummaryTensorContext():
+          h = pipe.body.FProp(_LayerTheta(case, theta, layer), h)
+          (value, weight), = py_utils.GetTpuSummaryTensors().values()
+      aux_total += tf.add_n(aux_ctx.aux_losses)
+      summaries.append((layer % case.num_stages, value, weight))
+    outs.append(h)
+  if case.accumulation == 'mean':
+    aux_total /= m_count
+  # Microbatch m holds rows m, m + M, ...: interleave back.
+  out = tf.reshape(tf.stack(outs, axis=1), [case.batch, DIM])
+  per_stage = []
+  for stage in range(case.num_stages):
+    vw = [(v, w) for s, v, w in summaries if s == stage]
+    total_w = tf.add_n([w for _, w in vw])
+    per_stage.append(tf.add_n([v * w for v, w in vw]) / total_w)
+  return out, aux_total, per_stage
+
+
+def _Pipelined(case, pipe, theta, x):
+  py_utils.ResetStepSeed(BASE_SEED)
+  with py_utils.AuxLossContext() as aux_ctx:
+    with py_utils.TpuSummaryTensorContext():
+      out = pipe.FProp(theta, x)
+      summaries = py_utils.GetTpuSummaryTensors()
+  assert len(aux_ctx.aux_losses) == 1, aux_ctx.aux_losses
+  per_stage = []
+  for stage in range(case.num_stages):
+    keys = [k for k in summaries if k.startswith(f'mean_sq/stage_{stage}/')]
+    assert len(keys) == 1, (stage, sorted(summaries))
+    per_stage.append(summaries[keys[0]][0])
+  assert len(summaries) == case.num_stages, sorted(summaries)
+  return out, aux_ctx.aux_losses[0], per_stage
+
+
+def _Inputs(case, seed=0):
+  rng = np.random.RandomState(seed)
+  x = rng.uniform(0.2, 1.0, [case.batch, DIM]) * rng.choice([-1, 1],
+                                                         [case.batch, DIM])
+  cot = rng.uniform(-1, 1, [case.batch, DIM])
+  return x.astype(np.float32), cot.astype(np.float32)
+
+
+def _Build(case, pipe, x_np, cot_np, watch=None):
+  """Both computations and their gradients, as a dict of tensors."""
+  theta = pipe.theta
+  variables = pipe.vars.Flatten()
+  result = {}
+  for name, fn in (('pipe', _Pipelined), ('ref', _Reference)):
+    x = tf.constant(x_np)
+    if watch:
+      watch(x)
+    with py_utils.GlobalStepContext(tf.constant(GLOBAL_STEP, tf.int64)):
+      out, aux, summaries = fn(case, pipe, theta, x)
+    loss = tf.reduce_sum(out * cot_np) + aux
+    result[name] = dict(out=out, aux=aux, summaries=summaries, loss=loss,
+                        x=x)
+  return result, variables
+
+
+def Run(case, mode, weights=None):
+  """Returns {pipe|ref: {out, aux, summaries, grads}} as NumPy."""
+  x_np, cot_np = _Inputs(case)
+  if mode == 'graph':
+    with tf.Graph().as_default():
+      pipe = case.Params().Instantiate()
+      built, variables = _Build(case, pipe, x_np, cot_np)
+      fetch = {}
+      for name, t in built.items():
+        grads = tf.gradients(t['loss'], variables + [t['x']])
+        fetch[name] = dict(out=t['out'], aux=t['aux'],
+                           summaries=t['summaries'], grads=grads)
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        if weights is not None:
+          _Load(pipe, case, weights, sess)
+        return sess.run(fetch)
+  pipe = case.Params().Instantiate()
+  if weights is not None:
+    _Load(pipe, case, weights)
+
+  @tf.function(jit_compile=True)
+  def Step():
+    with tf.GradientTape(persistent=True) as tape:
+      built, variables = _Build(case, pipe, x_np, cot_np, watch=tape.watch)
+    fetch = {}
+    for name, t in built.items():
+      grads = tape.gradient(t['loss'], variables + [t['x']])
+      fetch[name] = dict(out=t['out'], aux=t['aux'],
+                         summaries=t['summaries'],
+                         grads=[tf.convert_to_tensor(g) for g in grads])
+    return fetch
+
+  return tf.nest.map_structure(lambda t: t.numpy(), Step())
+
+
+def _Load(pipe, case, weights, sess=None):
+  """Sets layer l's weights to weights[l] ({'w': .., 'b': ..})."""
+  for name, var in pipe.vars.body.FlattenItems():
+    if name.startswith('dropout'):
+      continue
+    value = np.zeros(var.shape.as_list(), np.float32)
+    for layer, w in enumerate(weights):
+      r, s = divmod(layer, case.num_stages)
+      if case.circular_repeat > 1:
+        value[s, r] = w[name]
+      else:
+        value[s] = w[name]
+    if sess is None:
+      var.assign(value)
+    else:
+      var.load(value, sess)
+
+
+def _AssertMatches(res, tol=1e-5):
+  pipe, ref = res['pipe'], res['ref']
+  for key in ('out', 'aux', 'summaries', 'grads'):
+    for got, want in zip(tf.nest.flatten(pipe[key]), tf.nest.flatten(ref[key])):
+      assert np.all(np.isfinite(got)), key
+      np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=key)
+  for i, g in enumerate(ref['grads']):
+    assert np.abs(g).max() > 0, f'reference gradient {i} is all zero'
+
+
+SWEEP = [
+    Case(1, 1),
+    Case(1, 3, accumulation='sum'),
+    Case(2, 1, 2),
+    Case(2, 3),
+    Case(3, 4, 2),
+    Case(3, 2, 3, accumulation='sum'),
+    Case(4, 4),
+    Case(4, 6, 2, shard_stages_1d=True),
+]
+
+
+def _Id(case):
+  return (f'S{case.num_stages}-M{case.num_microbatches}-R'
+          f'{case.circular_repeat}-{case.accumulation}'
+          f'{"-shard" if case.shard_stages_1d else ""}')
+
+
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+@pytest.mark.parametrize('case', SWEEP, ids=[_Id(c) for c in SWEEP])
+def test_aux_losses_and_summaries_equal_the_reference(case, mode):
+  _AssertMatches(Run(case, mode))
+
+
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+@pytest.mark.parametrize('case', SWEEP[2:6], ids=[_Id(c) for c in SWEEP[2:6]])
+def test_bubbles_cannot_poison_anything(case, mode):
+  # x / x is NaN on zeros: bubbles must never compute on zeros, and masking
+  # must keep their (finite) values out of every result.
+  _AssertMatches(Run(dataclasses.replace(case, divide_by_input=True), mode))
+
+
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+@pytest.mark.parametrize('case', SWEEP[3:], ids=[_Id(c) for c in SWEEP[3:]])
+def test_dropout_streams_equal_the_reference(case, mode):
+  res = Run(dataclasses.replace(case, keep_prob=0.5), mode)
+  _AssertMatches(res)
+  # Dropout really ran: some outputs are exactly zero.
+  assert (res['pipe']['out'] == 0).any()
+
+
+def test_dropout_is_repeatable_and_independent_of_num_stages():
+  rng = np.random.RandomState(5)
+  weights = [dict(w=rng.normal(0, 0.5, [DIM, DIM]).astype(np.float32),
+                  b=rng.normal(0, 0.5, [DIM]).astype(np.float32))
+             for _ in range(4)]
+  outs = []
+  for s, r in [(4, 1), (2, 2), (1, 4), (4, 1)]:
+    case = Case(s, 4, r, keep_prob=0.5)
+    res = Run(case, 'graph', weights)
+    _AssertMatches(res)
+    outs.append(res['pipe']['out'])
+  for out in outs[1:]:
+    np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-6)
+
+
+def test_dropout_masks_differ_across_layers_and_microbatches():
+  sched = schedule_lib.Schedule(3, 5, 2)
+  offsets = {
+      sched.StepSeedOffset(layer, m)
+      for layer in range(sched.num_layers)
+      for m in range(sched.num_microbatches)
+  }
+  assert len(offsets) == sched.num_layers * sched.num_microbatches
+  # Far enough apart for the seeds a body draws per call.
+  assert min(np.diff(sorted(offsets))) >= schedule_lib.STEP_SEEDS_PER_CALL
+
+
+# -- Non-trainable state. ---------------------------------------------------
+
+STATEFUL_SWEEP = [
+    (1, 2, 1, False), (2, 3, 1, False), (3, 4, 2, False), (2, 3, 3, False),
+    (3, 2, 1, True), (2, 5, 2, True),
+]
+
+
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+@pytest.mark.parametrize(
+    'num_stages,num_microbatches,circular_repeat,per_stage_vars',
+    STATEFUL_SWEEP,
+    ids=[f'S{s}-M{m}-R{r}{"-per_stage_vars" if v else ""}'
+         for s, m, r, v in STATEFUL_SWEEP])
+def test_non_trainable_state_updates_like_the_plain_stack(
+    num_stages, num_microbatches, circular_repeat, per_stage_vars, mode):
+  p = layers.PipelinedLayer.Params().Set(
+      name='pipe', num_stages=num_stages, num_microbatches=num_microbatches,
+      circular_repeat=circular_repeat, per_stage_vars=per_stage_vars,
+      unroll='never', single_stage_body=bodies.StatefulBody.Params(),
+      random_seed=5)
+  rng = np.random.RandomState(1)
+  rows = 2
+  x_np = rng.uniform(-1, 1, [rows * num_microbatches, 4]).astype(np.float32)
+  cot = rng.uniform(-1, 1, x_np.shape).astype(np.float32)
+
+  def Layout(vars_np, name, layer):
+    r, s = divmod(layer, num_stages)
+    if per_stage_vars:
+      v = vars_np['body_iter_%05d' % s][name]
+      return v[r] if circular_repeat > 1 else v
+    v = vars_np['body'][name]
+    return v[s][r] if circular_repeat > 1 else v[s]
+
+  def Reference(vars_np):
+    """NumPy, microbatch by microbatch: outputs and final state."""
+    layers_count = num_stages * circular_repeat
+    moving = [Layout(vars_np, 'moving', l).copy() for l in range(layers_count)]
+    outs = []
+    for m in range(num_microbatches):
+      h = x_np[m::num_microbatches]
+      for l in range(layers_count):
+        h, moving[l] = bodies.StatefulFn(
+            bodies.NP, Layout(vars_np, 'w', l), Layout(vars_np, 'b', l), moving[l], h)
+      outs.append(h)
+    out = np.stack(outs, axis=1).reshape(x_np.shape)
+    return out, moving
+
+  def TfReference(theta_vars, initial, x):
+    """TF plain loop (same math) for the gradients."""
+    layers_count = num_stages * circular_repeat
+    moving = [Layout(initial, 'moving', l) for l in range(layers_count)]
+    outs = []
+    for m in range(num_microbatches):
+      h = x[m::num_microbatches]
+      for l in range(layers_count):
+        h, new_moving = bodies.StatefulFn(
+            bodies.TF, Layout(theta_vars, 'w', l), Layout(theta_vars, 'b', l),
+            moving[l], h)
+        # A variable update: read by later microbatches, never differentiated.
+        moving[l] = tf.stop_gradient(new_moving)
+      outs.append(h)
+    return tf.reshape(tf.stack(outs, axis=1), x_np.shape)
+
+  def Build(pipe, watch=None):
+    x = tf.constant(x_np)
+    if watch:
+      watch(x)
+    initial = {k: dict(v.FlattenItems()) for k, v in pipe.vars.items()}
+    initial = tf.nest.map_structure(lambda v: v.read_value(), initial)
+    with tf.control_dependencies(tf.nest.flatten(initial)):
+      out = pipe.FProp(pipe.theta, x)
+    trainable = [v for v in pipe.vars.Flatten() if v.trainable]
+    theta_vars = {k: dict(v.FlattenItems()) for k, v in pipe.theta.items()}
+    ref = TfReference(theta_vars, initial, x)
+    loss = tf.reduce_sum(out * cot)
+    ref_loss = tf.reduce_sum(ref * cot)
+    return dict(out=out, ref=ref, x=x, initial=initial, loss=loss,
+                ref_loss=ref_loss, trainable=trainable)
+
+  def Final(pipe):
+    return {k: {n: v.read_value() for n, v in child.FlattenItems()}
+            for k, child in pipe.vars.items()}
+
+  if mode == 'graph':
+    with tf.Graph().as_default():
+      pipe = p.Instantiate()
+      t = Build(pipe)
+      grads = tf.gradients(t['loss'], t['trainable'] + [t['x']])
+      ref_grads = tf.gradients(t['ref_loss'], t['trainable'] + [t['x']])
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        res = sess.run(dict(out=t['out'], ref=t['ref'], initial=t['initial'],
+                            grads=grads, ref_grads=ref_grads))
+        res['final'] = sess.run(Final(pipe))
+  else:
+    pipe = p.Instantiate()
+
+    @tf.function(jit_compile=True)
+    def Step():
+      with tf.GradientTape(persistent=True) as tape:
+        t = Build(pipe, tape.watch)
+      grads = tape.gradient(t['loss'], t['trainable'] + [t['x']])
+      ref_grads = tape.gradient(t['ref_loss'], t['trainable'] + [t['x']])
+      return dict(out=t['out'], ref=t['ref'], initial=t['initial'],
+                  grads=[tf.convert_to_tensor(g) for g in grads],
+                  ref_grads=[tf.convert_to_tensor(g) for g in ref_grads])
+
+    res = tf.nest.map_structure(lambda v: v.numpy(), Step())
+    res['final'] = tf.nest.map_structure(lambda v: v.numpy(), Final(pipe))
+
+  ref_out, ref_moving = Reference(res['initial'])
+  np.testing.assert_allclose(res['out'], ref_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(res['out'], res['ref'], rtol=1e-5, atol=1e-5)
+  for g, r in zip(res['grads'], res['ref_grads']):
+    assert np.abs(r).max() > 0
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+  for l, want in enumerate(ref_moving):
+    got = Layout(res['final'], 'moving', l)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                               err_msg=f'moving of layer {l}')
+    # Every layer saw every microbatch once: M updates, no bubble, no
+    # backward recompute counted.
+    assert Layout(res['final'], 'count', l) == num_microbatches
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))
