@@ -30,10 +30,23 @@ T = R * ceil(M / S) * S + S - 1. S=2, M=3, R=2 (cells are microbatch/repeat)::
 
 The rotating buffer needs no storage beyond [S, ...]: a microbatch leaving the
 last stage at repeat r is exactly what stage 0 needs next, at repeat r + 1.
+
+As a command, prints the schedule (and with --out draws it, see
+gpipe.schedule_plot):
+
+    python -m gpipe.schedule --stages 4 --microbatches 8 --circular-repeat 2 \
+        --out schedule.png
 """
+
+import argparse
 
 import dataclasses
 import numbers
+import sys
+
+# Step seeds one body call may draw (each py_utils.GenerateStepSeedPair takes
+# one) before its stream would run into the next (layer, microbatch)'s.
+STEP_SEEDS_PER_CALL = 1 << 12
 
 
 def _CeilDiv(a, b):
@@ -136,6 +149,15 @@ class Schedule:
       return iteration >= 0
     return iteration % (self.circular_repeat * self.num_stages) < self.num_stages
 
+  def StepSeedOffset(self, layer, microbatch):
+    """Offset of the random stream of (logical layer, microbatch).
+
+    The body's step seed for that pair is base + this offset, so its
+    dropout masks depend only on the layer, the microbatch and the base
+    seed: not on num_stages, the schedule or which device runs it.
+    """
+    return (layer * self.num_microbatches + microbatch) * STEP_SEEDS_PER_CALL
+
   # -- Per microbatch quantities.
 
   def InputIteration(self, microbatch):
@@ -153,11 +175,7 @@ class Schedule:
   # -- Static index tables (Python lists) for padding and extraction.
 
   def InputIndexPerIteration(self):
-    """For each iteration, the microbatch stage 0 reads, or M for none.
-
-    Index M points at an appended zero microbatch, so padding the inputs for
-    bubbles is a single gather.
-    """
+    """For each iteration, the microbatch stage 0 reads, or M for none."""
     table = [self.num_microbatches] * self.num_iterations
     for m in range(self.num_microbatches):
       table[self.InputIteration(m)] = m
@@ -199,3 +217,46 @@ class Schedule:
         row.append(f'{text:>{width}}')
       lines.append(f'stage {s:<4}' + ''.join(row))
     return '\n'.join(lines)
+
+
+  def Summary(self):
+    """Iterations, bubble fraction and useful work per stage, as text."""
+    useful = self.num_microbatches * self.circular_repeat
+    lines = [
+        f'{self.num_stages} stages x {self.circular_repeat} repeat(s), '
+        f'{self.num_microbatches} microbatches: {self.num_iterations} '
+        f'iterations, bubble fraction {self.bubble_fraction:.3f}'
+    ]
+    for s in range(self.num_stages):
+      lines.append(f'  stage {s}: useful work in {useful} of '
+                   f'{self.num_iterations} iterations '
+                   f'({useful / self.num_iterations:.0%})')
+    return '\n'.join(lines)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(
+      description='Print (and draw) a pipeline schedule.')
+  parser.add_argument('--stages', type=int, required=True)
+  parser.add_argument('--microbatches', type=int, required=True)
+  parser.add_argument('--circular-repeat', type=int, default=1)
+  parser.add_argument('--out', default=None,
+                      help='write a PNG diagram to this path')
+  args = parser.parse_args(argv)
+  try:
+    schedule = Schedule(args.stages, args.microbatches, args.circular_repeat)
+  except ValueError as e:
+    parser.error(str(e).replace('num_stages', '--stages').replace(
+        'num_microbatches', '--microbatches').replace('circular_repeat',
+                                                      '--circular-repeat'))
+  print(schedule.Summary())
+  print(schedule.Render())
+  if args.out:
+    from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
+    schedule_plot.Draw(schedule, args.out)
+    print(f'wrote {args.out}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

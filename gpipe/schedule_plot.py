@@ -1,0 +1,76 @@
+"""Draws a pipeline schedule as a picture: stages x iterations.
+
+    iteration ->   0    1    2    3    4    5
+    stage 0      [0]  [1]  [2]  [3]  ///  ///
+    stage 1      ///  [0]  [1]  [2]  [3]  ///      (/// = bubble)
+
+Each cell says which microbatch (and, when circular, which repeat) the stage
+works on at that iteration; cells are coloured by microbatch, bubbles are
+grey and hatched. Everything comes from the gpipe.schedule.Schedule passed
+in, the same arithmetic the layer runs (this module does not import it:
+gpipe.schedule's command imports this one).
+"""
+
+
+def CellLabels(schedule):
+  """[S][T] labels: 'm' (linear) or 'm/r' (circular), None on bubbles."""
+  table = schedule.Table()
+  labels = []
+  for stage in range(schedule.num_stages):
+    row = []
+    for iteration in range(schedule.num_iterations):
+      cell = table[iteration][stage]
+      if cell is None:
+        row.append(None)
+      elif schedule.circular:
+        row.append(f'{cell[0]}/{cell[1]}')
+      else:
+        row.append(str(cell[0]))
+    labels.append(row)
+  return labels
+
+
+def Draw(schedule, path):
+  """Writes the schedule diagram to `path` (PNG); returns CellLabels."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+
+  labels = CellLabels(schedule)
+  table = schedule.Table()
+  s_count, t_count = schedule.num_stages, schedule.num_iterations
+  width = min(max(4.0, 0.45 * t_count + 1.5), 60.0)
+  fig, ax = pyplot.subplots(figsize=(width, 0.5 * s_count + 1.2))
+  colors = pyplot.get_cmap('tab20')
+  for stage in range(s_count):
+    for iteration in range(t_count):
+      cell = table[iteration][stage]
+      y = s_count - 1 - stage
+      if cell is None:
+        ax.add_patch(
+            pyplot.Rectangle((iteration, y), 1, 1, facecolor='0.9',
+                             edgecolor='0.6', hatch='///', linewidth=0.5))
+        continue
+      ax.add_patch(
+          pyplot.Rectangle((iteration, y), 1, 1,
+                           facecolor=colors(cell[0] % 20), edgecolor='white',
+                           linewidth=1.0))
+      ax.text(iteration + 0.5, y + 0.5, labels[stage][iteration],
+              ha='center', va='center', fontsize=8)
+  ax.set_xlim(0, t_count)
+  ax.set_ylim(0, s_count)
+  ax.set_xticks([i + 0.5 for i in range(t_count)])
+  ax.set_xticklabels([str(i) for i in range(t_count)], fontsize=7)
+  ax.set_yticks([s_count - 1 - s + 0.5 for s in range(s_count)])
+  ax.set_yticklabels([f'stage {s}' for s in range(s_count)])
+  ax.set_xlabel('iteration')
+  cell_kind = 'microbatch/repeat' if schedule.circular else 'microbatch'
+  ax.set_title(
+      f'S={s_count} stages, M={schedule.num_microbatches} microbatches, '
+      f'R={schedule.circular_repeat}: {t_count} iterations, '
+      f'{schedule.bubble_fraction:.0%} bubbles (cells: {cell_kind})',
+      fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  pyplot.close(fig)
+  return labels

@@ -1,0 +1,126 @@
+"""The schedule command and diagram agree with what the layer really runs.
+
+The layer is run with a body that logs, in a non-trainable variable of its
+own, the microbatch id of every call it does real work in (bubbles leave
+state untouched). Each stage's (and repeat's) log, in iteration order, must
+be exactly the sequence of cells the diagram draws in that stage's row.
+"""
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import layers
+from gpipe import schedule as schedule_lib
+from gpipe import schedule_plot
+from lingvo.core import base_layer
+from lingvo.core import py_utils
+
+
+class RecorderBody(base_layer.BaseLayer):
+  """Identity that logs the microbatch id (per-example `tag`) it runs on."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('dim', 2, 'Feature dim.')
+    p.Define('capacity', 16, 'Longest log.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self.CreateVariable(
+        'w', py_utils.WeightParams([p.dim], py_utils.WeightInit.Constant(1.0)))
+    self.CreateVariable(
+        'log',
+        py_utils.WeightParams([p.capacity], py_utils.WeightInit.Constant(-1.0)),
+        trainable=False)
+    self.CreateVariable(
+        'cursor',
+        py_utils.WeightParams([], py_utils.WeightInit.Constant(0), tf.int32),
+        trainable=False)
+
+  def FProp(self, theta, x, tag):
+    hit = tf.equal(tf.range(self.params.capacity), theta.cursor)
+    tf.compat.v1.assign(self.vars.log, tf.where(hit, tag[0], theta.log))
+    tf.compat.v1.assign_add(self.vars.cursor, 1)
+    return x * theta.w
+
+
+def _RecordedLogs(s_count, m_count, r_count):
+  """Runs the layer once; returns its log variable [S, (R,) capacity]."""
+  batch = 2 * m_count
+  with tf.Graph().as_default():
+    layer = layers.PipelinedLayer.Params().Set(
+        name='pipe', num_stages=s_count, num_microbatches=m_count,
+        circular_repeat=r_count, unroll='never',
+        single_stage_body=RecorderBody.Params()).Instantiate()
+    # Microbatch m holds rows m, m + M, ... (gpipe.microbatch).
+    tag = tf.constant(np.arange(batch) % m_count, tf.float32)
+    out = layer.FProp(layer.theta, tf.ones([batch, 2]), tag=tag)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      sess.run(out)
+      return sess.run(layer.vars.body.log)
+
+
+@pytest.mark.parametrize('s_count,m_count,r_count',
+                         [(1, 3, 1), (4, 4, 1), (3, 4, 2), (2, 5, 3),
+                          (3, 2, 2)])
+def test_diagram_cells_are_what_the_layer_runs(tmp_path, s_count, m_count,
+                                               r_count):
+  sched = schedule_lib.Schedule(s_count, m_count, r_count)
+  labels = schedule_plot.Draw(sched, tmp_path / 'schedule.png')
+  logs = _RecordedLogs(s_count, m_count, r_count)
+  for stage in range(s_count):
+    for repeat in range(r_count):
+      drawn = []
+      for label in labels[stage]:
+        if label is None:
+          continue
+        parts = [int(v) for v in label.split('/')]
+        if (parts[1] if r_count > 1 else 0) == repeat:
+          drawn.append(parts[0])
+      log = logs[stage][repeat] if r_count > 1 else logs[stage]
+      recorded = [int(v) for v in log if v >= 0]
+      assert recorded == drawn, (stage, repeat, recorded, drawn)
+      assert sorted(drawn) == list(range(m_count))
+
+
+def test_schedule_command_prints_and_draws(tmp_path, capsys):
+  out_png = tmp_path / 'schedule.png'
+  assert schedule_lib.main([
+      '--stages', '4', '--microbatches', '8', '--circular-repeat', '2',
+      '--out', str(out_png)
+  ]) == 0
+  text = capsys.readouterr().out
+  sched = schedule_lib.Schedule(4, 8, 2)
+  assert f'{sched.num_iterations} iterations' in text
+  assert f'bubble fraction {sched.bubble_fraction:.3f}' in text
+  assert 'stage 3: useful work in 16 of 19 iterations' in text
+  assert sched.Render() in text
+  assert out_png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  from matplotlib import image  # pylint: disable=g-import-not-at-top
+  height, width = image.imread(out_png).shape[:2]
+  assert width > height > 0
+
+
+@pytest.mark.parametrize('argv,message', [
+    (['--stages', '0', '--microbatches', '4'], '--stages must be an integer'),
+    (['--stages', '2', '--microbatches', '-1'],
+     '--microbatches must be an integer'),
+    (['--stages', '2', '--microbatches', '4', '--circular-repeat', '0'],
+     '--circular-repeat must be an integer'),
+])
+def test_schedule_command_rejects_bad_configs(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    schedule_lib.main(argv)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))
