@@ -15,7 +15,7 @@ demo: $(VENV)/.installed
 	$(PY) -m gpipe.demo
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadscope tests
 
 clean:
 	rm -rf $(VENV)

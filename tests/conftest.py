@@ -1,19 +1,52 @@
-"""Test session set-up: quiet TF logs, report the largest numerical errors."""
+"""Test session set-up: quiet TF logs, report the largest numerical errors.
+
+With pytest-xdist each worker records its own largest errors; the workers
+send them to the controller, which reports the largest of all.
+"""
 
 import os
+import sys
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+
+_WORKER_ERRORS = []
+
+
+def _LocalErrors():
+  harness = sys.modules.get('tests.pipeline_harness')
+  if harness is None:
+    return {'abs': 0.0, 'rel': 0.0, 'checks': 0}
+  return harness.LargestErrors()
+
+
+def pytest_sessionfinish(session):
+  workeroutput = getattr(session.config, 'workeroutput', None)
+  if workeroutput is not None:  # an xdist worker
+    workeroutput['gpipe_errors'] = _LocalErrors()
+
+
+try:
+  import xdist  # pylint: disable=g-import-not-at-top,unused-import
+except ImportError:  # pytest would reject the xdist hook below.
+  xdist = None
+
+if xdist is not None:
+
+  def pytest_testnodedown(node, error):
+    del error
+    errors = getattr(node, 'workeroutput', {}).get('gpipe_errors')
+    if errors:
+      _WORKER_ERRORS.append(errors)
 
 
 def pytest_terminal_summary(terminalreporter):
   """Prints the largest pipelined-vs-reference errors seen in this run."""
-  import sys  # pylint: disable=g-import-not-at-top
-  harness = sys.modules.get('tests.pipeline_harness')
-  if harness is None:
-    return
-  errors = harness.LargestErrors()
-  if errors['checks']:
+  all_errors = _WORKER_ERRORS + [_LocalErrors()]
+  checks = sum(e['checks'] for e in all_errors)
+  if checks:
+    largest_abs = max(e['abs'] for e in all_errors)
+    largest_rel = max(e['rel'] for e in all_errors)
     terminalreporter.write_line(
-        f"pipelined vs reference: {errors['checks']} tensor comparisons, "
-        f"largest abs error {errors['abs']:.3g}, largest rel error "
-        f"{errors['rel']:.3g} (rel = |err| / max(|ref|, 1))")
+        f'pipelined vs reference: {checks} tensor comparisons, '
+        f'largest abs error {largest_abs:.3g}, largest rel error '
+        f'{largest_rel:.3g} (rel = |err| / max(|ref|, 1))')
