@@ -1,96 +1,136 @@
-"""Demo: pipeline a small stack of Lingvo layers, compare with running it plainly.
+"""Demo: train a pipelined Transformer LM on CPU, then show its schedule.
 
-    python -m gpipe.demo [--stages 4] [--microbatches 6] [--circular-repeat 2]
+    python -m gpipe.demo [--model lm.CopyLMSmall] [--steps 200]
+                         [--logdir DIR] [--out schedule.png]
 
-Builds a PipelinedLayer over Lingvo's FCLayer (S stages x R circular
-repeats), prints the schedule, then runs one forward+backward step in a
-tf.compat.v1.Session and prints the largest difference between the pipelined
-layer and the same weights applied layer after layer (via layer_theta).
+1. Checks the registered model params (fails fast, before building).
+2. Builds Lingvo's training graph; before the first step, checks that the
+   loss and gradients of the pipelined model equal those of the same model
+   run unpipelined (unroll='always', dropout off) and prints the largest
+   difference.
+3. Trains to global step --steps with a progress bar (loss, accuracy, step
+   time) and saves a checkpoint in --logdir (a new temporary directory by
+   default); rerunning with the same --logdir and more --steps resumes.
+4. Prints the schedule (iterations, bubble fraction, useful work per stage)
+   and draws it to --out (default: <logdir>/schedule.png).
 """
 
 import argparse
+import sys
+import tempfile
 import time
 
-import numpy as np
-
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
-import tensorflow as tf
-from gpipe import layers
-from lingvo.core import layers as lingvo_layers
+from gpipe import schedule as schedule_lib
+from gpipe import schedule_plot
+from gpipe import trainer
+from lingvo import model_registry
+import params.lm  # pylint: disable=unused-import  (registers the models)
 
 
 def _Args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--stages', type=int, default=4)
-  parser.add_argument('--microbatches', type=int, default=6)
-  parser.add_argument('--circular-repeat', type=int, default=2)
-  parser.add_argument('--batch', type=int, default=24)
-  parser.add_argument('--dim', type=int, default=16)
-  return parser.parse_args(argv)
+  parser.add_argument('--model', default='lm.CopyLMSmall',
+                      help='registered model params, e.g. lm.CopyLMSmall')
+  parser.add_argument('--steps', type=int, default=200,
+                      help='train until this global step')
+  parser.add_argument('--logdir', default=None,
+                      help='checkpoint directory (resumes from it)')
+  parser.add_argument('--out', default=None,
+                      help='schedule PNG (default <logdir>/schedule.png)')
+  parser.add_argument('--skip-check', action='store_true',
+                      help='skip the pipelined-vs-unrolled check')
+  args = parser.parse_args(argv)
+  if args.steps < 0:
+    parser.error(f'--steps must be >= 0, got {args.steps}.')
+  return parser, args
 
 
-def _PipelineParams(args):
-  body = lingvo_layers.FCLayer.Params().Set(
-      input_dim=args.dim, output_dim=args.dim, activation='TANH')
-  return layers.PipelinedLayer.Params().Set(
-      name='pipeline',
-      num_stages=args.stages,
-      num_microbatches=args.microbatches,
-      circular_repeat=args.circular_repeat,
-      single_stage_body=body,
-      unroll='never',
-      random_seed=1)
+def ModelParams(name):
+  """Registered model params, validated before anything is built."""
+  trainer.EnsureFlagsParsed()
+  try:
+    cfg = model_registry.GetParams(name, 'Train')
+  except LookupError as e:
+    known = sorted(k for k in model_registry.GetAllRegisteredClasses()
+                   if k.startswith('lm.'))
+    raise ValueError(f'Unknown model {name!r}; registered: {known}.') from e
+  validate = getattr(cfg.task.cls, 'ValidateParams', None)
+  if validate:
+    validate(cfg.task, cfg.input)
+  return cfg
 
 
-def _Sequential(layer, theta, x):
-  """The plain stack: each logical layer (repeat-major) after the other."""
-  p = layer.params
-  for r in range(p.circular_repeat):
-    for s in range(p.num_stages):
-      x = layer.body.FProp(layer.layer_theta(theta, r, s), x)
-  return x
+def StackSchedule(cfg):
+  """The schedule of the task's pipelined stack for one training batch."""
+  sp = cfg.task.stack
+  batch = cfg.input.batch_size
+  num_microbatches = sp.num_microbatches
+  if num_microbatches is None:
+    num_microbatches = batch // sp.microbatch_size if sp.microbatch_size else (
+        batch)
+  return schedule_lib.Schedule(sp.num_stages, num_microbatches,
+                               sp.circular_repeat)
 
 
 def main(argv=None):
-  args = _Args(argv)
-  p = _PipelineParams(args)
-  with tf.Graph().as_default():
-    layer = p.Instantiate()
-    sched = layer.Schedule(args.microbatches)
-    print(f'PipelinedLayer: {args.stages} stages x {args.circular_repeat} '
-          f'circular repeats = {sched.num_layers} FCLayers of width {args.dim}; '
-          f'batch {args.batch} in {args.microbatches} microbatches.')
-    print(f'{sched.num_iterations} loop iterations, bubble fraction '
-          f'{sched.bubble_fraction:.2f}. Schedule (microbatch/repeat):')
-    print(sched.Render())
+  parser, args = _Args(argv)
+  try:
+    cfg = ModelParams(args.model)
+  except ValueError as e:
+    parser.error(str(e))
+  logdir = args.logdir or tempfile.mkdtemp(prefix='gpipe_demo_')
+  out = args.out or f'{logdir}/schedule.png'
+  sched = StackSchedule(cfg)
+  sp = cfg.task.stack
+  print(f'{args.model}: {sp.num_stages} stages x {sp.circular_repeat} '
+        f'repeat(s) of {sp.single_stage_body.num_blocks} Transformer '
+        f'block(s), width {cfg.task.model_dim}; batch {cfg.input.batch_size} '
+        f'in {sched.num_microbatches} microbatches.', flush=True)
 
-    rng = np.random.RandomState(0)
-    x = tf.constant(rng.uniform(-1, 1, [args.batch, args.dim]), tf.float32)
-    cotangent = tf.constant(rng.uniform(-1, 1, [args.batch, args.dim]),
-                            tf.float32)
-    variables = layer.vars.Flatten()
-    results = {}
-    for name, fn in (('pipelined', layer.FProp), ('sequential', None)):
-      y = (fn(layer.theta, x) if fn else _Sequential(layer, layer.theta, x))
-      loss = tf.reduce_sum(y * cotangent)
-      results[name] = (y, tf.gradients(loss, variables + [x]))
+  checks = []
 
-    with tf.compat.v1.Session() as sess:
-      sess.run(tf.compat.v1.global_variables_initializer())
-      start = time.time()
-      values = sess.run(results)
-      elapsed = time.time() - start
-  (y_p, g_p), (y_s, g_s) = values['pipelined'], values['sequential']
-  fwd = float(np.abs(y_p - y_s).max())
-  bwd = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-            for a, b in zip(g_p, g_s))
-  print(f'max |pipelined - sequential|: outputs {fwd:.2e}, gradients '
-        f'(all {len(variables)} variables and the input) {bwd:.2e}')
-  print(f'(one forward+backward step of both: {elapsed:.2f} s)')
-  ok = fwd <= 1e-5 and bwd <= 1e-4
-  print('MATCH' if ok else 'MISMATCH')
-  return 0 if ok else 1
+  def CheckBeforeTraining(sess, tg):
+    total, per_device = params.lm.ParameterBytes(tg.task)
+    print(f'{total // 4:,} parameters ({total / 2**20:.2f} MiB; '
+          f'{per_device / 2**20:.2f} MiB per device when partitioned)',
+          flush=True)
+    if args.skip_check:
+      return
+    began = time.time()
+    comparison = trainer.CompareWithUnrolled(
+        cfg, trainer.InitialValues(sess, tg.task))
+    step = int(sess.run(tg.global_step))
+    print(f'pipelined vs unrolled at step {step}: {comparison.Describe()} '
+          f'[{time.time() - began:.1f} s]', flush=True)
+    checks.append(comparison)
+    if not comparison.Matches():
+      raise SystemExit('MISMATCH: the pipelined model differs from the '
+                       'unrolled one.')
+
+  began = time.time()
+  history = trainer.Train(cfg, args.steps, logdir=logdir,
+                          progress=trainer.Progress(),
+                          on_start=CheckBeforeTraining)
+  elapsed = time.time() - began
+  if history:
+    first, last = history[0], history[-1]
+    steps_seconds = sum(r.seconds for r in history)
+    print(f'trained steps {first.step}..{last.step} in {steps_seconds:.1f} s '
+          f'({elapsed:.1f} s with building and checking): loss '
+          f'{first.loss:.4f} -> {last.loss:.4f}, accuracy '
+          f'{first.accuracy:.3f} -> {last.accuracy:.3f}')
+  else:
+    print(f'nothing to train: {logdir} is already at step >= {args.steps}; '
+          'pass a larger --steps to continue.')
+  print(f'checkpoint in {logdir} (continue with --logdir {logdir} --steps '
+        f'{args.steps * 2 or 100})')
+  print(sched.Summary())
+  print(sched.Render())
+  schedule_plot.Draw(sched, out)
+  print(f'wrote {out}')
+  return 0
 
 
 if __name__ == '__main__':
-  raise SystemExit(main())
+  sys.exit(main())

@@ -771,6 +771,27 @@ class PipelinedLayer(base_layer.BaseLayer):
 LayerwiseShardablePipelinedLayer = PipelinedLayer
 
 
+def ValidateParams(p, batch_size=None):
+  """Checks PipelinedLayer params without building anything.
+
+  Model params call this to fail fast, before a graph exists; the layer
+  itself checks the same when it is instantiated (and the batch split when
+  it runs).
+
+  Args:
+    p: PipelinedLayer params.
+    batch_size: if given, also checks that it splits into the configured
+      microbatches.
+
+  Raises:
+    ValueError: naming the parameter and the fix.
+  """
+  _ValidateParams(p)
+  if batch_size is not None:
+    microbatch.ResolveNumMicrobatches(batch_size, p.num_microbatches,
+                                      p.microbatch_size)
+
+
 def _ValidateParams(p):
   """Raises ValueError naming the parameter for every bad combination."""
   if not isinstance(p.num_stages, int) or p.num_stages < 1:

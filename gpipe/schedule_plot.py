@@ -40,7 +40,7 @@ def Draw(schedule, path):
   table = schedule.Table()
   s_count, t_count = schedule.num_stages, schedule.num_iterations
   width = min(max(4.0, 0.45 * t_count + 1.5), 60.0)
-  fig, ax = pyplot.subplots(figsize=(width, 0.5 * s_count + 1.2))
+  fig, ax = pyplot.subplots(figsize=(width, 0.5 * s_count + 1.5))
   colors = pyplot.get_cmap('tab20')
   for stage in range(s_count):
     for iteration in range(t_count):
@@ -67,8 +67,8 @@ def Draw(schedule, path):
   cell_kind = 'microbatch/repeat' if schedule.circular else 'microbatch'
   ax.set_title(
       f'S={s_count} stages, M={schedule.num_microbatches} microbatches, '
-      f'R={schedule.circular_repeat}: {t_count} iterations, '
-      f'{schedule.bubble_fraction:.0%} bubbles (cells: {cell_kind})',
+      f'R={schedule.circular_repeat}: {t_count} iterations\n'
+      f'{schedule.bubble_fraction:.0%} bubbles (hatched); cells: {cell_kind}',
       fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=100)

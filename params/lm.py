@@ -1,0 +1,363 @@
+"""Lingvo model params: a decoder-only Transformer LM whose stack is pipelined.
+
+The task is synthetic and needs real learning: copy a random sequence.
+
+    ids:     t0 t1 ... tL-1 SEP t0 t1 ... tL-1
+    input:   t0 t1 ... tL-1 SEP t0 ... tL-2
+    label:   t1 t2 ...  SEP  t0 t1 ... tL-1
+    weight:  0  0  ...   0   1  1  ...  1      (only the copy is scored)
+
+The tokens are uniform, so the scored positions start at log(vocab - 2) nats
+and fall only when attention learns to look L + 1 positions back.
+
+Registered models (`model_registry.GetParams('lm.<Name>', 'Train')`):
+
+  CopyLMSmall: 4 stages x 1 block, width 64, trains on a 2-core CPU in about
+      a minute.
+  CopyLMPod8x2: 8 stages x 2 circular repeats x 2 blocks (32 blocks, width
+      4096: about 6.2 billion parameters), `shard_stages_1d` over 8 devices.
+      Each device holds one stage's 2 x 2 blocks; embedding and softmax are
+      replicated. See `ParameterBytes`.
+"""
+
+import math
+
+import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import layers as gpipe_layers
+from lingvo import compat as tf
+from lingvo import model_registry
+from lingvo.core import base_input_generator
+from lingvo.core import base_layer
+from lingvo.core import base_model
+from lingvo.core import base_model_params
+from lingvo.core import layers
+from lingvo.core import layers_with_attention
+from lingvo.core import optimizer
+from lingvo.core import py_utils
+from lingvo.core import schedule
+
+PAD_ID = 0
+SEP_ID = 1
+FIRST_TOKEN_ID = 2
+
+
+class CopyTaskInput(base_input_generator.BaseInputGenerator):
+  """Random sequences to copy, a deterministic function of the global step.
+
+  Batch b of step s is the same however training was interrupted and
+  resumed, so a restored checkpoint continues on exactly the data it would
+  have seen.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('vocab_size', 16, 'Vocabulary, including PAD and SEP.')
+    p.Define('copy_length', 8, 'L: tokens to copy; sequences are 2L long.')
+    p.Define('data_seed', 1234, 'Seed of the stateless random tokens.')
+    p.batch_size = 32
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.ValidateParams(self.params)
+
+  @classmethod
+  def ValidateParams(cls, p):
+    if p.vocab_size <= FIRST_TOKEN_ID:
+      raise ValueError(f'CopyTaskInput: vocab_size={p.vocab_size} leaves no '
+                       f'tokens besides PAD and SEP; use at least '
+                       f'{FIRST_TOKEN_ID + 1}.')
+    if p.copy_length < 1:
+      raise ValueError(f'CopyTaskInput: copy_length={p.copy_length} must be '
+                       'at least 1.')
+    if p.batch_size < 1:
+      raise ValueError(f'CopyTaskInput: batch_size={p.batch_size} must be '
+                       'at least 1.')
+
+  def _InputBatch(self):
+    p = self.params
+    step = _GlobalStepOrZero()
+    seed = tf.stack([tf.constant(p.data_seed, tf.int64), tf.cast(step,
+                                                                  tf.int64)])
+    return MakeCopyBatch(seed, p.batch_size, p.copy_length, p.vocab_size)
+
+
+def MakeCopyBatch(seed, batch_size, copy_length, vocab_size):
+  """The copy-task batch for a [2] int64 stateless seed (see module doc)."""
+  tokens = tf.random.stateless_uniform([batch_size, copy_length], seed,
+                                       minval=FIRST_TOKEN_ID,
+                                       maxval=vocab_size, dtype=tf.int32)
+  sep = tf.fill([batch_size, 1], SEP_ID)
+  ids = tf.concat([tokens, sep, tokens], axis=1)
+  seq_len = 2 * copy_length
+  weights = tf.concat([tf.zeros([batch_size, copy_length]),
+                       tf.ones([batch_size, copy_length])], axis=1)
+  return py_utils.NestedMap(
+      ids=ids[:, :seq_len],
+      labels=ids[:, 1:],
+      weights=weights,
+      paddings=tf.zeros([batch_size, seq_len]))
+
+
+def _GlobalStepOrZero():
+  step = py_utils.GetGlobalStep()
+  return tf.constant(0, tf.int64) if step is None else step
+
+
+class StageBlocks(base_layer.BaseLayer):
+  """One pipeline stage: k causal Transformer blocks, batch-major in and out.
+
+  The pipeline microbatches along the leading (batch) dim, so a stage takes
+  and returns ([batch, time, dim], [batch, time]); Lingvo's TransformerLayer
+  is time-major, so the stage transposes around its blocks.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('num_blocks', 1, 'Transformer blocks in one stage.')
+    p.Define('block_tpl', None, 'Params of one block (TransformerLayer).')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if p.num_blocks < 1:
+      raise ValueError(f'StageBlocks: num_blocks={p.num_blocks} must be at '
+                       'least 1.')
+    self.CreateChildren('blocks', [
+        p.block_tpl.Copy().Set(name=f'block_{i}') for i in range(p.num_blocks)
+    ])
+
+  def FProp(self, theta, inputs, paddings):
+    x = tf.transpose(inputs, [1, 0, 2])
+    time_major_paddings = tf.transpose(paddings)
+    for block, block_theta in zip(self.blocks, theta.blocks):
+      x, _ = block.FProp(block_theta, x, time_major_paddings)
+    return tf.transpose(x, [1, 0, 2]), paddings
+
+
+def CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob):
+  """A pre-LN causal self-attention + feed-forward block.
+
+  Dropout is Lingvo's deterministic (stateless) kind, seeded by the global
+  step: a run resumed from a checkpoint draws the masks it would have drawn
+  had it never stopped.
+  """
+  p = layers_with_attention.TransformerLayer.Params().Set(
+      source_dim=model_dim, output_dim=model_dim, is_decoder=False)
+  p.tr_atten_tpl.Set(num_attention_heads=num_heads, is_masked=True,
+                     residual_dropout_prob=dropout_prob,
+                     atten_dropout_prob=dropout_prob,
+                     residual_dropout_tpl=_DeterministicDropout())
+  p.tr_atten_tpl.atten_tpl.atten_dropout_deterministic = True
+  p.tr_fflayer_tpl.Set(hidden_dim=hidden_dim,
+                       residual_dropout_prob=dropout_prob,
+                       relu_dropout_prob=dropout_prob)
+  p.tr_fflayer_tpl.fflayer_tpl.dropout = _DeterministicDropout()
+  p.tr_fflayer_tpl.residual_dropout_tpl = _DeterministicDropout()
+  return p
+
+
+def _DeterministicDropout():
+  return layers.DeterministicDropoutLayer.Params()
+
+
+class PipelinedLMTask(base_model.BaseTask):
+  """Decoder-only LM: embedding -> pipelined Transformer stack -> softmax."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('vocab_size', 16, 'Vocabulary size.')
+    p.Define('model_dim', 64, 'Width of the residual stream.')
+    p.Define('max_seq_len', 64, 'Longest sequence (learned positions).')
+    p.Define('input_dropout_prob', 0.0, 'Dropout on the embeddings.')
+    p.Define('stack', None, 'PipelinedLayer params; its single_stage_body '
+             'takes and returns (activations [b, t, d], paddings [b, t]).')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self.ValidateParams(p, p.input)
+    init = py_utils.WeightInit.Gaussian(1.0 / math.sqrt(p.model_dim))
+    self.CreateChild('emb', layers.SimpleEmbeddingLayer.Params().Set(
+        vocab_size=p.vocab_size, embedding_dim=p.model_dim,
+        params_init=init))
+    self.CreateChild('pos_emb', layers.SimpleEmbeddingLayer.Params().Set(
+        vocab_size=p.max_seq_len, embedding_dim=p.model_dim,
+        params_init=init))
+    self.CreateChild('input_dropout', _DeterministicDropout().Set(
+        keep_prob=1.0 - p.input_dropout_prob))
+    self.CreateChild('stack', p.stack)
+    self.CreateChild('final_ln', layers.LayerNorm.Params().Set(
+        input_dim=p.model_dim))
+    self.CreateChild('softmax', layers.SimpleFullSoftmax.Params().Set(
+        input_dim=p.model_dim, num_classes=p.vocab_size))
+
+  @classmethod
+  def ValidateParams(cls, p, input_p):
+    """Clear errors for configs that cannot work, before any graph exists.
+
+    Args:
+      p: this task's params.
+      input_p: the input generator params it will be trained on, or None.
+
+    Raises:
+      ValueError: naming the parameter and the fix.
+    """
+    if p.stack is None:
+      raise ValueError('PipelinedLMTask: set p.stack to PipelinedLayer '
+                       'params (see CopyLMParams).')
+    if p.model_dim < 1 or p.vocab_size < 1:
+      raise ValueError(f'PipelinedLMTask: model_dim={p.model_dim} and '
+                       f'vocab_size={p.vocab_size} must be positive.')
+    batch_size = None
+    if input_p is not None:
+      input_p.cls.ValidateParams(input_p)
+      seq_len = 2 * input_p.copy_length
+      if seq_len > p.max_seq_len:
+        raise ValueError(f'PipelinedLMTask: sequences of length {seq_len} '
+                         f'(2 * input.copy_length) exceed max_seq_len='
+                         f'{p.max_seq_len}; raise max_seq_len.')
+      if input_p.vocab_size != p.vocab_size:
+        raise ValueError(f'PipelinedLMTask: input.vocab_size='
+                         f'{input_p.vocab_size} differs from vocab_size='
+                         f'{p.vocab_size}; set both to the same value.')
+      batch_size = input_p.batch_size
+    gpipe_layers.ValidateParams(p.stack, batch_size)
+
+  def ComputePredictions(self, theta, input_batch):
+    ids = input_batch.ids
+    seq_len = py_utils.GetShape(ids)[1]
+    x = self.emb.EmbLookup(theta.emb, ids)
+    x += self.pos_emb.EmbLookup(theta.pos_emb, tf.range(seq_len))[None]
+    x = self.input_dropout.FProp(theta.input_dropout, x)
+    x, _ = self.stack.FProp(theta.stack, x, input_batch.paddings)
+    x = self.final_ln.FProp(theta.final_ln, x)
+    batch, seq_len, dim = py_utils.GetShape(x)
+    logits = self.softmax.Logits(theta.softmax, tf.reshape(x, [-1, dim]))
+    logits = tf.reshape(logits, [batch, seq_len, -1])
+    return py_utils.NestedMap(logits=logits)
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    weights = input_batch.weights * (1.0 - input_batch.paddings)
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=input_batch.labels, logits=predictions.logits)
+    num_scored = tf.reduce_sum(weights)
+    loss = tf.reduce_sum(xent * weights) / num_scored
+    correct = tf.cast(
+        tf.equal(tf.argmax(predictions.logits, -1, output_type=tf.int32),
+                 input_batch.labels), tf.float32)
+    accuracy = tf.reduce_sum(correct * weights) / num_scored
+    return {'loss': (loss, num_scored), 'accuracy': (accuracy, num_scored)}, {}
+
+
+def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
+                 hidden_dim, blocks_per_stage, num_stages, circular_repeat,
+                 num_microbatches, dropout_prob, shard_stages_1d,
+                 learning_rate, max_seq_len=64):
+  """Task params of the pipelined copy LM (without input params)."""
+  if model_dim % num_heads:
+    raise ValueError(f'CopyLMParams: model_dim={model_dim} is not divisible '
+                     f'by num_heads={num_heads}; pick a divisor.')
+  block = CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob)
+  stage = StageBlocks.Params().Set(num_blocks=blocks_per_stage,
+                                   block_tpl=block)
+  stack = gpipe_layers.PipelinedLayer.Params().Set(
+      name='stack', num_stages=num_stages, single_stage_body=stage,
+      circular_repeat=circular_repeat, num_microbatches=num_microbatches,
+      shard_stages_1d=shard_stages_1d, unroll='never')
+  p = PipelinedLMTask.Params().Set(
+      name=name, vocab_size=vocab_size, model_dim=model_dim, stack=stack,
+      max_seq_len=max_seq_len, input_dropout_prob=dropout_prob)
+  tp = p.train
+  tp.learning_rate = learning_rate
+  tp.optimizer = optimizer.Adam.Params().Set(beta1=0.9, beta2=0.98)
+  tp.lr_schedule = schedule.LinearRampupExponentialDecay.Params().Set(
+      warmup=50, decay_start=100000, decay_end=200000, min=1.0)
+  tp.clip_gradient_norm_to_value = 1.0
+  tp.grad_norm_tracker = None
+  return p
+
+
+@model_registry.RegisterSingleTaskModel
+class CopyLMSmall(base_model_params.SingleTaskModelParams):
+  """Small default: 4 stages x 1 block of width 64; about a minute on CPU.
+
+  Batch 32 in 4 microbatches of 8, so the 4-stage pipeline runs
+  4 + 4 - 1 = 7 iterations a step (bubble fraction 3/7).
+  """
+  VOCAB_SIZE = 16
+  COPY_LENGTH = 8
+
+  def Train(self):
+    return CopyTaskInput.Params().Set(
+        vocab_size=self.VOCAB_SIZE, copy_length=self.COPY_LENGTH,
+        batch_size=32, data_seed=1234)
+
+  def Test(self):
+    return self.Train().Set(data_seed=4321)
+
+  def Task(self):
+    return CopyLMParams(
+        vocab_size=self.VOCAB_SIZE, model_dim=64, num_heads=4, hidden_dim=128,
+        blocks_per_stage=1, num_stages=4, circular_repeat=1,
+        num_microbatches=4, dropout_prob=0.0, shard_stages_1d=False,
+        learning_rate=3e-3, max_seq_len=2 * self.COPY_LENGTH)
+
+
+@model_registry.RegisterSingleTaskModel
+class CopyLMPod8x2(base_model_params.SingleTaskModelParams):
+  """Pod slice: 8 stages x 2 circular repeats x 2 blocks of width 4096.
+
+  Expects 8 devices along the stage dim (`shard_stages_1d`; a 1-D mesh
+  [0..7], e.g. a TPU v4-16 slice or v5e-8): stage-stacked weights of shape
+  [8, 2, ...] are split on their first dim, so device s holds the 2 x 2
+  blocks of stage s (about 0.74 billion parameters) plus the replicated
+  embeddings and softmax. 32 microbatches of 8 sequences: iterations
+  = 2 * 32 + 8 - 1 = 71, bubble fraction 7/71.
+  """
+  VOCAB_SIZE = 32000
+  COPY_LENGTH = 512
+
+  def Train(self):
+    return CopyTaskInput.Params().Set(
+        vocab_size=self.VOCAB_SIZE, copy_length=self.COPY_LENGTH,
+        batch_size=256)
+
+  def Test(self):
+    return self.Train().Set(data_seed=4321)
+
+  def Task(self):
+    return CopyLMParams(
+        vocab_size=self.VOCAB_SIZE, model_dim=4096, num_heads=32,
+        hidden_dim=16384, blocks_per_stage=2, num_stages=8, circular_repeat=2,
+        num_microbatches=32, dropout_prob=0.1, shard_stages_1d=True,
+        learning_rate=1e-4, max_seq_len=2 * self.COPY_LENGTH)
+
+
+def ParameterBytes(task):
+  """(total bytes, bytes one device holds) of a built task's variables.
+
+  Variables of the pipelined stack's stage-stacked body are split on their
+  stage dim over the stage devices (when the stack shards stages); all
+  other variables are replicated.
+  """
+  stack = task.stack
+  sp = stack.params
+  num_stage_devices = 1
+  if sp.shard_stages_1d:
+    num_stage_devices = sp.num_stages
+  elif sp.pipeline_stage_mesh_dim is not None:
+    num_stage_devices = sp.num_stages
+  stage_vars = {id(v) for v in stack.vars.Flatten()}
+  total = per_device = 0
+  for v in task.vars.Flatten():
+    nbytes = v.shape.num_elements() * v.dtype.size
+    total += nbytes
+    per_device += (nbytes // num_stage_devices
+                   if id(v) in stage_vars else nbytes)
+  return total, per_device

@@ -1,0 +1,220 @@
+"""The Lingvo model params in params/lm.py, the trainer and the demo."""
+
+import os
+import re
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import demo
+from gpipe import trainer
+from lingvo import model_registry
+from lingvo.core import base_model
+import params.lm as lm
+
+trainer.EnsureFlagsParsed()
+
+
+def _TinyCfg(*, num_stages=2, circular_repeat=1, num_microbatches=3,
+             batch_size=6, dropout_prob=0.0, copy_length=3, vocab_size=8,
+             learning_rate=3e-3, model_dim=16):
+  task = lm.CopyLMParams(
+      vocab_size=vocab_size, model_dim=model_dim, num_heads=2, hidden_dim=32,
+      blocks_per_stage=1, num_stages=num_stages,
+      circular_repeat=circular_repeat, num_microbatches=num_microbatches,
+      dropout_prob=dropout_prob, shard_stages_1d=False,
+      learning_rate=learning_rate, max_seq_len=2 * copy_length)
+  cfg = base_model.SingleTaskModel.Params(task)
+  cfg.input = lm.CopyTaskInput.Params().Set(
+      vocab_size=vocab_size, copy_length=copy_length, batch_size=batch_size)
+  return cfg
+
+
+# -- The data. ----------------------------------------------------------------
+
+
+def test_copy_batch_scores_exactly_the_copied_half():
+  length = 5
+  with tf.Graph().as_default():
+    batch = lm.MakeCopyBatch(tf.constant([3, 7], tf.int64), 4, length, 11)
+    with tf.compat.v1.Session() as sess:
+      b = sess.run(batch)
+  tokens = b.ids[:, :length]
+  assert b.ids.shape == b.labels.shape == b.weights.shape == (4, 2 * length)
+  assert ((tokens >= lm.FIRST_TOKEN_ID) & (tokens < 11)).all()
+  np.testing.assert_array_equal(b.ids[:, length], np.full(4, lm.SEP_ID))
+  np.testing.assert_array_equal(b.labels[:, :length - 1], tokens[:, 1:])
+  np.testing.assert_array_equal(b.labels[:, length - 1], np.full(4, lm.SEP_ID))
+  np.testing.assert_array_equal(b.labels[:, length:], tokens)
+  np.testing.assert_array_equal(b.weights[:, :length], 0)
+  np.testing.assert_array_equal(b.weights[:, length:], 1)
+  np.testing.assert_array_equal(b.paddings, 0)
+
+
+def test_copy_batch_depends_only_on_the_seed():
+  with tf.Graph().as_default():
+    seed = tf.compat.v1.placeholder(tf.int64, [2])
+    ids = lm.MakeCopyBatch(seed, 4, 6, 50).ids
+    with tf.compat.v1.Session() as sess:
+      a, b, c = (sess.run(ids, {seed: s}) for s in ([1, 5], [1, 5], [1, 6]))
+  np.testing.assert_array_equal(a, b)
+  assert (a != c).any()
+
+
+# -- Registered params. -------------------------------------------------------
+
+
+def test_registered_models_are_found_by_name():
+  for name in ('lm.CopyLMSmall', 'lm.CopyLMPod8x2'):
+    cfg = model_registry.GetParams(name, 'Train')
+    assert cfg.task.cls is lm.PipelinedLMTask
+    assert cfg.input.cls is lm.CopyTaskInput
+
+
+def test_pod_config_builds_its_graph_on_cpu_and_reports_bytes_per_device():
+  # The forward graph only (about 20 s; with the backward pass, about 60 s).
+  cfg = model_registry.GetParams('lm.CopyLMPod8x2', 'Train')
+  sp = cfg.task.stack
+  assert (sp.num_stages, sp.circular_repeat, sp.shard_stages_1d) == (8, 2, True)
+  with tf.Graph().as_default():
+    task = cfg.Instantiate().GetTask()
+    metrics, _ = task.FPropDefaultTheta()
+    assert metrics['loss'][0].shape.rank == 0
+    total, per_device = lm.ParameterBytes(task)
+    # Independently of ParameterBytes: from the variables' names and shapes.
+    variables = task.vars.Flatten()
+  stacked = replicated = 0
+  for v in variables:
+    nbytes = int(np.prod(v.shape.as_list())) * 4
+    if '/stack/' in v.name:
+      assert v.shape.as_list()[:2] == [8, 2], v.name
+      stacked += nbytes
+    else:
+      replicated += nbytes
+  assert total == stacked + replicated
+  assert per_device == replicated + stacked // 8
+  num_params = total // 4
+  assert 6e9 < num_params < 8e9, num_params
+  print(f'CopyLMPod8x2: {num_params / 1e9:.2f}B parameters, '
+        f'{total / 2**30:.1f} GiB; one of 8 devices holds '
+        f'{per_device / 2**30:.2f} GiB')
+
+
+# -- Fail fast. ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize('change, message', [
+    (lambda c: c.input.Set(batch_size=7), 'num_microbatches=3'),
+    (lambda c: c.input.Set(copy_length=9), 'max_seq_len'),
+    (lambda c: c.input.Set(vocab_size=9), 'vocab_size'),
+    (lambda c: c.input.Set(vocab_size=2), 'vocab_size=2'),
+    (lambda c: c.task.stack.Set(circular_repeat=0), 'circular_repeat'),
+    (lambda c: c.task.stack.Set(shard_stages_1d=True,
+                                pipeline_stage_mesh_dim=0), 'shard_stages_1d'),
+])
+def test_bad_configs_fail_before_any_graph_is_built(change, message):
+  cfg = _TinyCfg()
+  change(cfg)
+  with tf.Graph().as_default() as graph:
+    with pytest.raises(ValueError, match=message):
+      cfg.task.cls.ValidateParams(cfg.task, cfg.input)
+    assert not graph.get_operations()
+
+
+def test_heads_must_divide_the_width():
+  with pytest.raises(ValueError, match='num_heads=3'):
+    lm.CopyLMParams(vocab_size=8, model_dim=16, num_heads=3, hidden_dim=8,
+                    blocks_per_stage=1, num_stages=2, circular_repeat=1,
+                    num_microbatches=2, dropout_prob=0.0,
+                    shard_stages_1d=False, learning_rate=1e-3)
+
+
+def test_demo_rejects_an_unknown_model_and_negative_steps(capsys):
+  for argv, message in ((['--model', 'lm.Nope'], 'lm.CopyLMSmall'),
+                        (['--steps', '-1'], '--steps')):
+    with pytest.raises(SystemExit):
+      demo.main(argv)
+    assert message in capsys.readouterr().err
+
+
+# -- Init equivalence. --------------------------------------------------------
+
+
+@pytest.mark.parametrize('num_stages, circular_repeat, num_microbatches', [
+    (1, 1, 2), (2, 1, 3), (2, 2, 3)])
+def test_pipelined_lm_equals_unrolled_at_init(num_stages, circular_repeat,
+                                              num_microbatches):
+  cfg = _TinyCfg(num_stages=num_stages, circular_repeat=circular_repeat,
+                 num_microbatches=num_microbatches, dropout_prob=0.1)
+  comparison = trainer.CompareWithUnrolled(cfg)
+  assert comparison.num_variables > 0
+  assert comparison.Matches(), comparison.Describe()
+
+
+def test_without_dropout_zeroes_every_dropout_param():
+  p = trainer.WithoutDropout(_TinyCfg(dropout_prob=0.3).task)
+  seen = []
+
+  def Walk(params):
+    for name, value in params.IterParams():
+      if hasattr(value, 'IterParams'):
+        Walk(value)
+      elif name.endswith('dropout_prob') or name == 'keep_prob':
+        seen.append((name, value))
+
+  Walk(p)
+  assert seen
+  assert all(v == (1.0 if n == 'keep_prob' else 0.0) for n, v in seen), seen
+
+
+# -- Training and checkpoints. ------------------------------------------------
+
+
+def test_training_lowers_the_loss():
+  cfg = _TinyCfg(learning_rate=1e-2, model_dim=32)
+  history = trainer.Train(cfg, steps=80)
+  first = np.mean([r.loss for r in history[:5]])
+  last = np.mean([r.loss for r in history[-5:]])
+  assert last < 0.5 * first, (first, last)
+
+
+def test_resuming_from_a_checkpoint_continues_as_if_never_stopped(tmp_path):
+  cfg = _TinyCfg(dropout_prob=0.1)
+  straight_dir, resumed_dir = str(tmp_path / 'a'), str(tmp_path / 'b')
+  straight = trainer.Train(cfg, steps=6, logdir=straight_dir, save_every=3)
+  # Resume from the step-3 checkpoint the uninterrupted run wrote.
+  os.makedirs(resumed_dir)
+  tf.compat.v1.train.update_checkpoint_state(
+      resumed_dir, os.path.join(straight_dir, 'ckpt-3'))
+  resumed = trainer.Train(cfg, steps=6, logdir=resumed_dir)
+  assert [r.step for r in straight] == list(range(6))
+  assert [r.step for r in resumed] == [3, 4, 5]
+  np.testing.assert_allclose([r.loss for r in resumed],
+                             [r.loss for r in straight[3:]], rtol=1e-6)
+  # The losses moved, so equality above is not trivial.
+  assert len({round(r.loss, 6) for r in straight}) > 1
+  assert tf.train.latest_checkpoint(resumed_dir).endswith('b/ckpt-6')
+
+
+def test_demo_trains_checks_and_draws_the_schedule(tmp_path, capsys):
+  out = tmp_path / 'schedule.png'
+  assert demo.main(['--steps', '3', '--logdir', str(tmp_path / 'run'),
+                    '--out', str(out)]) == 0
+  text = capsys.readouterr().out
+  assert 'pipelined vs unrolled at step 0' in text
+  # The check ran on the training model's own weights and first batch: its
+  # loss is the loss of training step 0.
+  checked = float(re.search(r'loss pipelined ([0-9.]+)', text).group(1))
+  first = float(re.search(r'loss ([0-9.]+) -> ', text).group(1))
+  assert abs(checked - first) < 1e-4, (checked, first)
+  assert 'trained steps 0..2' in text
+  assert 'bubble fraction 0.429' in text  # 4 stages, 4 microbatches: 3/7
+  assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert os.path.exists(str(tmp_path / 'run' / 'ckpt-3.index'))
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))
