@@ -181,6 +181,134 @@ class PipelinedLayer(base_layer.BaseLayer):
     return tf.nest.map_structure(_Slice, theta.body)
 
   # ---------------------------------------------------------------------------
+  # Per-stage states (incremental decoding).
+
+  def BodyFPropNoMicrobatching(self, theta, fn_name, *args, **kwargs):
+    """Runs body method `fn_name` for every stage on the whole batch.
+
+    For methods such as 'InitStates' that make per-stage states: stage s
+    runs with its own weights (repeat 0 when circular), and every output
+    gets a leading [num_stages] dim.
+
+    Args:
+      theta: the stage-stacked body weights, `theta.body` (as in Lingvo's
+        layer), or this layer's theta.
+      fn_name: the body method.
+      *args: passed to every stage as they are.
+      **kwargs: passed to every stage as they are.
+
+    Returns:
+      (outputs with a leading [num_stages] dim, a no-op), the pair Lingvo's
+      layer returns.
+    """
+    p = self.params
+    fn = getattr(self._body, fn_name)
+    layer_theta = self._AsLayerTheta(theta)
+    if p.stage_parallel_body is not None:
+      stacked = layer_theta.body
+      if p.circular_repeat > 1:
+        stacked = tf.nest.map_structure(lambda t: t[0], stacked)
+      out = fn(stacked, *args, **kwargs)
+    else:
+      per_stage = []
+      for stage in range(p.num_stages):
+        with tf.name_scope(f'stage_{stage:03d}'):
+          per_stage.append(
+              fn(self.layer_theta(layer_theta, 0, stage), *args, **kwargs))
+      out = tf.nest.map_structure(lambda *xs: tf.stack(xs), *per_stage)
+    out = _MapTensor(lambda t: self._SplitStages(t, 0), out)
+    return out, tf.no_op()
+
+  def _AsLayerTheta(self, theta):
+    """This layer's theta from either it or its `body` child's theta."""
+    if self.params.per_stage_vars:
+      return theta
+    if isinstance(theta, NestedMap) and set(theta.keys()) == {'body'}:
+      return theta
+    return NestedMap(body=theta)
+
+  def MicrobatchStates(self, per_stage_states):
+    """[S, B, ...] states of the whole batch -> [M, S, B/M, ...].
+
+    Microbatch m holds the same examples as the layer's inputs' microbatch m.
+    """
+    p = self.params
+
+    def Split(x):
+      if not microbatch.IsTensor(x):
+        return x
+      batch = x.shape.as_list()[1]
+      num_mb, split = microbatch.ResolveNumMicrobatches(
+          batch, p.num_microbatches, p.microbatch_size)
+      if not split:
+        raise ValueError(
+            'MicrobatchStates needs num_microbatches or microbatch_size to '
+            'split the batch; with neither set, states are already '
+            '[M, num_stages, ...]: pass them to PadMicrobatches directly.')
+      perm = [1, 0] + list(range(2, x.shape.rank))
+      mb = microbatch.ToMicrobatches(tf.transpose(x, perm), num_mb)
+      return tf.transpose(mb, [0, 2, 1] + list(range(3, mb.shape.rank)))
+
+    return tf.nest.map_structure(Split, per_stage_states)
+
+  def PadMicrobatches(self, x):
+    """[M, S, ...] per-(microbatch, stage) states -> [T, S, ...] state slots.
+
+    Slot [i, s] is the state stage s reads and writes at iteration i: that
+    of the microbatch it works on then (and, when circular, every repeat of
+    stage s starts from the same [m, s] state). S=3, M=4, R=1, cells are
+    the microbatch whose state the slot holds::
+
+        iteration  0  1  2  3  4  5
+        stage 0    0  1  2  3  .  .
+        stage 1    .  0  1  2  3  .
+        stage 2    .  .  0  1  2  3      ('.' = bubble: never written)
+
+    S=2, M=2, R=2 (cells: microbatch/repeat; repeats keep separate slots)::
+
+        iteration    0    1    2    3    4
+        stage 0    0/0  1/0  0/1  1/1    .
+        stage 1      .  0/0  1/0  0/1  1/1
+
+    The padded states are opaque to the caller: pass them to FPropFn call
+    after call; UnpadStates gives each layer's state back.
+    """
+    if not microbatch.IsTensor(x):
+      return tf.nest.map_structure(self.PadMicrobatches, x)
+    sched = self.Schedule(x.shape.as_list()[0])
+    return self._SplitStages(microbatch.PadStates(x, sched), 1)
+
+  def UnpadStates(self, padded, num_microbatches=None):
+    """[T, S, ...] state slots -> [R * S, B, ...]: each layer's state.
+
+    The inverse of PadMicrobatches(MicrobatchStates(.)), per logical layer
+    (repeat-major) and on the whole batch again.
+
+    Args:
+      padded: states as FPropFn returns them (a tensor or a structure).
+      num_microbatches: M; defaults to p.num_microbatches.
+    """
+    p = self.params
+    num_mb = num_microbatches or p.num_microbatches
+    if num_mb is None:
+      raise ValueError('UnpadStates needs num_microbatches when the layer\'s '
+                       'num_microbatches param is not set.')
+    sched = self.Schedule(num_mb)
+
+    def Unpad(x):
+      if not microbatch.IsTensor(x):
+        return x
+      per_layer = microbatch.UnpadStates(x, sched)  # [M, L, B/M, ...]
+      rank = per_layer.shape.rank
+      if rank < 3:
+        return tf.transpose(per_layer, [1, 0])
+      whole = microbatch.ToBatch(
+          tf.transpose(per_layer, [0, 2, 1] + list(range(3, rank))))
+      return tf.transpose(whole, [1, 0] + list(range(2, rank - 1)))
+
+    return tf.nest.map_structure(Unpad, padded)
+
+  # ---------------------------------------------------------------------------
   # Forward.
 
   def FProp(self, theta, *args, **kwargs):
@@ -191,48 +319,88 @@ class PipelinedLayer(base_layer.BaseLayer):
               kwargs_no_batch=None, **kwargs):
     """Runs body method `fn_name` over the pipeline.
 
+    With per-stage states (incremental decoding), the body method is called
+    as fn(theta, *args, *states, **kwargs) and returns (*args', *states'):
+    every stage keeps its own state for each microbatch it works on. A
+    decoding step, with `cache` from PadMicrobatches (see there for the
+    layout):
+
+        y, cache = layer.FPropFn(theta, 'ExtendStep', x_t,
+                                 padded_per_stage_states=[cache],
+                                 kwargs_no_batch={'time_step': t})
+
     Args:
       theta: this layer's theta.
-      fn_name: the body method to run, e.g. 'FProp'.
+      fn_name: the body method to run, e.g. 'FProp' or 'ExtendStep'.
       *args: tensors, tuples or NestedMaps (None entries allowed) with the
         batch as leading dim; the body method returns the same structure.
-      padded_per_stage_states: must be [] for now.
-      kwargs_no_batch: passed to every stage unsliced.
+      padded_per_stage_states: a list of states (tensors or NestedMaps) with
+        leading dims [num_iterations, num_stages], as PadMicrobatches makes
+        them. With unroll, a list of per-layer lists instead: entry k is
+        [state of layer 0, ..., state of layer R * S - 1] on the whole
+        batch, as the body's own method makes them (see layer_theta).
+      kwargs_no_batch: passed to every stage unsliced (e.g. time_step).
       **kwargs: per-example tensors (leading batch dim), microbatched like
         args: each stage sees its own microbatch's slice.
 
     Returns:
       The outputs, in the structure of args (a single arg is not wrapped).
+      With states, pipelined: (*outputs, *updated padded states); unrolled:
+      (outputs, updated per-layer lists), as Lingvo's layer returns them.
     """
     p = self.params
-    if padded_per_stage_states:
-      raise NotImplementedError(
-          'padded_per_stage_states (per-stage decoding states) are not '
-          'supported yet; pass padded_per_stage_states=[].')
     if not args:
       raise ValueError('PipelinedLayer.FProp needs at least one input.')
+    states = list(padded_per_stage_states or [])
     if p.unroll == 'always' or (p.unroll == 'eval_only' and self.do_eval):
       return self._UnrolledFProp(theta, fn_name, args, kwargs,
-                                 kwargs_no_batch or {})
+                                 kwargs_no_batch or {}, states)
     return self._PipelinedFProp(theta, fn_name, args, kwargs,
-                                kwargs_no_batch or {})
+                                kwargs_no_batch or {}, states)
 
-  def _UnrolledFProp(self, theta, fn_name, args, kwargs, kwargs_no_batch):
+  def _UnrolledFProp(self, theta, fn_name, args, kwargs, kwargs_no_batch,
+                     per_layer_states):
     """Runs the S * R layers one after another on the whole batch."""
     p = self.params
     outputs = tuple(args)
     names = self._NonTrainableNames()
     carried = self._NonTrainableValues(theta, names)
+    per_layer_states = self._CheckPerLayerStates(per_layer_states)
     with tf.name_scope(p.name):
       for repeat in range(p.circular_repeat):
         for stage in range(p.num_stages):
-          with tf.name_scope(f'layer_{repeat * p.num_stages + stage:03d}'):
+          layer = repeat * p.num_stages + stage
+          with tf.name_scope(f'layer_{layer:03d}'):
+            states = tuple(s[layer] for s in per_layer_states)
             outputs, carried = self._UnrolledLayer(theta, fn_name, repeat,
-                                                   stage, outputs, kwargs,
-                                                   kwargs_no_batch, names,
-                                                   carried)
-      outputs = self._AfterAssigning(names, carried, outputs)
-    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+                                                   stage, outputs + states,
+                                                   kwargs, kwargs_no_batch,
+                                                   names, carried)
+            outputs, states = (outputs[:len(args)], outputs[len(args):])
+            for per_layer, state in zip(per_layer_states, states):
+              per_layer[layer] = state
+      outputs = self._AfterAssigning(names, carried,
+                                     (outputs, per_layer_states))
+      outputs, per_layer_states = outputs
+    outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
+    if not per_layer_states:
+      return outputs
+    return outputs, per_layer_states
+
+  def _CheckPerLayerStates(self, per_layer_states):
+    """Copies of the per-layer state lists, checked to have R * S entries."""
+    num_layers = self.params.num_stages * self.params.circular_repeat
+    checked = []
+    for k, states in enumerate(per_layer_states):
+      if not isinstance(states, (list, tuple)) or len(states) != num_layers:
+        raise ValueError(
+            f'With unroll, padded_per_stage_states[{k}] must be a list of '
+            f'{num_layers} per-layer states (num_stages * circular_repeat), '
+            f'one per logical layer; got {type(states).__name__}'
+            f'{"" if not isinstance(states, (list, tuple)) else f" of {len(states)}"}.'
+            ' Make them with the body method for each layer_theta.')
+      checked.append(list(states))
+    return checked
 
   def _UnrolledLayer(self, theta, fn_name, repeat, stage, inputs, kwargs,
                      kwargs_no_batch, names, carried):
@@ -334,10 +502,14 @@ class PipelinedLayer(base_layer.BaseLayer):
       return x
     return sharding.Replicate(x)
 
-  def _PipelinedFProp(self, theta, fn_name, args, kwargs, kwargs_no_batch):
+  def _PipelinedFProp(self, theta, fn_name, args, kwargs, kwargs_no_batch,
+                      padded_states):
     """Microbatches, runs the loop over the buffer, reassembles the batch."""
     p = self.params
     loop = self._LoopSetup(args, kwargs)
+    state_leaves = self._CheckPaddedStates(padded_states, loop.schedule)
+    loop.RebuildStates = lambda leaves: tf.nest.pack_sequence_as(
+        padded_states, leaves)
     loop.fn_name = fn_name
     loop.kwargs_no_batch = kwargs_no_batch
     # Every (layer, microbatch) draws its random numbers from its own stream
@@ -366,7 +538,8 @@ class PipelinedLayer(base_layer.BaseLayer):
             microbatch.PadForIterations(x, loop.schedule)
             for x in loop.mb_leaves
         ],
-        iteration=tf.range(loop.schedule.num_iterations, dtype=tf.int32))
+        iteration=tf.range(loop.schedule.num_iterations, dtype=tf.int32),
+        states=[self._SplitStages(x, 1) for x in state_leaves])
     with tf.name_scope(p.name):
       states, final, extras = recurrent.Recurrent(
           self._StackedTheta(theta),
@@ -383,9 +556,32 @@ class PipelinedLayer(base_layer.BaseLayer):
       self._AddAuxLoss(
           tf.reduce_sum(extras.aux_loss), loop.schedule.num_microbatches)
       self._AddSummaries(loop.summary_names, extras.summaries)
-      outputs = self._AfterAssigning(loop.var_names, final.vars, outputs)
+      new_states = [self._SplitStages(x, 1) for x in extras.states]
+      outputs, new_states = self._AfterAssigning(loop.var_names, final.vars,
+                                                 (outputs, new_states))
     result = tuple(loop.Rebuild(outputs))
+    if padded_states:
+      return result + tuple(loop.RebuildStates(new_states))
     return result[0] if len(result) == 1 else result
+
+  def _CheckPaddedStates(self, padded_states, sched):
+    """The states' tensor leaves, checked to be [T, S, ...] state slots."""
+    leaves = tf.nest.flatten(padded_states)
+    expected = [sched.num_iterations, self.params.num_stages]
+    for x in leaves:
+      if not microbatch.IsTensor(x):
+        raise ValueError(
+            'padded_per_stage_states must hold tensors (in lists, tuples or '
+            f'NestedMaps); got {type(x).__name__}.')
+      if x.shape.rank is None or x.shape.rank < 2 or x.shape.as_list(
+      )[:2] != expected:
+        raise ValueError(
+            f'A per-stage state has shape {x.shape}; its leading dims must '
+            f'be [num_iterations, num_stages] = {expected} for '
+            f'{sched.num_microbatches} microbatches. Make it with '
+            'PadMicrobatches([M, num_stages, ...] states), e.g. '
+            'PadMicrobatches(MicrobatchStates(per_stage_states)).')
+    return leaves
 
   def _LoopSetup(self, args, kwargs):
     """Checks the inputs and splits them into microbatches.
@@ -445,6 +641,8 @@ class PipelinedLayer(base_layer.BaseLayer):
             0) for buf, x in zip(state.buffer, inp.stage0)
     ]
     stage_in_tree = loop.Rebuild(stage_in)
+    num_args = len(stage_in_tree)
+    stage_in_tree += tuple(loop.RebuildStates(inp.states))
     # Per-stage [S] vectors live with their stages; each device computes its
     # own entry from the replicated iteration index.
     per_stage = lambda v: self._SplitStages(v, 0)
@@ -462,10 +660,16 @@ class PipelinedLayer(base_layer.BaseLayer):
                                   mb_ids, repeat_ids, rng,
                                   (loop.var_names, state.vars))
     valid = per_stage(sched.IsValid(it, stage_ids))
+    outs, state_outs = outs[:num_args], outs[num_args:]
     new_buffer = [
         self._SplitStages(
             RotateStages(self._SplitStages(_MaskBubbles(valid, o, x), 0)), 0)
         for o, x in zip(loop.Leaves(outs), stage_in)
+    ]
+    # A bubble leaves its state slot as it found it.
+    new_states = [
+        per_stage(_SelectStages(valid, new, old))
+        for new, old in zip(tf.nest.flatten(state_outs), inp.states)
     ]
     # Bubbles' aux losses and summaries are dropped by the same select.
     keep = lambda v: tf.where(valid, v, tf.zeros_like(v))
@@ -483,7 +687,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         for new, old in zip(stats.vars, state.vars)
     ]
     return NestedMap(buffer=new_buffer, vars=new_vars), NestedMap(
-        aux_loss=pin(aux), summaries=summaries)
+        aux_loss=pin(aux), summaries=summaries, states=new_states)
 
   def _StageInputs(self, sched, iteration, rotated, stage0_input):
     """The stages' inputs: the rotated buffer, stage 0 maybe a fresh input.

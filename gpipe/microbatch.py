@@ -137,6 +137,41 @@ def LastStageOutputs(stacked, schedule: schedule_lib.Schedule):
   return tf.gather(last_stage, index)
 
 
+def PadStates(x, schedule: schedule_lib.Schedule):
+  """[M, S, ...] per-(microbatch, stage) states -> [T, S, ...] state slots.
+
+  Slot [i, s] is the state stage s works with at iteration i: that of the
+  microbatch it processes then. Every repeat of a circular stage starts from
+  the same [m, s] entry. S=2, M=3, R=1 (cells: microbatch)::
+
+      iteration  0  1  2  3
+      stage 0    0  1  2  .
+      stage 1    .  0  1  2      ('.' = bubble: holds microbatch 0's
+                                  state, read but never written)
+  """
+  if not IsTensor(x):
+    return x
+  index = np.asarray([[(m, s) for s, m in enumerate(row)]
+                      for row in schedule.StateMicrobatchPerSlot()], np.int32)
+  return tf.gather_nd(x, index)
+
+
+def UnpadStates(padded, schedule: schedule_lib.Schedule):
+  """[T, S, ...] state slots -> [M, L, ...]: each (microbatch, layer)'s state.
+
+  L = R * S logical layers, repeat-major; (m, l) is slot
+  [LayerIteration(m, l), l % S].
+  """
+  if not IsTensor(padded):
+    return padded
+  s_count = schedule.num_stages
+  index = np.asarray(
+      [[(schedule.LayerIteration(m, l), l % s_count)
+        for l in range(schedule.num_layers)]
+       for m in range(schedule.num_microbatches)], np.int32)
+  return tf.gather_nd(padded, index)
+
+
 def SliceForStages(x, microbatch_ids):
   """[M, ...] -> [S, ...]: each stage's own microbatch of a per-example kwarg.
 

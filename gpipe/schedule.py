@@ -172,7 +172,28 @@ class Schedule:
     return (self.InputIteration(microbatch) +
             (self.circular_repeat - 1) * self.num_stages + self.num_stages - 1)
 
+  def LayerIteration(self, microbatch, layer):
+    """Iteration at which logical layer `layer` processes `microbatch`.
+
+    Layer l = r * S + s runs on stage s: repeat r of a microbatch reaches
+    stage 0 r * S iterations after the microbatch first did, and stage s
+    s iterations after that.
+    """
+    return self.InputIteration(microbatch) + layer
+
   # -- Static index tables (Python lists) for padding and extraction.
+
+  def StateMicrobatchPerSlot(self):
+    """[T][S]: the microbatch whose per-stage state slot (i, s) holds.
+
+    Slot (i, s) is what stage s reads and writes at iteration i: the state
+    of the microbatch it works on then (any repeat); 0 on bubbles, whose
+    slots are never written.
+    """
+    return [[
+        self.MicrobatchId(i, s) if self.IsValid(i, s) else 0
+        for s in range(self.num_stages)
+    ] for i in range(self.num_iterations)]
 
   def InputIndexPerIteration(self):
     """For each iteration, the microbatch stage 0 reads, or M for none."""

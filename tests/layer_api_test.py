@@ -146,12 +146,16 @@ def test_body_outputs_must_match_inputs(body, pattern, unroll):
     _FProp(p)
 
 
-def test_padded_per_stage_states_not_yet_supported():
+def test_per_stage_states_need_a_body_method_that_returns_them():
+  # DenseBody.FProp takes one input and returns one output: given a state
+  # too, it returns too few outputs, and the error says so.
   with tf.Graph().as_default():
     layer = _Params().Instantiate()
-    with pytest.raises(NotImplementedError, match='padded_per_stage_states'):
+    sched = layer.Schedule(2)
+    with pytest.raises(ValueError, match='expected 2 outputs'):
       layer.FPropFn(layer.theta, 'FProp', tf.zeros([4, 4]),
-                    padded_per_stage_states=[tf.zeros([3, 2, 1])])
+                    padded_per_stage_states=[
+                        tf.zeros([sched.num_iterations, 2, 1])])
 
 
 # -- layer_theta and variable layout. ---------------------------------------

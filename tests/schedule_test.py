@@ -71,10 +71,12 @@ class _SimResult:
     input_index: per iteration, the real microbatch stage 0 read, else M.
     reads_input: per iteration, whether stage 0 took fresh input.
     useful_slots: number of (iteration, stage) slots doing real work.
+    slots: {(microbatch, layer): (iteration, stage)} of the real work.
   """
 
   def __init__(self, table, input_iteration, output_iteration, input_index,
-               reads_input, useful_slots):
+               reads_input, useful_slots, slots):
+    self.slots = slots
     self.table = table
     self.input_iteration = input_iteration
     self.output_iteration = output_iteration
@@ -159,7 +161,7 @@ def _Simulate(num_stages, num_microbatches, circular_repeat):
   assert input_iteration == sorted(input_iteration)  # Enter in order.
   output_iteration = [done[(mb, num_layers - 1)][0] for mb in range(m)]
   return _SimResult(table, input_iteration, output_iteration, input_index,
-                    reads_input, len(done))
+                    reads_input, len(done), dict(done))
 
 
 class _StrictInt:
@@ -426,6 +428,24 @@ def test_numpy_grids_match_ints(s, m, r):
     sim = _Simulate(s, m, r)
     valid = per_slot['IsValid']
     assert int(valid.sum()) == sim.useful_slots
+
+
+@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
+def test_layer_iteration_and_state_slots_match_the_simulator(s, m, r):
+  # Per-stage decoding states live in slot (iteration, stage) of the work
+  # item stage runs then: LayerIteration finds every (microbatch, layer)'s
+  # slot, and StateMicrobatchPerSlot names the microbatch of every slot.
+  sched = Schedule(s, m, r)
+  sim = _Simulate(s, m, r)
+  for (mb, layer), (iteration, stage) in sim.slots.items():
+    assert sched.LayerIteration(mb, layer) == iteration, (mb, layer)
+    assert layer % s == stage
+  per_slot = sched.StateMicrobatchPerSlot()
+  assert len(per_slot) == sim.num_iterations
+  for i, row in enumerate(sim.table):
+    assert len(per_slot[i]) == s
+    for stage, cell in enumerate(row):
+      assert per_slot[i][stage] == (0 if cell is None else cell[0]), (i, stage)
 
 
 @pytest.mark.parametrize('s,m,r', [(1, 1, 1), (3, 4, 1), (2, 3, 2), (4, 9, 3),

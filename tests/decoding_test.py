@@ -1,0 +1,359 @@
+"""Incremental decoding through the pipeline: per-stage states, ExtendStep.
+
+The stage is a causal self-attention block with a key/value cache. Decoding
+a sequence one position per call (FPropFn('ExtendStep') with the caches as
+padded_per_stage_states) must give, at every position, what the plain
+unpipelined stack gives on the full sequence (each layer's FProp in a plain
+loop, and independently the NumPy version of the same math); the caches
+must hold every layer's keys and values.
+"""
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+from gpipe import layers
+from gpipe import partitioning
+from gpipe import schedule as schedule_lib
+from gpipe import sharding
+from lingvo import compat as tf
+from lingvo.core import base_layer
+from lingvo.core import py_utils
+
+NestedMap = py_utils.NestedMap
+
+_DIM = 4
+_SEQ = 5
+
+
+class CachedAttentionBody(base_layer.BaseLayer):
+  """x + causal self-attention(x), then + tanh(. @ w1); with a k/v cache.
+
+  FProp(theta, x [b, t, d]) -> [b, t, d] on a whole sequence.
+  InitStates(theta, batch_size) -> NestedMap(k, v) of zeros [b, max_len, d].
+  ExtendStep(theta, x [b, d], cache, time_step) -> (y [b, d], cache with
+  position `time_step` written).
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('dim', _DIM, 'Model dim.')
+    p.Define('max_len', _SEQ, 'Cache length.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    for name in ('wq', 'wk', 'wv', 'wo', 'w1'):
+      self.CreateVariable(name, py_utils.WeightParams(
+          [p.dim, p.dim], py_utils.WeightInit.Gaussian(0.6)))
+
+  def FProp(self, theta, x):
+    q, k, v = (tf.einsum('btd,de->bte', x, theta[w])
+               for w in ('wq', 'wk', 'wv'))
+    t = py_utils.GetShape(x)[1]
+    scores = tf.einsum('bqd,bkd->bqk', q, k) / np.sqrt(self.params.dim)
+    causal = tf.linalg.band_part(tf.ones([t, t]), -1, 0)
+    scores += (1.0 - causal[None]) * -1e9
+    att = tf.einsum('bqk,bkd->bqd', tf.nn.softmax(scores), v)
+    h = x + tf.einsum('btd,de->bte', att, theta.wo)
+    return h + tf.tanh(tf.einsum('btd,de->bte', h, theta.w1))
+
+  def InitStates(self, theta, batch_size):
+    p = self.params
+    zeros = tf.zeros([batch_size, p.max_len, p.dim])
+    return NestedMap(k=zeros, v=zeros)
+
+  def ExtendStep(self, theta, x, cache, time_step):
+    p = self.params
+    q, k, v = (tf.einsum('bd,de->be', x, theta[w]) for w in ('wq', 'wk', 'wv'))
+    here = tf.one_hot(time_step, p.max_len)[None, :, None]
+    cache = NestedMap(k=cache.k * (1 - here) + k[:, None] * here,
+                      v=cache.v * (1 - here) + v[:, None] * here)
+    scores = tf.einsum('bd,bkd->bk', q, cache.k) / np.sqrt(p.dim)
+    seen = tf.cast(tf.range(p.max_len) <= time_step, tf.float32)
+    scores += (1.0 - seen[None]) * -1e9
+    att = tf.einsum('bk,bkd->bd', tf.nn.softmax(scores), cache.v)
+    h = x + tf.einsum('bd,de->be', att, theta.wo)
+    return h + tf.tanh(tf.einsum('bd,de->be', h, theta.w1)), cache
+
+
+def _NumpyLayer(w, x):
+  """The body's FProp in NumPy, for [b, t, d]."""
+  q, k, v = (x @ w[n] for n in ('wq', 'wk', 'wv'))
+  t = x.shape[1]
+  scores = np.einsum('bqd,bkd->bqk', q, k) / np.sqrt(x.shape[-1])
+  scores = np.where(np.tril(np.ones([t, t]))[None] > 0, scores, -1e9)
+  scores = np.exp(scores - scores.max(-1, keepdims=True))
+  att = np.einsum('bqk,bkd->bqd', scores / scores.sum(-1, keepdims=True), v)
+  h = x + att @ w['wo']
+  return h + np.tanh(h @ w['w1']), k, v
+
+
+def _Params(num_stages, num_microbatches, circular_repeat, unroll='never'):
+  return layers.PipelinedLayer.Params().Set(
+      name='pipe', num_stages=num_stages, num_microbatches=num_microbatches,
+      circular_repeat=circular_repeat, unroll=unroll, random_seed=3,
+      single_stage_body=CachedAttentionBody.Params())
+
+
+def _PerLayerWeights(layer, values):
+  """{name: value} of each logical layer, repeat-major, from stacked values."""
+  p = layer.params
+  out = []
+  for r in range(p.circular_repeat):
+    for s in range(p.num_stages):
+      w = {}
+      for name, value in values.items():
+        value = value[s]
+        if p.circular_repeat > 1:
+          value = value[r]
+        w[name] = value
+      out.append(w)
+  return out
+
+
+class _Decoder:
+  """Builds the layer and a one-position decode step, in graph mode or jit."""
+
+  def __init__(self, params, batch, mode):
+    self.layer = params.Instantiate()
+    self.batch = batch
+    self.mode = mode
+    self.p = self.layer.params
+
+  def InitStates(self):
+    """Per-stage caches, padded for the pipeline (or per-layer lists)."""
+    layer, p = self.layer, self.p
+    if p.unroll == 'always':
+      return [layer.body.InitStates(layer.layer_theta(layer.theta, r, s),
+                                    self.batch)
+              for r in range(p.circular_repeat) for s in range(p.num_stages)]
+    per_stage, _ = layer.BodyFPropNoMicrobatching(
+        layer.theta.body, 'InitStates', self.batch)
+    return tf.nest.map_structure(layer.PadMicrobatches,
+                                 layer.MicrobatchStates(per_stage))
+
+  def Step(self, x_t, states, t):
+    out = self.layer.FPropFn(self.layer.theta, 'ExtendStep', x_t,
+                             padded_per_stage_states=[states],
+                             kwargs_no_batch={'time_step': t})
+    y, new_states = out
+    if self.p.unroll == 'always':
+      new_states, = new_states  # the per-layer list of our one state
+    return y, new_states
+
+
+def _Decode(params, x, mode):
+  """Decodes x [b, T, d] one position per call; returns outputs, caches."""
+  batch = x.shape[0]
+  with tf.Graph().as_default():
+    dec = _Decoder(params, batch, mode)
+    states0 = dec.InitStates()
+    x_t = tf.compat.v1.placeholder(tf.float32, [batch, _DIM])
+    t = tf.compat.v1.placeholder(tf.int32, [])
+    flat0 = tf.nest.flatten(states0)
+    holders = [tf.compat.v1.placeholder(s.dtype, s.shape) for s in flat0]
+    states_in = tf.nest.pack_sequence_as(states0, holders)
+    if mode == 'jit':
+      step = tf.function(dec.Step, jit_compile=True, autograph=False)
+      y, states_out = step(x_t, states_in, t)
+    else:
+      y, states_out = dec.Step(x_t, states_in, t)
+    variables = dec.layer.vars.Flatten()
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      values = dict(zip([n for n, _ in dec.layer.vars.body.FlattenItems()],
+                        sess.run([v for _, v in
+                                  dec.layer.vars.body.FlattenItems()])))
+      del variables
+      flat = sess.run(flat0)
+      outs = []
+      for i in range(x.shape[1]):
+        feed = dict(zip(holders, flat))
+        feed.update({x_t: x[:, i], t: i})
+        y_i, flat = sess.run([y, tf.nest.flatten(states_out)], feed)
+        outs.append(y_i)
+      caches = None
+      if params.unroll != 'always':
+        # Every layer's cache, per microbatch, back on the full batch.
+        padded = tf.nest.pack_sequence_as(
+            states0, [tf.constant(v) for v in flat])
+        caches = sess.run(dec.layer.UnpadStates(padded))
+      else:
+        caches = tf.nest.pack_sequence_as(states0, flat)
+  return np.stack(outs, axis=1), caches, _PerLayerWeights(dec.layer, values)
+
+
+def _AssertClose(actual, expected):
+  """float32 vs float64 NumPy through up to 6 attention layers: errors are
+  relative to the tensor's scale (activations reach |10|)."""
+  scale = max(1.0, float(np.abs(expected).max()))
+  np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * scale)
+
+
+def _FullSequenceReference(weights, x):
+  """The plain stack on the whole sequence: NumPy, layer after layer."""
+  keys, vals = [], []
+  for w in weights:
+    x, k, v = _NumpyLayer(w, x)
+    keys.append(k)
+    vals.append(v)
+  return x, keys, vals
+
+
+_CONFIGS = [
+    # (num_stages, num_microbatches, circular_repeat, batch)
+    (1, 1, 1, 2),
+    (2, 2, 1, 4),
+    (3, 2, 1, 4),
+    (4, 3, 1, 6),
+    (2, 3, 2, 6),
+    (2, 4, 2, 4),
+    (3, 2, 2, 4),
+]
+
+
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+@pytest.mark.parametrize('num_stages, num_microbatches, circular_repeat, batch',
+                         _CONFIGS)
+def test_decoding_matches_the_full_sequence_stack(num_stages, num_microbatches,
+                                                  circular_repeat, batch,
+                                                  mode):
+  x = np.random.RandomState(num_stages * 7 + batch).uniform(
+      -1, 1, [batch, _SEQ, _DIM]).astype(np.float32)
+  params = _Params(num_stages, num_microbatches, circular_repeat)
+  decoded, caches, weights = _Decode(params, x, mode)
+  expected, keys, vals = _FullSequenceReference(weights, x)
+  _AssertClose(decoded, expected)
+  # caches.k: [L, B, max_len, d], every layer's keys at every position.
+  num_layers = num_stages * circular_repeat
+  assert caches.k.shape == (num_layers, batch, _SEQ, _DIM)
+  _AssertClose(caches.k, np.stack(keys))
+  _AssertClose(caches.v, np.stack(vals))
+
+
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+@pytest.mark.parametrize('num_stages, circular_repeat', [(2, 1), (2, 2)])
+def test_unrolled_decoding_with_per_layer_state_lists(num_stages,
+                                                      circular_repeat, mode):
+  x = np.random.RandomState(5).uniform(-1, 1, [4, _SEQ, _DIM]).astype(
+      np.float32)
+  params = _Params(num_stages, 2, circular_repeat, unroll='always')
+  decoded, caches, weights = _Decode(params, x, mode)
+  expected, keys, _ = _FullSequenceReference(weights, x)
+  _AssertClose(decoded, expected)
+  assert len(caches) == num_stages * circular_repeat
+  for cache, k in zip(caches, keys):
+    _AssertClose(cache.k, k)
+
+
+def test_the_test_body_extend_step_matches_its_fprop():
+  # The body itself: FProp on the full sequence vs NumPy, so the references
+  # above test the pipeline, not a broken body.
+  rng = np.random.RandomState(0)
+  x = rng.uniform(-1, 1, [3, _SEQ, _DIM]).astype(np.float32)
+  with tf.Graph().as_default():
+    body = CachedAttentionBody.Params().Set(name='b').Instantiate()
+    y = body.FProp(body.theta, tf.constant(x))
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      y, w = sess.run([y, dict(body.theta)])
+  np.testing.assert_allclose(y, _NumpyLayer(w, x)[0], rtol=1e-5, atol=1e-5)
+
+
+# -- Partitioned. --------------------------------------------------------------
+
+
+@pytest.mark.skipif(not partitioning.IsAvailable(), reason='needs jax')
+@pytest.mark.parametrize('circular_repeat', [1, 2])
+def test_a_partitioned_decode_step_keeps_states_on_their_stage(
+    circular_repeat):
+  # 4 stages on 4 virtual devices: the step's only communication in the loop
+  # is the buffer's collective-permute; the caches enter and leave split on
+  # the stage dim, each device holding its own stage's slots.
+  num_stages, num_mb, batch = 4, 4, 8
+  with tf.init_scope():
+    layer = _Params(num_stages, num_mb, circular_repeat).Set(
+        shard_stages_1d=True).Instantiate()
+  names = [n for n, _ in layer.theta.FlattenItems()]
+  weights = [tf.convert_to_tensor(v).numpy()
+             for _, v in layer.theta.FlattenItems()]
+  sched = layer.Schedule(num_mb)
+  rng = np.random.RandomState(1)
+  cache_shape = [sched.num_iterations, num_stages, batch // num_mb, _SEQ,
+                 _DIM]
+  k, v = (rng.uniform(-1, 1, cache_shape).astype(np.float32) for _ in 'kv')
+  x_t = rng.uniform(-1, 1, [batch, _DIM]).astype(np.float32)
+  args = weights + [x_t, k, v, np.int32(2)]
+
+  def Step(*flat):
+    theta = layer.theta.Pack(list(flat[:len(names)]))
+    x, k, v, t = flat[len(names):]
+    y, cache = layer.FPropFn(theta, 'ExtendStep', x,
+                             padded_per_stage_states=[NestedMap(k=k, v=v)],
+                             kwargs_no_batch={'time_step': t})
+    return [y, cache.k, cache.v]
+
+  def Partitioned(*flat):
+    with sharding.SpmdPartitioning():
+      return Step(*flat)
+
+  compiled = tf.function(Step, jit_compile=True, autograph=False)
+  expected = [t.numpy() for t in compiled(*[tf.constant(a) for a in args])]
+  run = partitioning.RunPartitioned(Partitioned, args, num_stages)
+  for got, want in zip(run.outputs, expected):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert run.loops and run.LoopCounts(0) == {'collective-permute': 1}, (
+      run.LoopCounts(0))
+  assert not {'all-gather', 'all-to-all'} & set(run.Counts())
+  num_weights = len(names)
+  for shard in run.param_shard_shapes[:num_weights]:
+    assert shard[0] == 1  # one stage of every stage-stacked weight
+  for shard in (run.param_shard_shapes[num_weights + 1:num_weights + 3] +
+                run.output_shard_shapes[1:]):
+    assert shard[:2] == (sched.num_iterations, 1), shard
+
+
+# -- Layout. ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize('num_stages, num_microbatches, circular_repeat',
+                         [(3, 4, 1), (2, 3, 2), (2, 4, 3), (1, 2, 1)])
+def test_pad_microbatches_puts_each_state_where_its_stage_works(
+    num_stages, num_microbatches, circular_repeat):
+  # Slot [i, s] must hold the state of the microbatch stage s works on at
+  # iteration i (any repeat), per the schedule's table.
+  sched = schedule_lib.Schedule(num_stages, num_microbatches, circular_repeat)
+  with tf.Graph().as_default():
+    layer = _Params(num_stages, num_microbatches, circular_repeat).Instantiate()
+    # state of (microbatch m, stage s) = 10 * m + s
+    x = (10 * np.arange(num_microbatches)[:, None] +
+         np.arange(num_stages)[None]).astype(np.float32)
+    padded = layer.PadMicrobatches(tf.constant(x))
+    with tf.compat.v1.Session() as sess:
+      padded = sess.run(padded)
+  assert padded.shape == (sched.num_iterations, num_stages)
+  table = sched.Table()
+  for i in range(sched.num_iterations):
+    for s in range(num_stages):
+      if table[i][s] is not None:
+        assert padded[i, s] == 10 * table[i][s][0] + s, (i, s)
+
+
+def test_wrong_state_shape_names_the_fix():
+  with tf.Graph().as_default():
+    layer = _Params(2, 2, 1).Instantiate()
+    x = tf.zeros([4, _DIM])
+    bad = NestedMap(k=tf.zeros([2, 2, 2, _SEQ, _DIM]),
+                    v=tf.zeros([2, 2, 2, _SEQ, _DIM]))
+    with pytest.raises(ValueError, match='PadMicrobatches'):
+      layer.FPropFn(layer.theta, 'ExtendStep', x,
+                    padded_per_stage_states=[bad],
+                    kwargs_no_batch={'time_step': 0})
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))
