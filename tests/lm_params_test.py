@@ -143,7 +143,7 @@ def test_demo_rejects_an_unknown_model_and_negative_steps(capsys):
 
 
 @pytest.mark.parametrize('num_stages, circular_repeat, num_microbatches', [
-    (1, 1, 2), (2, 1, 3), (2, 2, 3)])
+    (2, 1, 3), (2, 2, 3)])
 def test_pipelined_lm_equals_unrolled_at_init(num_stages, circular_repeat,
                                               num_microbatches):
   cfg = _TinyCfg(num_stages=num_stages, circular_repeat=circular_repeat,

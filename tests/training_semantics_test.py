@@ -224,22 +224,30 @@ def _Id(case):
           f'{"-shard" if case.shard_stages_1d else ""}')
 
 
-@pytest.mark.parametrize('mode', ['graph', 'jit'])
-@pytest.mark.parametrize('case', SWEEP, ids=[_Id(c) for c in SWEEP])
+def _CasesAndModes(cases, jit_cases):
+  """Every case in graph mode; the `jit_cases` under jit as well.
+
+  XLA compiles each jit case for seconds; the jit subset keeps the
+  circular, sharded and uneven-microbatch schedules.
+  """
+  params = [pytest.param(c, 'graph', id=f'{_Id(c)}-graph') for c in cases]
+  params += [pytest.param(c, 'jit', id=f'{_Id(c)}-jit') for c in jit_cases]
+  return params
+
+
+@pytest.mark.parametrize('case, mode', _CasesAndModes(SWEEP, SWEEP[2:]))
 def test_aux_losses_and_summaries_equal_the_reference(case, mode):
   _AssertMatches(Run(case, mode))
 
 
-@pytest.mark.parametrize('mode', ['graph', 'jit'])
-@pytest.mark.parametrize('case', SWEEP[2:6], ids=[_Id(c) for c in SWEEP[2:6]])
+@pytest.mark.parametrize('case, mode', _CasesAndModes(SWEEP[2:6], SWEEP[4:6]))
 def test_bubbles_cannot_poison_anything(case, mode):
   # x / x is NaN on zeros: bubbles must never compute on zeros, and masking
   # must keep their (finite) values out of every result.
   _AssertMatches(Run(dataclasses.replace(case, divide_by_input=True), mode))
 
 
-@pytest.mark.parametrize('mode', ['graph', 'jit'])
-@pytest.mark.parametrize('case', SWEEP[3:], ids=[_Id(c) for c in SWEEP[3:]])
+@pytest.mark.parametrize('case, mode', _CasesAndModes(SWEEP[3:], SWEEP[4:6]))
 def test_dropout_streams_equal_the_reference(case, mode):
   res = Run(dataclasses.replace(case, keep_prob=0.5), mode)
   _AssertMatches(res)
@@ -282,12 +290,13 @@ STATEFUL_SWEEP = [
 ]
 
 
-@pytest.mark.parametrize('mode', ['graph', 'jit'])
 @pytest.mark.parametrize(
-    'num_stages,num_microbatches,circular_repeat,per_stage_vars',
-    STATEFUL_SWEEP,
-    ids=[f'S{s}-M{m}-R{r}{"-per_stage_vars" if v else ""}'
-         for s, m, r, v in STATEFUL_SWEEP])
+    'num_stages,num_microbatches,circular_repeat,per_stage_vars,mode',
+    [c + ('graph',) for c in STATEFUL_SWEEP] +
+    [c + ('jit',) for c in STATEFUL_SWEEP[2:]],
+    ids=[f'S{s}-M{m}-R{r}{"-per_stage_vars" if v else ""}-{mode}'
+         for s, m, r, v, mode in ([c + ('graph',) for c in STATEFUL_SWEEP] +
+                                  [c + ('jit',) for c in STATEFUL_SWEEP[2:]])])
 def test_non_trainable_state_updates_like_the_plain_stack(
     num_stages, num_microbatches, circular_repeat, per_stage_vars, mode):
   p = layers.PipelinedLayer.Params().Set(
