@@ -66,6 +66,9 @@ class PartitionedRun:
   collectives: list  # of Collective
   loops: list  # of the while loops' body computation names, outer loops only
   hlo: str  # the partitioned per-device module
+  # XLA's buffer assignment, bytes per device: temp_size_in_bytes (live
+  # intermediates and workspace), argument_, output_ and alias_size_in_bytes.
+  memory: dict = dataclasses.field(default_factory=dict)
 
   def Counts(self, where='all'):
     """{kind: count} over 'all', 'loops' (any loop body) or 'outside'."""
@@ -86,6 +89,41 @@ def LowerToHlo(fn, args):
   """Serialized HloModuleProto of fn(*args) compiled with jit_compile=True."""
   compiled = tf.function(fn, jit_compile=True, autograph=False)
   return compiled.experimental_get_compiler_ir(*args)(stage='hlo_serialized')
+
+
+def CompiledMemory(fn, args, num_devices=1, timeout=900):
+  """XLA's buffer assignment of fn(*args) partitioned for `num_devices`.
+
+  Compiles without running; returns bytes per device: temp_size_in_bytes
+  (intermediates live at once, i.e. activations and workspace),
+  argument_size_in_bytes, output_size_in_bytes, alias_size_in_bytes.
+  """
+  tensors = [tf.constant(np.asarray(a)) for a in args]
+  compiled = tf.function(fn, jit_compile=True, autograph=False)
+  proto = _WithoutAliasing(
+      compiled.experimental_get_compiler_ir(*tensors)(stage='hlo_serialized'))
+  with tempfile.TemporaryDirectory(prefix='gpipe_spmd_') as workdir:
+    work = pathlib.Path(workdir)
+    (work / 'module.pb').write_bytes(proto)
+    np.savez(work / 'inputs.npz',
+             **{f'arg_{i}': np.asarray(a) for i, a in enumerate(args)})
+    (work / 'config.json').write_text(json.dumps(
+        {'num_devices': num_devices, 'output_shapes': [],
+         'compile_only': True}))
+    _RunWorker(workdir, num_devices, timeout)
+    return json.loads((work / 'report.json').read_text())['memory']
+
+
+def _RunWorker(workdir, num_devices, timeout):
+  env = dict(os.environ)
+  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  proc = subprocess.run(
+      [sys.executable, '-m', spmd_worker.__name__, workdir],
+      env=env, capture_output=True, text=True, timeout=timeout, check=False)
+  if proc.returncode:
+    raise RuntimeError(
+        f'Partitioning for {num_devices} devices failed (exit code '
+        f'{proc.returncode}):\n{proc.stderr[-4000:]}')
 
 
 def RunPartitioned(fn, args, num_devices, variables=(), timeout=900):
@@ -126,15 +164,7 @@ def RunPartitioned(fn, args, num_devices, variables=(), timeout=900):
     (work / 'config.json').write_text(
         json.dumps({'num_devices': num_devices,
                     'output_shapes': output_shapes}))
-    env = dict(os.environ)
-    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-    proc = subprocess.run(
-        [sys.executable, '-m', spmd_worker.__name__, workdir],
-        env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    if proc.returncode:
-      raise RuntimeError(
-          f'Partitioning for {num_devices} devices failed (exit code '
-          f'{proc.returncode}):\n{proc.stderr[-4000:]}')
+    _RunWorker(workdir, num_devices, timeout)
     report = json.loads((work / 'report.json').read_text())
     results = np.load(work / 'outputs.npz')
     outputs = [results[f'out_{i}'] for i in range(len(results.files))]
@@ -147,7 +177,8 @@ def RunPartitioned(fn, args, num_devices, variables=(), timeout=900):
       output_shard_shapes=[tuple(s) for s in report['output_shard_shapes']],
       collectives=collectives,
       loops=loops,
-      hlo=hlo)
+      hlo=hlo,
+      memory=report.get('memory', {}))
 
 
 def _WithoutAliasing(serialized):

@@ -7,10 +7,12 @@ directory and writes its results back there.
 
     DIR/module.pb       HloModuleProto (tf.function ... stage='hlo_serialized')
     DIR/inputs.npz      the entry parameters, arg_0 ... arg_{k-1}, full shape
-    DIR/config.json     {"num_devices": N, "output_shapes": [[...], ...]}
-  written:
+    DIR/config.json     {"num_devices": N, "output_shapes": [[...], ...],
+                         "compile_only": false}
+  written (with compile_only, only report.json's memory):
     DIR/outputs.npz     the results, out_0 ..., reassembled to full shape
-    DIR/report.json     per-device shapes of parameters and outputs
+    DIR/report.json     per-device shapes of parameters and outputs, and
+                        XLA's buffer assignment sizes per device (memory)
     DIR/partitioned.hlo the partitioned per-device module, as text
 
 Usage: python -m gpipe.spmd_worker DIR
@@ -63,6 +65,15 @@ def _Main(workdir):
   build.allow_spmd_sharding_propagation_to_output = [True]
   executable = devices[0].client.compile_and_load(
       module, xla_client.DeviceList(devices), options)
+  stats = executable.get_compiled_memory_stats()
+  memory = {
+      name: int(getattr(stats, name))
+      for name in ('temp_size_in_bytes', 'argument_size_in_bytes',
+                   'output_size_in_bytes', 'alias_size_in_bytes')
+  }
+  if config.get('compile_only'):
+    (workdir / 'report.json').write_text(json.dumps({'memory': memory}))
+    return
 
   placed = []
   for i, (value, op_sharding) in enumerate(
@@ -104,6 +115,7 @@ def _Main(workdir):
           'num_devices': num_devices,
           'param_shard_shapes': param_shard_shapes,
           'output_shard_shapes': output_shard_shapes,
+          'memory': memory,
       }))
   (workdir / 'partitioned.hlo').write_text(
       executable.hlo_modules()[0].to_string())
