@@ -753,13 +753,18 @@ class PipelinedLayer(base_layer.BaseLayer):
       return self._RunStagesManual(stage_mesh, loop_theta, fn_name, stage_args,
                                    mb_kwargs, kwargs_no_batch, mb_ids,
                                    repeat_ids, rng, carried)
-    # One device: run the stages one after another on their slices.
+    # One device: run the stages one after another on their slices. The
+    # stage dim is unstacked once: the gradient of S unstacked pieces is one
+    # stack, where S separate slices would each back-propagate a full-size
+    # [S, ...] tensor.
     per_stage, per_stage_aux, per_stage_summaries = [], [], []
     per_stage_vars = []
+    theta_parts = _Unstack(loop_theta.body, p.num_stages)
+    args_parts = _Unstack(stage_args, p.num_stages)
     for stage in range(p.num_stages):
       with tf.name_scope(f'stage_{stage:03d}'):
-        theta_s = self._OneStageTheta(loop_theta, stage, repeat_ids[stage])
-        args_s = _MapTensor(lambda t, s=stage: t[s], stage_args)
+        theta_s = self._OneStageTheta(theta_parts[stage], repeat_ids[stage])
+        args_s = args_parts[stage]
         kw = {
             k: _MapTensor(lambda t, s=stage: tf.gather(t, mb_ids[s]), v)
             for k, v in mb_kwargs.items()
@@ -793,12 +798,21 @@ class PipelinedLayer(base_layer.BaseLayer):
     new_values = [tf.stack(rows) for rows in zip(*per_stage_vars)]
     return outs, NestedMap(aux=aux, summaries=summaries, vars=new_values)
 
-  def _OneStageTheta(self, loop_theta, stage, repeat_id):
-    theta_s = tf.nest.map_structure(lambda t: t[stage], loop_theta.body)
-    if self.params.circular_repeat > 1:
-      theta_s = tf.nest.map_structure(lambda t: tf.gather(t, repeat_id),
-                                      theta_s)
-    return theta_s
+  def _OneStageTheta(self, stage_theta, repeat_id):
+    """One stage's weights ([R, ...] when circular) for repeat `repeat_id`."""
+    r_count = self.params.circular_repeat
+    if r_count == 1:
+      return stage_theta
+    # A one-hot sum over the R repeats rather than a gather: its gradient is
+    # R scaled copies, not a scatter into zeros.
+    hot = tf.one_hot(repeat_id, r_count)
+
+    def Select(t):
+      parts = tf.unstack(t, num=r_count)
+      return tf.add_n([tf.cast(hot[r], t.dtype) * parts[r]
+                       for r in range(r_count)])
+
+    return tf.nest.map_structure(Select, stage_theta)
 
   def _StageMesh(self):
     """(device_mesh, stage axis) of the manual region, or None if unsharded."""
@@ -1118,6 +1132,17 @@ def _CallerGlobalStep():
 
 def _Shape(t):
   return py_utils.GetShape(t)
+
+
+def _Unstack(tree, num):
+  """[num, ...] tensor leaves -> num trees of [...] leaves (None kept)."""
+  leaves = tf.nest.flatten(tree)
+  parts = [
+      tf.unstack(x, num=num) if microbatch.IsTensor(x) else [x] * num
+      for x in leaves
+  ]
+  return [tf.nest.pack_sequence_as(tree, [p[i] for p in parts])
+          for i in range(num)]
 
 
 def _MapTensor(fn, tree):
