@@ -393,12 +393,14 @@ class PipelinedLayer(base_layer.BaseLayer):
     checked = []
     for k, states in enumerate(per_layer_states):
       if not isinstance(states, (list, tuple)) or len(states) != num_layers:
+        got = type(states).__name__
+        if isinstance(states, (list, tuple)):
+          got += f' of {len(states)}'
         raise ValueError(
             f'With unroll, padded_per_stage_states[{k}] must be a list of '
             f'{num_layers} per-layer states (num_stages * circular_repeat), '
-            f'one per logical layer; got {type(states).__name__}'
-            f'{"" if not isinstance(states, (list, tuple)) else f" of {len(states)}"}.'
-            ' Make them with the body method for each layer_theta.')
+            f'one per logical layer; got a {got}. Make them with the body '
+            'method for each layer_theta.')
       checked.append(list(states))
     return checked
 

@@ -354,6 +354,16 @@ def test_wrong_state_shape_names_the_fix():
                     kwargs_no_batch={'time_step': 0})
 
 
+def test_unrolled_states_must_be_per_layer_lists():
+  with tf.Graph().as_default():
+    layer = _Params(2, 2, 2, unroll='always').Instantiate()
+    cache = layer.body.InitStates(layer.layer_theta(layer.theta, 0, 0), 4)
+    with pytest.raises(ValueError, match='list of 4 per-layer states'):
+      layer.FPropFn(layer.theta, 'ExtendStep', tf.zeros([4, _DIM]),
+                    padded_per_stage_states=[[cache, cache]],
+                    kwargs_no_batch={'time_step': 0})
+
+
 if __name__ == '__main__':
   import sys  # pylint: disable=g-import-not-at-top
   sys.exit(pytest.main([__file__]))
