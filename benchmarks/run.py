@@ -28,7 +28,6 @@ import dataclasses
 import datetime
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -327,14 +326,14 @@ def _LingvoOnlyFailures(cfg):
 
 
 def _NaiveWhileLoopPipeline(layer, theta, x):
-  """A plain pipeline: tf.while_loop over a shifting [S, ...] buffer, all
-  stages at once (einsum over stacked weights), differentiated by TF, which
-  keeps every iteration's intermediates for the backward pass."""
+  """A plain pipeline: tf.while_loop over a shifting [S, ...] buffer, each
+  stage's body called on its slot, differentiated by TF, which keeps every
+  iteration's intermediates for the backward pass."""
   p = layer.params
   s_count = p.num_stages
   m = p.num_microbatches
   mb = tf.reshape(x, [m, -1, x.shape[-1]])
-  iterations = m + s_count - 1
+  iterations = schedule.Schedule(s_count, m, 1).num_iterations
   padded = tf.concat([mb, tf.zeros([s_count - 1] + mb.shape.as_list()[1:])],
                      axis=0)
 
@@ -401,7 +400,8 @@ def _MemoryRow(cfg, what, value, m, expansion):
     make = lambda: _Params(s, m, 1, cfg.dim, 0, body=body, **extra  # pylint: disable=cell-var-from-loop
                            ).Instantiate()
     results[name] = _TempBytes(make, forward, batch, cfg.dim)
-  row = MemoryRow(what, value, s * rows_per_mb * cfg.dim * 4, m + s - 1,
+  row = MemoryRow(what, value, s * rows_per_mb * cfg.dim * 4,
+                  schedule.Schedule(s, m, 1).num_iterations,
                   results['naive'], results['ours'], results['stored'])
   print(f'  memory {what}={value}: naive {row.naive}, ours {row.ours}, '
         f'stored {row.stored}', flush=True)
@@ -432,15 +432,9 @@ def CompileTimes(cfg):
 # 5. Partitioned.
 
 
-def _Bytes(hlo_type):
-  dtype_bytes = {'f32': 4, 'bf16': 2, 's32': 4, 'f16': 2, 'pred': 1}
-  total = 0
-  for dtype, dims in re.findall(r'(\w+)\[([\d,]*)\]', hlo_type):
-    n = 1
-    for d in filter(None, dims.split(',')):
-      n *= int(d)
-    total += n * dtype_bytes.get(dtype, 4)
-  return total
+def _Float32Bytes(hlo_type):
+  """Bytes of an f32 HLO result type (the buffer here is float32)."""
+  return 4 * sum(int(np.prod(s)) for s in partitioning.ShapesOf(hlo_type))
 
 
 def Partitioned(cfg):
@@ -453,7 +447,7 @@ def Partitioned(cfg):
     per_device, total = report.WeightBytes()
     permutes = [c for c in report.run.collectives
                 if c.kind == 'collective-permute' and c.loop == 0]
-    permute_bytes = sum(_Bytes(c.shape) for c in permutes)
+    permute_bytes = sum(_Float32Bytes(c.shape) for c in permutes)
     buffer_bytes = rows_per_mb * cfg.dim * 4  # one stage's slot
     rows.append((s, r, per_device, total, len(permutes), permute_bytes,
                  buffer_bytes, report.max_abs_diff))

@@ -21,6 +21,7 @@ import tempfile
 import time
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import microbatch
 from gpipe import schedule as schedule_lib
 from gpipe import schedule_plot
 from gpipe import trainer
@@ -64,11 +65,8 @@ def ModelParams(name):
 def StackSchedule(cfg):
   """The schedule of the task's pipelined stack for one training batch."""
   sp = cfg.task.stack
-  batch = cfg.input.batch_size
-  num_microbatches = sp.num_microbatches
-  if num_microbatches is None:
-    num_microbatches = batch // sp.microbatch_size if sp.microbatch_size else (
-        batch)
+  num_microbatches, _ = microbatch.ResolveNumMicrobatches(
+      cfg.input.batch_size, sp.num_microbatches, sp.microbatch_size)
   return schedule_lib.Schedule(sp.num_stages, num_microbatches,
                                sp.circular_repeat)
 

@@ -348,11 +348,8 @@ def ParameterBytes(task):
   """
   stack = task.stack
   sp = stack.params
-  num_stage_devices = 1
-  if sp.shard_stages_1d:
-    num_stage_devices = sp.num_stages
-  elif sp.pipeline_stage_mesh_dim is not None:
-    num_stage_devices = sp.num_stages
+  sharded = sp.shard_stages_1d or sp.pipeline_stage_mesh_dim is not None
+  num_stage_devices = sp.num_stages if sharded else 1
   stage_vars = {id(v) for v in stack.vars.Flatten()}
   total = per_device = 0
   for v in task.vars.Flatten():
