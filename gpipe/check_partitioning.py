@@ -131,22 +131,10 @@ class Report:
     return per_device, total
 
   def GatheredWeights(self):
-    """All-gathers and all-to-alls that move a whole weight (or a stage's).
-
-    Judged by shape: the collective's result has the full shape of a
-    weight, or its shape without the leading stage (and repeat) dims, i.e.
-    some device received weights that another device owns. Activation
-    shapes that happen to equal a weight's shape would be reported too.
-    """
-    suspects = set()
-    for value in self.step.args[:self.step.num_weights]:
-      shape = tuple(np.shape(value))
-      suspects.update(shape[k:] for k in range(min(len(shape), 3)))
-    return [
-        c for c in self.run.collectives
-        if c.kind in ('all-gather', 'all-to-all') and
-        any(s in suspects for s in partitioning.ShapesOf(c.shape))
-    ]
+    """All-gathers and all-to-alls that move a whole weight (or a stage's)."""
+    return partitioning.GatheredTensors(
+        self.run.collectives,
+        [np.shape(w) for w in self.step.args[:self.step.num_weights]])
 
   def Summary(self):
     lines = [f'Partitioned for {self.run.num_devices} virtual devices.']

@@ -447,6 +447,30 @@ class PipelinedLayer(base_layer.BaseLayer):
           f'nesting, None where the input is None, same dtype): {problem}.')
     return out
 
+  def PlaceVariables(self, theta):
+    """theta with every variable annotated where the pipeline keeps it.
+
+    Stage-stacked variables are split on their stage dim (dim 1 for the
+    [R, S, ...] weights of a circular stage-parallel body); a stage's own
+    variable (`per_stage_vars`) on its least-padding dim. Without
+    `shard_stages_1d` or `pipeline_stage_mesh_dim` nothing is annotated.
+    Anything of theta's structure can be placed this way, e.g. optimizer
+    slots, so that they live split like their weights.
+    """
+    p = self.params
+    placed = theta.copy()
+    if p.per_stage_vars:
+      for s in range(p.num_stages):
+        name = _PerStageChildName(s)
+        placed[name] = tf.nest.map_structure(self._SplitPerStageVar,
+                                             theta[name])
+    else:
+      stage_dim = 1 if (p.stage_parallel_body is not None and
+                        p.circular_repeat > 1) else 0
+      placed.body = tf.nest.map_structure(
+          lambda t: self._SplitStages(t, stage_dim), theta.body)
+    return placed
+
   def _StackedTheta(self, theta):
     """Loop theta: the stage-stacked weights, annotated on the stage dim.
 
@@ -455,24 +479,19 @@ class PipelinedLayer(base_layer.BaseLayer):
     and the stack is resharded onto the stage dim once per step.
     """
     p = self.params
-    if p.per_stage_vars:
-      per_stage = [
-          tf.nest.map_structure(self._SplitPerStageVar,
-                                theta[_PerStageChildName(s)])
-          for s in range(p.num_stages)
-      ]
-      body = tf.nest.map_structure(lambda *xs: tf.stack(xs), *per_stage)
-    else:
-      body = theta.body
-    # Stage-parallel circular weights are [R, S, ...]; all others [S, ...].
-    stage_dim = 1 if (p.stage_parallel_body is not None and
-                      p.circular_repeat > 1) else 0
+    placed = self.PlaceVariables(theta)
+    if not p.per_stage_vars:
+      return NestedMap(body=placed.body)
+    per_stage = [placed[_PerStageChildName(s)] for s in range(p.num_stages)]
+    body = tf.nest.map_structure(lambda *xs: tf.stack(xs), *per_stage)
     return NestedMap(body=tf.nest.map_structure(
-        lambda t: self._SplitStages(t, stage_dim), body))
+        lambda t: self._SplitStages(t, 0), body))
 
   def _SplitPerStageVar(self, x):
     """Splits one stage's own variable over the pipeline's devices."""
     p = self.params
+    if not tf.is_tensor(x):
+      return x
     dim = sharding.LeastPaddingDim(x.shape.as_list(), p.num_stages)
     if dim is None:
       return x

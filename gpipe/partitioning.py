@@ -15,6 +15,12 @@ classified as inside a while loop's body or outside. Wrong annotations are
 caught by the collectives, not the numbers: an all-gather of a weight still
 computes the right result.
 
+`CompileFromShapes` does the same for a module lowered from shapes alone
+(`LowerFromShapes`: tf.TensorSpecs, nothing allocated, so a model larger
+than host memory works) and compiles it without running: per-device memory
+from XLA's buffer assignment, per-device FLOPs from XLA's cost analysis,
+every parameter's per-device shape and the collectives.
+
 Needs jax and jaxlib (`pip install '.[spmd]'`); `IsAvailable()` says whether
 they are installed.
 """
@@ -55,6 +61,11 @@ class Collective:
   loop: int  # index into PartitionedRun.loops, or -1 outside every loop
   op_name: str = ''  # the TensorFlow op it was partitioned from
 
+  @property
+  def bytes(self):
+    """Bytes of its result (a tuple result: all elements), on one device."""
+    return TypeBytes(self.shape)
+
 
 @dataclasses.dataclass
 class PartitionedRun:
@@ -91,27 +102,103 @@ def LowerToHlo(fn, args):
   return compiled.experimental_get_compiler_ir(*args)(stage='hlo_serialized')
 
 
-def CompiledMemory(fn, args, num_devices=1, timeout=900):
-  """XLA's buffer assignment of fn(*args) partitioned for `num_devices`.
+def LowerFromShapes(fn, specs):
+  """Serialized HloModuleProto of fn(*specs) with jit_compile=True.
 
-  Compiles without running; returns bytes per device: temp_size_in_bytes
-  (intermediates live at once, i.e. activations and workspace),
-  argument_size_in_bytes, output_size_in_bytes, alias_size_in_bytes.
+  `specs` are tf.TensorSpecs: nothing is allocated, whatever their size.
   """
-  tensors = [tf.constant(np.asarray(a)) for a in args]
   compiled = tf.function(fn, jit_compile=True, autograph=False)
-  proto = _WithoutAliasing(
-      compiled.experimental_get_compiler_ir(*tensors)(stage='hlo_serialized'))
+  return compiled.experimental_get_compiler_ir(*specs)(stage='hlo_serialized')
+
+
+@dataclasses.dataclass
+class CompiledModule:
+  """A module compiled (not run) for N devices: what XLA says about it."""
+  num_devices: int
+  # XLA's buffer assignment, bytes per device: temp_size_in_bytes (live
+  # intermediates and workspace), argument_, output_, alias_size_in_bytes.
+  memory: dict
+  param_shard_shapes: list  # per entry parameter, one device's shape
+  output_shard_shapes: list
+  # XLA's cost analysis per device, each loop counted per iteration:
+  # {'flops', 'bytes accessed'}; reference_cost: of the reference module
+  # compiled for one device (None without one).
+  cost: dict
+  reference_cost: dict
+  collectives: list  # of Collective
+  loops: list  # the outermost while loops' body computation names
+  hlo: str  # the partitioned per-device module
+
+  @property
+  def peak_bytes(self):
+    """Arguments + outputs + temporaries - what outputs alias, per device."""
+    m = self.memory
+    return (m['argument_size_in_bytes'] + m['output_size_in_bytes'] +
+            m['temp_size_in_bytes'] - m['alias_size_in_bytes'])
+
+  def LoopCollectives(self, loop):
+    return [c for c in self.collectives if c.loop == loop]
+
+
+def CompileFromShapes(proto, num_devices, reference_proto=None, aliases=(),
+                      timeout=1800):
+  """Compiles a serialized HloModuleProto for `num_devices`, without running.
+
+  Args:
+    proto: the module (e.g. from LowerFromShapes).
+    num_devices: virtual devices to partition it for.
+    reference_proto: optionally another module, compiled for one device
+      (e.g. the same step lowered without partitioning) for its cost.
+    aliases: (output index, parameter index) pairs: outputs that update a
+      parameter in place (a training step's new weights), as donated
+      buffers do on a TPU.
+    timeout: seconds the compile subprocess may take.
+
+  Returns:
+    A CompiledModule.
+  """
+  _CheckAvailable()
   with tempfile.TemporaryDirectory(prefix='gpipe_spmd_') as workdir:
     work = pathlib.Path(workdir)
-    (work / 'module.pb').write_bytes(proto)
-    np.savez(work / 'inputs.npz',
-             **{f'arg_{i}': np.asarray(a) for i, a in enumerate(args)})
-    (work / 'config.json').write_text(json.dumps(
-        {'num_devices': num_devices, 'output_shapes': [],
-         'compile_only': True}))
+    (work / 'module.pb').write_bytes(_WithAliases(proto, aliases))
+    config = {'num_devices': num_devices, 'compile_only': True}
+    if reference_proto is not None:
+      (work / 'reference.pb').write_bytes(_WithAliases(reference_proto, ()))
+      config['reference_module'] = 'reference.pb'
+    (work / 'config.json').write_text(json.dumps(config))
     _RunWorker(workdir, num_devices, timeout)
-    return json.loads((work / 'report.json').read_text())['memory']
+    report = json.loads((work / 'report.json').read_text())
+    hlo = (work / 'partitioned.hlo').read_text()
+  collectives, loops = AnalyzeHlo(hlo)
+  return CompiledModule(
+      num_devices=num_devices,
+      memory=report['memory'],
+      param_shard_shapes=[tuple(s) for s in report['param_shard_shapes']],
+      output_shard_shapes=[tuple(s) for s in report['output_shard_shapes']],
+      cost=report['cost'],
+      reference_cost=report.get('reference_cost'),
+      collectives=collectives,
+      loops=loops,
+      hlo=hlo)
+
+
+def CompiledMemory(fn, args, num_devices=1):
+  """XLA's buffer assignment of fn(*args) partitioned for `num_devices`.
+
+  Compiles without running; only the arguments' shapes and dtypes matter.
+  Returns bytes per device: temp_size_in_bytes (intermediates live at once,
+  i.e. activations and workspace), argument_size_in_bytes,
+  output_size_in_bytes, alias_size_in_bytes.
+  """
+  specs = [tf.TensorSpec(np.shape(a), np.asarray(a).dtype) for a in args]
+  return CompileFromShapes(LowerFromShapes(fn, specs), num_devices).memory
+
+
+def _CheckAvailable():
+  if not IsAvailable():
+    raise RuntimeError(
+        'Checking partitioning needs jax and jaxlib: '
+        "pip install 'gpipe[spmd]' (or: pip install jax jaxlib).")
 
 
 def _RunWorker(workdir, num_devices, timeout):
@@ -143,10 +230,7 @@ def RunPartitioned(fn, args, num_devices, variables=(), timeout=900):
   Returns:
     A PartitionedRun.
   """
-  if not IsAvailable():
-    raise RuntimeError(
-        'Checking partitioning needs jax and jaxlib: '
-        "pip install 'gpipe[spmd]' (or: pip install jax jaxlib).")
+  _CheckAvailable()
   args = [np.asarray(a) for a in args]
   tensors = [tf.constant(a) for a in args]
   compiled = tf.function(fn, jit_compile=True, autograph=False)
@@ -155,8 +239,12 @@ def RunPartitioned(fn, args, num_devices, variables=(), timeout=900):
   # Captured tensors and variables (e.g. ones the step assigns) follow the
   # arguments as entry parameters; their updates follow the outputs.
   args = args + _CapturedValues(concrete, variables)
-  proto = _WithoutAliasing(
-      compiled.experimental_get_compiler_ir(*tensors)(stage='hlo_serialized'))
+  # TensorFlow aliases an assigned variable's parameter with its new value;
+  # the partitioner may shard the two differently, which aliasing forbids.
+  # The check runs the step once, so nothing needs updating in place.
+  proto = _WithAliases(
+      compiled.experimental_get_compiler_ir(*tensors)(stage='hlo_serialized'),
+      ())
   with tempfile.TemporaryDirectory(prefix='gpipe_spmd_') as workdir:
     work = pathlib.Path(workdir)
     (work / 'module.pb').write_bytes(proto)
@@ -181,16 +269,16 @@ def RunPartitioned(fn, args, num_devices, variables=(), timeout=900):
       memory=report.get('memory', {}))
 
 
-def _WithoutAliasing(serialized):
-  """The module without its input/output aliases.
-
-  TensorFlow aliases an assigned variable's parameter with its new value;
-  the partitioner may shard the two differently, which aliasing forbids.
-  The check runs the step once, so nothing needs updating in place.
-  """
+def _WithAliases(serialized, aliases):
+  """The module with exactly `aliases`: (output index, parameter index)."""
   module = hlo_pb2.HloModuleProto()
   module.ParseFromString(serialized)
   module.ClearField('input_output_alias')
+  for output_index, param_index in aliases:
+    entry = module.input_output_alias.entries.add()
+    entry.output_shape_index.append(output_index)
+    entry.parameter_number = param_index
+    entry.kind = hlo_pb2.Kind.MAY_ALIAS
   return module.SerializeToString()
 
 
@@ -257,6 +345,23 @@ def ShapesOf(hlo_type):
   ]
 
 
+_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2,
+                'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8,
+                'f64': 8, 'c64': 8, 'c128': 16}
+
+
+def TypeBytes(hlo_type):
+  """'f32[1,8,8]{2,1,0}' -> 256; a tuple type: the sum of its elements."""
+  total = 0
+  for dtype, dims in re.findall(r'([a-z]\w*)\[([\d,]*)\]', hlo_type):
+    elements = 1
+    for d in dims.split(','):
+      if d:
+        elements *= int(d)
+    total += elements * _DTYPE_BYTES.get(dtype, 4)
+  return total
+
+
 def _Callees(line):
   names = _CALLEE_RE.findall(line)
   for group in _BRANCHES_RE.findall(line):
@@ -284,6 +389,35 @@ def _Walk(computations, root, into_loops):
           continue
       todo.extend(_Callees(line))
   return reached, loops
+
+
+def GatheredTensors(collectives, shapes):
+  """All-gathers and all-to-alls that move a whole tensor of `shapes`.
+
+  Judged by shape: the collective's result has one of the full shapes, or
+  one without its leading stage (and repeat) dims, i.e. some device received
+  data that another device owns. Activation shapes that happen to equal a
+  weight's shape would be reported too.
+  """
+  suspects = set()
+  for shape in shapes:
+    shape = tuple(shape)
+    suspects.update(shape[k:] for k in range(min(len(shape), 3)))
+  return [
+      c for c in collectives
+      if c.kind in ('all-gather', 'all-to-all') and
+      any(s in suspects for s in ShapesOf(c.shape))
+  ]
+
+
+def LoopTripCounts(hlo_text):
+  """{while body computation: iterations} (XLA's known_trip_count)."""
+  trips = {}
+  for line in hlo_text.splitlines():
+    body = _WHILE_BODY_RE.search(line)
+    if body and ' while(' in line:
+      trips[body.group(1)] = spmd_worker.TripCount(line)
+  return trips
 
 
 def AnalyzeHlo(hlo_text):

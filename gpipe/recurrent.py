@@ -29,10 +29,13 @@ without jit_compile: the loops are while_v2 loops with TensorList stacks,
 which XLA compiles to in-place buffers.
 """
 
+import contextlib
+
 import tensorflow as tf
 
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import func_graph as func_graph_lib
+from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import list_ops
 from tensorflow.python.ops import while_v2
 # pylint: enable=g-direct-tensorflow-import
@@ -42,8 +45,47 @@ def _IsDifferentiable(t):
   return t.dtype.is_floating or t.dtype.is_complex
 
 
-def _ZerosLikeSpec(t):
-  return tf.zeros(t.shape, t.dtype)
+@contextlib.contextmanager
+def _WithoutConstantPropagation(graph):
+  """While loops built in `graph` don't make XLA turn inputs into literals.
+
+  TF marks every while loop built for XLA with
+  `_xla_propagate_compile_time_consts`; XLA then tries to evaluate *each*
+  loop input on the host, before checking whether it is loop-invariant. The
+  backward loop's gradient accumulators start as zeros of the stacked
+  weights' shapes: a model whose weights exceed host memory would fail to
+  lower (RESOURCE_EXHAUSTED allocating the literal), though nothing of the
+  kind is ever needed. Our loops use no compile-time constants from outside
+  (their lists are reserved outside, their bodies index with the loop
+  counter), so only they are exempted: loops the cell builds live in the
+  loop body's graph and keep the attribute.
+  """
+  original = control_flow_util_v2.maybe_propagate_compile_time_consts_in_xla
+
+  def MaybePropagate(op):
+    if op.graph is not graph:
+      original(op)
+
+  control_flow_util_v2.maybe_propagate_compile_time_consts_in_xla = (
+      MaybePropagate)
+  try:
+    yield
+  finally:
+    control_flow_util_v2.maybe_propagate_compile_time_consts_in_xla = original
+
+
+def _WhileLoop(body, loop_vars, num_iterations):
+  """Runs `body` exactly num_iterations times (a while_v2 loop).
+
+  The loop's only condition is while_v2's own iteration counter against
+  `maximum_iterations`: XLA then finds the trip count (cost analysis counts
+  the body that often), which it cannot once a second counter is tested.
+  The counter also sizes TensorLists built inside the body under XLA.
+  """
+  with _WithoutConstantPropagation(tf.compat.v1.get_default_graph()):
+    return while_v2.while_loop(
+        lambda *unused: tf.constant(True), body, loop_vars,
+        maximum_iterations=num_iterations, return_same_structure=True)
 
 
 class _Structures:
@@ -132,9 +174,6 @@ def _ForwardLoop(structs, theta, state0, inputs, cell_fn, num_iterations):
   state_lists = [Reserve(s.shape, s.dtype) for s in flat_state0]
   extras_lists = [Reserve(s.shape, s.dtype) for s in flat_extras_spec]
 
-  def Cond(t, *unused_vars):
-    return t < num_iterations
-
   def Body(t, *loop_vars):
     state = tf.nest.pack_sequence_as(state0, loop_vars[:n_state])
     lists = loop_vars[n_state:]
@@ -151,12 +190,10 @@ def _ForwardLoop(structs, theta, state0, inputs, cell_fn, num_iterations):
     ]
     return [t + 1] + flat_new + new_lists
 
-  results = while_v2.while_loop(
-      Cond,
-      Body, [tf.constant(0, tf.int32)] + flat_state0 + state_lists +
-      extras_lists,
-      maximum_iterations=num_iterations,
-      return_same_structure=True)
+  results = _WhileLoop(
+      Body,
+      [tf.constant(0, tf.int32)] + flat_state0 + state_lists + extras_lists,
+      num_iterations)
   final_flat = results[1:1 + n_state]
   lists = results[1 + n_state:]
   specs = flat_state0 + flat_extras_spec
@@ -197,9 +234,6 @@ def _BackwardLoop(structs, theta, state0, inputs, captures, cell_fn,
   input_idx = [i for i, x in enumerate(flat_inputs) if _IsDifferentiable(x)]
   n_th, n_st, n_in, n_cap = (len(theta_idx), len(state_idx), len(input_idx),
                              len(captures))
-
-  def Cond(t, *unused):
-    return t >= 0
 
   def Body(t, *loop_vars):
     d_state = list(loop_vars[:n_st])
@@ -279,12 +313,10 @@ def _BackwardLoop(structs, theta, state0, inputs, captures, cell_fn,
           num_elements=num_iterations,
           element_dtype=flat_inputs[i].dtype) for i in input_idx
   ]
-  results = while_v2.while_loop(
-      Cond,
-      Body, [tf.constant(last, tf.int32)] + init_d_state + init_theta +
-      init_caps + init_lists,
-      maximum_iterations=num_iterations,
-      return_same_structure=True)
+  results = _WhileLoop(
+      Body,
+      [tf.constant(last, tf.int32)] + init_d_state + init_theta + init_caps +
+      init_lists, num_iterations)
   results = results[1:]
   d_state0_part = results[:n_st]
   d_theta_part = results[n_st:n_st + n_th]
