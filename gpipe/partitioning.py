@@ -420,6 +420,34 @@ def LoopTripCounts(hlo_text):
   return trips
 
 
+_NOT_BUFFERS = ('parameter', 'get-tuple-element', 'tuple', 'bitcast', 'while',
+                'call', 'conditional', 'constant')
+
+
+def LargestBuffers(hlo_text, count=5):
+  """[(bytes, HLO type, TF op name)]: the largest arrays the module makes.
+
+  One row per TF op (its largest result), biggest first; what fusions keep
+  internal is not counted (it is never materialized). A hint where the
+  memory goes, not the live set at the peak.
+  """
+  computations, _ = _ParseComputations(hlo_text)
+  largest = {}
+  for name, lines in computations.items():
+    if name.startswith(('fused_', 'wrapped_')):
+      continue
+    for line in lines:
+      match = _INSTRUCTION_RE.match(line)
+      if not match or match.group('op') in _NOT_BUFFERS:
+        continue
+      op_name = _OP_NAME_RE.search(line)
+      key = op_name.group(1) if op_name else match.group('type')
+      nbytes = TypeBytes(match.group('type'))
+      if nbytes > largest.get(key, (0,))[0]:
+        largest[key] = (nbytes, match.group('type').split('{')[0], key)
+  return sorted(largest.values(), reverse=True)[:count]
+
+
 def AnalyzeHlo(hlo_text):
   """Finds the collectives of an HLO module and the loops they run in.
 

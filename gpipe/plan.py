@@ -307,6 +307,9 @@ class CandidateReport:
         'collective_bytes_per_step': self.CollectiveBytesPerStep(),
         'predicted_step_seconds': self.prediction.step_seconds,
         'predicted': dataclasses.asdict(self.prediction),
+        'largest_buffers': [{
+            'bytes': b, 'type': t, 'op': op
+        } for b, t, op in partitioning.LargestBuffers(self.compiled.hlo)],
         'compile_seconds': self.seconds,
     }
 
@@ -478,6 +481,9 @@ class Plan:
       lines.append('  outside the loops: ' + (', '.join(
           f'{k} {v / 2**20:.2f} MiB' for k, v in sorted(outside.items())) or
                                                'no collectives'))
+      lines.append('  largest buffers: ' + '; '.join(
+          f'{b / scale:.3g} {unit} {t} ({op[-60:] or "?"})'
+          for b, t, op in partitioning.LargestBuffers(r.compiled.hlo, 3)))
       for problem in r.Problems():
         lines.append(f'  PROBLEM: {problem}')
     lines.append('')

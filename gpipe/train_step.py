@@ -219,39 +219,31 @@ class TrainStep:
     return [placed[i] for i in self._trainable]
 
 
-def _PlaceLike(layer, tree):
-  """tree (shaped like layer.theta) with every pipelined stack's part placed."""
-  if isinstance(layer, gpipe_layers.PipelinedLayer):
-    return layer.PlaceVariables(tree)
-  placed = tree.copy()
-  for name, child in layer.children.items():
-    if name not in tree:
-      continue
-    if isinstance(child, (list, tuple)):
-      placed[name] = [_PlaceLike(c, t) for c, t in zip(child, tree[name])]
-    elif isinstance(child, base_layer.BaseLayer):
-      placed[name] = _PlaceLike(child, tree[name])
-  return placed
+def _PlaceLike(root, tree):
+  """tree (shaped like root.theta) with every pipelined stack's part placed."""
+  return _MapStacks(root, tree, lambda stack, t: stack.PlaceVariables(t))
 
 
 def _StageVariableNames(root):
   """Theta paths of the variables that pipelined stacks hold per stage."""
-  marked = _MarkStages(root, root.theta.Transform(lambda _: False))
+  marked = _MapStacks(root, root.theta.Transform(lambda _: False),
+                      lambda _, t: t.Transform(lambda _: True))
   return {name for name, on_stages in marked.FlattenItems() if on_stages}
 
 
-def _MarkStages(layer, tree):
+def _MapStacks(layer, tree, fn):
+  """tree with fn(stack, subtree) applied where a PipelinedLayer's theta is."""
   if isinstance(layer, gpipe_layers.PipelinedLayer):
-    return tree.Transform(lambda _: True)
-  marked = tree.copy()
+    return fn(layer, tree)
+  mapped = tree.copy()
   for name, child in layer.children.items():
     if name not in tree:
       continue
     if isinstance(child, (list, tuple)):
-      marked[name] = [_MarkStages(c, t) for c, t in zip(child, tree[name])]
+      mapped[name] = [_MapStacks(c, t, fn) for c, t in zip(child, tree[name])]
     elif isinstance(child, base_layer.BaseLayer):
-      marked[name] = _MarkStages(child, tree[name])
-  return marked
+      mapped[name] = _MapStacks(child, tree[name], fn)
+  return mapped
 
 
 def FindPipelinedLayers(layer, path=''):

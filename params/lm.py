@@ -314,11 +314,12 @@ class CopyLMPod8x2(base_model_params.SingleTaskModelParams):
   """Pod slice: 8 stages x 2 circular repeats x 2 blocks of width 4096.
 
   Expects 8 devices along the stage dim (`shard_stages_1d`; a 1-D mesh
-  [0..7], e.g. a TPU v4-16 slice or v5e-8): stage-stacked weights of shape
-  [8, 2, ...] are split on their first dim, so device s holds the 2 x 2
-  blocks of stage s (about 0.74 billion parameters) plus the replicated
-  embeddings and softmax. 32 microbatches of 8 sequences: iterations
-  = 2 * 32 + 8 - 1 = 71, bubble fraction 7/71.
+  [0..7]): stage-stacked weights of shape [8, 2, ...] are split on their
+  first dim, so device s holds the 2 x 2 blocks of stage s (about 0.74
+  billion parameters) plus the replicated embeddings and softmax. 32
+  microbatches of 8 sequences: iterations = 2 * 32 + 8 - 1 = 71, bubble
+  fraction 7/71. `python -m gpipe.plan --model lm.CopyLMPod8x2` shows what
+  its whole training step needs per chip (more than 32 GiB as configured).
   """
   VOCAB_SIZE = 32000
   COPY_LENGTH = 512

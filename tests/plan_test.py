@@ -261,6 +261,8 @@ def test_plan_command_json(capsys):
   assert set(candidate['per_device_bytes']) == {'weights', 'optimizer',
                                                 'temp', 'peak'}
   assert candidate['iterations'] == NUM_MICROBATCHES + NUM_STAGES - 1
+  sizes = [b['bytes'] for b in candidate['largest_buffers']]
+  assert sizes and sizes == sorted(sizes, reverse=True)
   assert report['recommended'] == 0
   # M=5 does not divide the batch of 24: skipped, with the reason.
   (skipped,) = report['skipped']
