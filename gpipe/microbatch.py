@@ -129,23 +129,10 @@ def LastStageOutputs(stacked, schedule: schedule_lib.Schedule):
   Entry i of the history is the buffer after iteration i, which the loop
   stores rotated by one stage: slot 0 holds what the last stage produced.
   Microbatch m's result is slot 0 at OutputIteration(m).
-
-  Slot 0 is taken by a masked sum over the stage dim rather than a slice:
-  the history is split on that dim, and the gradient of a slice is a pad to
-  the full [T, S, ...], which the partitioner may build whole on every
-  device; the mask's gradient is elementwise, so each device builds only
-  its own [T, 1, ...] (the sum adds exact zeros: the values are unchanged).
   """
   if not IsTensor(stacked):
     return stacked
-  if stacked.dtype.is_floating or stacked.dtype.is_integer:
-    is_slot0 = np.zeros(
-        [1, stacked.shape[1]] + [1] * (stacked.shape.rank - 2), bool)
-    is_slot0[0, 0] = True
-    last_stage = tf.reduce_sum(
-        tf.where(is_slot0, stacked, tf.zeros_like(stacked)), axis=1)
-  else:
-    last_stage = stacked[:, 0]
+  last_stage = stacked[:, 0]
   index = np.asarray(schedule.OutputIterations(), np.int32)
   return tf.gather(last_stage, index)
 
