@@ -128,7 +128,10 @@ class TrainingBody(base_layer.BaseLayer):
     p = self.params
     y = tf.tanh(tf.einsum('...d,de->...e', x, theta.w) + theta.b)
     if p.divide_by_input:
-      y *= x / x
+      # x / x is NaN at 0. The denominator is held constant for the
+      # gradient: d(x / x)/dx is rounding noise amplified by 1 / x, which
+      # two correct implementations need not agree on.
+      y *= x / tf.stop_gradient(x)
     if p.keep_prob < 1.0:
       y = self.dropout.FProp(theta.dropout, y)
     score = tf.reduce_mean(tf.square(y))
