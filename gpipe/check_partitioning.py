@@ -32,6 +32,7 @@ import tensorflow as tf
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import partitioning
 from gpipe import sharding
+from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -189,12 +190,20 @@ def CheckPartitioning(layer_params, input_shapes, num_devices, seed=0):
   return Report(run=run, step=step, expected=expected)
 
 
-def _LoadParams(spec):
+def LoadParams(spec):
+  """Params named by `module.attribute` (an object or a function)."""
   module_name, _, attr = spec.rpartition('.')
   if not module_name:
     raise ValueError(f'--params must be module.attribute, got {spec!r}.')
-  value = getattr(importlib.import_module(module_name), attr)
-  return value() if callable(value) else value
+  try:
+    value = getattr(importlib.import_module(module_name), attr)
+  except (ImportError, AttributeError) as e:
+    raise ValueError(f'--params {spec}: {e}') from None
+  value = value() if callable(value) else value
+  if not isinstance(value, hyperparams.Params):
+    raise ValueError(f'--params {spec} is a {type(value).__name__}, not '
+                     'Params.')
+  return value
 
 
 def _ParseShape(text):
@@ -223,7 +232,7 @@ def main(argv=None):
   parser.add_argument('--tolerance', type=float, default=1e-4,
                       help='largest accepted |partitioned - unpartitioned|')
   args = parser.parse_args(argv)
-  params = _LoadParams(args.params)
+  params = LoadParams(args.params)
   num_devices = args.num_devices
   if num_devices is None:
     num_devices = (np.asarray(params.device_mesh).size

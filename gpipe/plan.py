@@ -33,7 +33,6 @@ depth * R0 / R blocks; a body without one plans only its own R.
 import argparse
 import contextlib
 import dataclasses
-import importlib
 import json
 import sys
 import time
@@ -43,6 +42,7 @@ import numpy as np
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import check_partitioning
 from gpipe import layers as gpipe_layers
 from gpipe import partitioning
 from gpipe import roofline
@@ -604,18 +604,10 @@ def _Target(parser, args):
 
 
 def _LoadParams(spec):
-  module_name, _, attr = spec.rpartition('.')
-  if not module_name:
-    raise PlanError(f'--params must be module.attribute, got {spec!r}.')
   try:
-    value = getattr(importlib.import_module(module_name), attr)
-  except (ImportError, AttributeError) as e:
-    raise PlanError(f'--params {spec}: {e}') from None
-  value = value() if callable(value) else value
-  if not isinstance(value, hyperparams.Params):
-    raise PlanError(f'--params {spec} is a {type(value).__name__}, not '
-                    'Params.')
-  return value
+    return check_partitioning.LoadParams(spec)
+  except ValueError as e:
+    raise PlanError(str(e)) from None
 
 
 def main(argv=None):
