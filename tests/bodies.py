@@ -128,10 +128,12 @@ class TrainingBody(base_layer.BaseLayer):
     p = self.params
     y = tf.tanh(tf.einsum('...d,de->...e', x, theta.w) + theta.b)
     if p.divide_by_input:
-      # x / x is NaN at 0. The denominator is held constant for the
-      # gradient: d(x / x)/dx is rounding noise amplified by 1 / x, which
-      # two correct implementations need not agree on.
-      y *= x / tf.stop_gradient(x)
+      # x / x is 1 on real data and NaN at 0, in the forward pass and, via
+      # d(y * c)/dy = c, in the gradient of y and the weights. The factor is
+      # cut from the gradient: its derivative, 0 in exact arithmetic, is
+      # rounding noise amplified by 1 / x, which two correct implementations
+      # summing in different orders need not agree on.
+      y *= tf.stop_gradient(x / x)
     if p.keep_prob < 1.0:
       y = self.dropout.FProp(theta.dropout, y)
     score = tf.reduce_mean(tf.square(y))
