@@ -14,11 +14,9 @@ gathers.
 import numpy as np
 import tensorflow as tf
 
+from gpipe import nest
 from gpipe import schedule as schedule_lib
 
-
-def IsTensor(x):
-  return isinstance(x, (tf.Tensor, tf.Variable)) or tf.is_tensor(x)
 
 
 def BatchSize(x):
@@ -42,10 +40,7 @@ def ResolveNumMicrobatches(batch_size, num_microbatches, microbatch_size):
   Raises:
     ValueError: naming the parameter and the fix when B is not divisible.
   """
-  if num_microbatches is not None and microbatch_size is not None:
-    raise ValueError(
-        f'Set only one of num_microbatches ({num_microbatches}) and '
-        f'microbatch_size ({microbatch_size}).')
+  CheckMicrobatchParams(num_microbatches, microbatch_size)
   if num_microbatches is None and microbatch_size is None:
     return batch_size, False
   if not isinstance(batch_size, int):
@@ -68,6 +63,19 @@ def ResolveNumMicrobatches(batch_size, num_microbatches, microbatch_size):
   return batch_size // microbatch_size, True
 
 
+def CheckMicrobatchParams(num_microbatches, microbatch_size):
+  """Raises ValueError unless at most one is set, as an integer >= 1."""
+  if num_microbatches is not None and microbatch_size is not None:
+    raise ValueError(
+        f'Set only one of num_microbatches ({num_microbatches}) and '
+        f'microbatch_size ({microbatch_size}).')
+  for name, value in (('num_microbatches', num_microbatches),
+                      ('microbatch_size', microbatch_size)):
+    if value is not None and (not isinstance(value, int) or value < 1):
+      raise ValueError(f'{name} must be None or an integer >= 1, got '
+                       f'{value!r}.')
+
+
 def _Divisors(n):
   return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -79,7 +87,7 @@ def ToMicrobatches(x, num_microbatches):
   to [M, B/M, ...], so that a sharding of the batch dim carries over to the
   B/M dim: the M dim is indexed by the loop and must stay unsharded.
   """
-  if not IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   shape = x.shape.as_list()
   batch = shape[0]
@@ -91,7 +99,7 @@ def ToMicrobatches(x, num_microbatches):
 
 def ToBatch(x):
   """[M, B/M, ...] -> [B, ...]; the inverse of ToMicrobatches."""
-  if not IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   rank = x.shape.rank
   transposed = tf.transpose(x, [1, 0] + list(range(2, rank)))
@@ -114,13 +122,25 @@ def PadForIterations(x, schedule: schedule_lib.Schedule):
   so a body that is only finite on real data stays finite (not zeros, on
   which a body dividing by its input would make Inf and NaN gradients).
   """
-  if not IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   index = np.asarray(schedule.InputIndexPerIteration(), np.int32)
   is_filler = index == schedule.num_microbatches
   rows = tf.gather(x, np.where(is_filler, 0, index))
   mask = np.reshape(is_filler, [-1] + [1] * (x.shape.rank - 1))
   return tf.where(mask, tf.stop_gradient(rows), rows)
+
+
+def BubbleFiller(x, num_stages):
+  """The initial buffer [S, ...]: microbatch 0 of x ([M, ...]) in every slot.
+
+  What the stages work on before the first microbatch reaches them; their
+  results are discarded, so any real data will do (zeros would not: see
+  PadForIterations).
+  """
+  dims = [d if d is not None else tf.shape(x)[i]
+          for i, d in enumerate(x.shape.as_list())]
+  return tf.stop_gradient(tf.broadcast_to(x[:1], [num_stages] + dims[1:]))
 
 
 def LastStageOutputs(stacked, schedule: schedule_lib.Schedule):
@@ -130,7 +150,7 @@ def LastStageOutputs(stacked, schedule: schedule_lib.Schedule):
   stores rotated by one stage: slot 0 holds what the last stage produced.
   Microbatch m's result is slot 0 at OutputIteration(m).
   """
-  if not IsTensor(stacked):
+  if not nest.IsTensor(stacked):
     return stacked
   last_stage = stacked[:, 0]
   index = np.asarray(schedule.OutputIterations(), np.int32)
@@ -149,7 +169,7 @@ def PadStates(x, schedule: schedule_lib.Schedule):
       stage 1    .  0  1  2      ('.' = bubble: holds microbatch 0's
                                   state, read but never written)
   """
-  if not IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   index = np.asarray([[(m, s) for s, m in enumerate(row)]
                       for row in schedule.StateMicrobatchPerSlot()], np.int32)
@@ -162,7 +182,7 @@ def UnpadStates(padded, schedule: schedule_lib.Schedule):
   L = R * S logical layers, repeat-major; (m, l) is slot
   [LayerIteration(m, l), l % S].
   """
-  if not IsTensor(padded):
+  if not nest.IsTensor(padded):
     return padded
   s_count = schedule.num_stages
   index = np.asarray(
@@ -179,6 +199,64 @@ def SliceForStages(x, microbatch_ids):
     x: a microbatched tensor [M, ...], or a non-tensor passed through.
     microbatch_ids: int32 [S], already clamped into [0, M).
   """
-  if not IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   return tf.gather(x, microbatch_ids)
+
+
+def StatesToMicrobatches(x, num_microbatches):
+  """[S, B, ...] per-stage states -> [M, S, B/M, ...], split like the inputs.
+
+  Microbatch m holds the same examples as ToMicrobatches' microbatch m.
+  """
+  if not nest.IsTensor(x):
+    return x
+  perm = [1, 0] + list(range(2, x.shape.rank))
+  mb = ToMicrobatches(tf.transpose(x, perm), num_microbatches)
+  return tf.transpose(mb, [0, 2, 1] + list(range(3, mb.shape.rank)))
+
+
+def LayerStatesToBatch(per_layer):
+  """[M, L, B/M, ...] per-(microbatch, layer) states -> [L, B, ...].
+
+  A rank-2 [M, L] (a scalar per microbatch and layer) becomes [L, M].
+  """
+  rank = per_layer.shape.rank
+  if rank < 3:
+    return tf.transpose(per_layer, [1, 0])
+  whole = ToBatch(tf.transpose(per_layer, [0, 2, 1] + list(range(3, rank))))
+  return tf.transpose(whole, [1, 0] + list(range(2, rank - 1)))
+
+
+def CheckLeadingDims(args, kwargs, batch):
+  """Every tensor input and per-example kwarg must share the batch dim."""
+  for where, tree in (('args', args), ('kwargs', kwargs)):
+    for x in tf.nest.flatten(tree):
+      dim0 = x.shape.as_list()[0] if (nest.IsTensor(x) and
+                                       x.shape.rank) else None
+      if dim0 is not None:
+        if isinstance(batch, int) and dim0 != batch:
+          raise ValueError(
+              f'All {where} must have the batch size {batch} as leading dim; '
+              f'got a tensor of shape {x.shape}. Pass unbatched values via '
+              'kwargs_no_batch.')
+
+
+def CheckPaddedStates(padded_states, sched):
+  """The states' tensor leaves, checked to be [T, S, ...] state slots."""
+  leaves = tf.nest.flatten(padded_states)
+  expected = [sched.num_iterations, sched.num_stages]
+  for x in leaves:
+    if not nest.IsTensor(x):
+      raise ValueError(
+          'padded_per_stage_states must hold tensors (in lists, tuples or '
+          f'NestedMaps); got {type(x).__name__}.')
+    if x.shape.rank is None or x.shape.rank < 2 or x.shape.as_list(
+    )[:2] != expected:
+      raise ValueError(
+          f'A per-stage state has shape {x.shape}; its leading dims must '
+          f'be [num_iterations, num_stages] = {expected} for '
+          f'{sched.num_microbatches} microbatches. Make it with '
+          'PadMicrobatches([M, num_stages, ...] states), e.g. '
+          'PadMicrobatches(MicrobatchStates(per_stage_states)).')
+  return leaves

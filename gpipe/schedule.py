@@ -121,7 +121,10 @@ class Schedule:
     return (t // (r * s)) * s + t % s
 
   def RepeatId(self, iteration, stage):
-    """Circular repeat that `stage` runs at `iteration` (0 when linear)."""
+    """Circular repeat that `stage` runs at `iteration` (0 when linear).
+
+    Always in [0, R), bubbles included: safe to index with unclamped.
+    """
     t = self.Offset(iteration, stage)
     if not self.circular:
       return t * 0

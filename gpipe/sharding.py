@@ -44,6 +44,7 @@ import tensorflow as tf
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 # pylint: enable=g-direct-tensorflow-import
+from gpipe import nest
 from lingvo.core import gshard_utils
 from lingvo.core import py_utils_flags
 
@@ -82,20 +83,16 @@ def IsSpmdPartitioning():
   return py_utils_flags.use_tpu()
 
 
-def _IsTensor(x):
-  return tf.is_tensor(x)
-
-
 def Split(x, dim, num_devices):
   """Splits `x` along `dim` over `num_devices` devices (other dims whole)."""
-  if not _IsTensor(x) or num_devices <= 1:
+  if not nest.IsTensor(x) or num_devices <= 1:
     return x
   return xla_sharding.split(x, dim, num_devices, use_sharding_op=True)
 
 
 def Replicate(x):
   """Marks `x` as replicated on every device."""
-  if not _IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   return xla_sharding.replicate(x, use_sharding_op=True)
 
@@ -107,7 +104,7 @@ def CopySharding(source, x):
   carries an `_XlaSharding` attribute (as Lingvo's TPU variables do); use it
   to give a value derived from a weight the weight's own layout.
   """
-  if not _IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   return xla_sharding.copy_sharding(source, x, use_sharding_op=True)
 
@@ -128,7 +125,7 @@ def MeshSplit(x, device_mesh, tensor_split_dims_mapping,
   Returns:
     The annotated tensor.
   """
-  if not _IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   device_mesh = np.asarray(device_mesh)
   mapping = list(tensor_split_dims_mapping)
@@ -152,7 +149,7 @@ def SplitStageDim(x, stage_dim, num_stages, device_mesh=None, mesh_dim=None):
   With `device_mesh` and `mesh_dim`, the stage dim goes over that mesh axis
   and the other dims stay whole on it; otherwise over `num_stages` devices.
   """
-  if not _IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   if device_mesh is not None and mesh_dim is not None:
     mapping = [-1] * x.shape.rank
@@ -180,7 +177,7 @@ def ToManualStage(x, device_mesh, mesh_dim):
   Only the stage mesh axis becomes manual; the other dims stay unspecified,
   so the partitioner keeps whatever sharding they have on the other axes.
   """
-  if not _IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   rank = x.shape.rank
   sharding = _StageDimSharding(rank, device_mesh, mesh_dim)
@@ -194,7 +191,7 @@ def ToManualStage(x, device_mesh, mesh_dim):
 
 def FromManualStage(x, device_mesh, mesh_dim):
   """[...] per device (manual) -> [S, ...] with the stage dim split."""
-  if not _IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   num_stages = device_mesh.shape[mesh_dim]
   full_shape = [num_stages] + x.shape.as_list()
@@ -210,7 +207,7 @@ def FromManualStage(x, device_mesh, mesh_dim):
 
 def BroadcastToManualStage(x, device_mesh, mesh_dim):
   """A value every stage needs whole (e.g. kwargs_no_batch), made manual."""
-  if not _IsTensor(x):
+  if not nest.IsTensor(x):
     return x
   num_stages = device_mesh.shape[mesh_dim]
   stacked = tf.broadcast_to(x[None], [num_stages] + x.shape.as_list())
@@ -230,6 +227,103 @@ def ManualStageRegion(mesh_dim):
       yield
   finally:
     _STACKS.manual_mesh_dims.pop()
+
+
+def StagePlacement(num_stages, shard_stages_1d=False, device_mesh=None,
+                   mesh_dim=None):
+  """Where a pipelined layer puts its tensors, from its sharding params."""
+  if shard_stages_1d:
+    return OverStageDevices(num_stages)
+  if mesh_dim is not None:
+    return OverMeshAxis(num_stages, device_mesh, mesh_dim)
+  return Unplaced(num_stages)
+
+
+class Unplaced:
+  """No stage sharding asked for: the pipeline's tensors get no annotation.
+
+  The two subclasses place them over S devices or over one axis of a device
+  mesh; every site that places a pipeline tensor asks one of these methods,
+  so that what each tensor gets (the table above) is decided here alone.
+  """
+
+  # (device_mesh, stage mesh axis) of the manual region, or None.
+  mesh = None
+
+  def __init__(self, num_stages):
+    self.num_stages = num_stages
+
+  def _SplitOne(self, x, stage_dim):
+    del stage_dim
+    return x
+
+  def SplitStages(self, tree, stage_dim=0):
+    """Every tensor of `tree` split on its stage dim over the stage devices."""
+    return tf.nest.map_structure(
+        lambda x: self._SplitOne(x, stage_dim) if nest.IsTensor(x) else x, tree)
+
+  def SplitOwnVariable(self, x):
+    """One stage's own variable (per_stage_vars): split on its least-padding
+    dim, so that each device holds about 1/S of it until it is stacked."""
+    if not nest.IsTensor(x):
+      return x
+    dim = LeastPaddingDim(x.shape.as_list(), self.num_stages)
+    if dim is None:
+      return x
+    return self._SplitOne(x, dim)
+
+  def ReplicateLoopDim(self, x):
+    """x ([M, ...] or [T, ...]) whole on every device: the loop indexes it."""
+    return x
+
+  def ReplicateBookkeeping(self, x):
+    """A loop counter, index vector or scalar, replicated.
+
+    Left unannotated, the partitioner may propagate the body's manual
+    sharding into the loop's bookkeeping.
+    """
+    return x
+
+
+class OverStageDevices(Unplaced):
+  """shard_stages_1d: the stage dim over num_stages devices."""
+
+  @property
+  def mesh(self):
+    return StageMesh(self.num_stages)
+
+  def _SplitOne(self, x, stage_dim):
+    return Split(x, stage_dim, self.num_stages)
+
+  def ReplicateLoopDim(self, x):
+    return Replicate(x)
+
+  def ReplicateBookkeeping(self, x):
+    return Replicate(x)
+
+
+class OverMeshAxis(Unplaced):
+  """pipeline_stage_mesh_dim: the stage dim over one axis of device_mesh.
+
+  The loop dim is left to the partitioner: the other axes may shard the
+  batch, which a full replicate would undo.
+  """
+
+  def __init__(self, num_stages, device_mesh, mesh_dim):
+    super().__init__(num_stages)
+    self._device_mesh = device_mesh
+    self._mesh_dim = mesh_dim
+
+  @property
+  def mesh(self):
+    return StageMesh(self.num_stages, self._device_mesh, self._mesh_dim)
+
+  def _SplitOne(self, x, stage_dim):
+    return SplitStageDim(x, stage_dim, self.num_stages, self._device_mesh,
+                         self._mesh_dim)
+
+  def ReplicateBookkeeping(self, x):
+    return Replicate(x)
 
 
 def LeastPaddingDim(shape, num_devices):

@@ -39,7 +39,6 @@ class StageVar:
   def __init__(self, value, name):
     self._value = tf.convert_to_tensor(value)
     self._name = name
-    self.assigned = False
 
   @property
   def dtype(self):
@@ -78,7 +77,6 @@ class StageVar:
     self._value = tf.stop_gradient(
         tf.reshape(value, tf.shape(self._value)),
         name=f'stage_var_update_{next(_UPDATE_IDS)}')
-    self.assigned = True
     return self._value
 
   def assign_add(self, delta, use_locking=False, name=None, read_value=True):
@@ -128,3 +126,44 @@ tf.register_tensor_conversion_function(
 def NonTrainableItems(var_map):
   """[(name, variable)] of the non-trainable variables in a NestedMap."""
   return [(name, v) for name, v in var_map.FlattenItems() if not v.trainable]
+
+
+def CallWithStageVars(body, fn, theta, names, current, args, kwargs):
+  """Calls fn(theta, *args, **kwargs) with `body`'s named non-trainable
+  variables standing for the values `current`.
+
+  The body's theta entries and its `self.vars` reads give the carried
+  values; its assignments are collected instead of written.
+
+  Returns:
+    (outputs, new values of the named variables).
+  """
+  if not names:
+    return fn(theta, *args, **kwargs), []
+  stand_ins = {
+      name: StageVar(value, name) for name, value in zip(names, current)
+  }
+  by_id = {
+      id(v): stand_ins[name]
+      for name, v in body.vars.FlattenItems()
+      if name in stand_ins
+  }
+  theta = theta.Pack([
+      stand_ins[name].value() if name in stand_ins else t
+      for name, t in theta.FlattenItems()
+  ])
+  with body.TransformVarsTempContext(lambda v: by_id.get(id(v), v)):
+    out = fn(theta, *args, **kwargs)
+  return out, [stand_ins[name].value() for name in names]
+
+
+def TakeStageSlice(value, stage, repeat, repeats):
+  """A stage's (and repeat's) slice of a [S, (R,) ...] value."""
+  return repeats.Take(value[stage], repeat)
+
+
+def PutStageSlice(value, stage, repeat, new, repeats):
+  """The [S, (R,) ...] value with that stage's (repeat's) slice replaced."""
+  row = repeats.Put(value[stage], repeat, new)
+  rows = [row if s == stage else value[s] for s in range(value.shape[0])]
+  return tf.stack(rows)

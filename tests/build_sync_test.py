@@ -171,7 +171,7 @@ def CheckBuild(root, build_text, source_dirs=_SOURCE_DIRS):
 
 def test_committed_build_matches_generator():
   generator = _LoadGenerator()
-  generated, _ = generator.Generate(_ROOT)
+  generated = generator.Generate(_ROOT)
   build = _ROOT / 'BUILD'
   committed = build.read_text() if build.is_file() else ''
   if committed != generated:

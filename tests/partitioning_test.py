@@ -201,8 +201,8 @@ def test_each_device_holds_one_stage_of_the_weights(checked):
 class _ReplicatedWeightsLayer(layers.PipelinedLayer):
   """A wrong annotation: the stacked weights marked replicated."""
 
-  def _StackedTheta(self, theta):
-    stacked = super()._StackedTheta(theta)
+  def _LoopTheta(self, theta):
+    stacked = super()._LoopTheta(theta)
     return tf.nest.map_structure(sharding.Replicate, stacked)
 
 

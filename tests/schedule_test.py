@@ -366,6 +366,8 @@ def test_per_slot_functions_match_simulator(s, m, r):
       valid = sched.IsValid(i, stage)
       assert isinstance(valid, bool)
       assert valid == (cell is not None), (i, stage)
+      # In range on bubbles too: the layer indexes repeats with it unclamped.
+      assert 0 <= sched.RepeatId(i, stage) < r, (i, stage)
       if cell is None:
         continue
       mb, rep = cell

@@ -126,3 +126,56 @@ def test_least_padding_dim(shape, devices, expected):
 if __name__ == '__main__':
   import sys  # pylint: disable=g-import-not-at-top
   sys.exit(pytest.main([__file__]))
+
+
+# -- StagePlacement: what each pipeline tensor gets, per sharding param. ----
+
+
+def _Annotation(t):
+  """None for an unannotated tensor, else 'replicated' or its tile dims."""
+  if t.op.type != 'XlaSharding':
+    return None
+  proto = _Proto(t)
+  if proto.type == OpSharding.REPLICATED:
+    return 'replicated'
+  return list(proto.tile_assignment_dimensions)
+
+
+def test_unplaced_annotates_nothing(graph):
+  del graph
+  place = sharding.StagePlacement(4)
+  x = tf.zeros([4, 6])
+  for y in (place.SplitStages(x, 0), place.SplitOwnVariable(x),
+            place.ReplicateLoopDim(x), place.ReplicateBookkeeping(x)):
+    assert y is x
+  assert place.mesh is None
+
+
+def test_over_stage_devices_splits_and_replicates(graph):
+  del graph
+  place = sharding.StagePlacement(4, shard_stages_1d=True)
+  x = tf.zeros([3, 4, 6])
+  assert _Annotation(place.SplitStages(x, 1)) == [1, 4, 1]
+  # Structures: every tensor placed, None kept.
+  tree = place.SplitStages({'a': tf.zeros([4, 2]), 'b': None}, 0)
+  assert _Annotation(tree['a']) == [4, 1] and tree['b'] is None
+  assert _Annotation(place.ReplicateLoopDim(x)) == 'replicated'
+  assert _Annotation(place.ReplicateBookkeeping(x)) == 'replicated'
+  # A stage's own [6, 8] variable: 8 splits over 4 without padding.
+  assert _Annotation(place.SplitOwnVariable(tf.zeros([6, 8]))) == [1, 4]
+  mesh, axis = place.mesh
+  np.testing.assert_array_equal(mesh, np.arange(4))
+  assert axis == 0
+
+
+def test_over_mesh_axis_leaves_the_loop_dim_alone(graph):
+  del graph
+  device_mesh = np.arange(8).reshape(4, 2)
+  place = sharding.StagePlacement(4, device_mesh=device_mesh, mesh_dim=0)
+  x = tf.zeros([4, 6])
+  y = place.SplitStages(x, 0)
+  assert _Annotation(y)[:2] == [4, 1]
+  assert list(y.op.get_attr('unspecified_dims')) == [1]
+  assert place.ReplicateLoopDim(x) is x
+  assert _Annotation(place.ReplicateBookkeeping(x)) == 'replicated'
+  assert place.mesh[1] == 0

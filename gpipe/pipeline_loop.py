@@ -1,0 +1,251 @@
+"""The pipeline loop: T iterations over a rotating [S, ...] buffer.
+
+One FProp call of a pipelined layer, in order:
+
+    split     inputs [B, ...] -> [M, B/M, ...]           (gpipe.microbatch)
+    loop      for i in 0..T-1:                                (this module)
+                stage inputs = rotated buffer, slot 0 maybe microbatch i
+                every stage runs once           (gpipe.stage_runners, via
+                                                 gpipe.stage_call.CallStage)
+                bubbles masked, buffer rotated by one stage
+    reassemble  last stage's outputs -> [M, B/M, ...] -> [B, ...]
+
+One iteration, S = 3 (slot s holds what stage s - 1 produced; slot 0 what
+the last stage produced, which a linear pipeline drops and a circular one
+feeds into its next repeat)::
+
+    buffer   [ y2 | y0 | y1 ]  --stages-->  [ y0' | y1' | y2' ]
+               ^ stage 0 reads microbatch i instead when the schedule says
+    rotated  [ y2' | y0' | y1' ]  -> next iteration's buffer
+
+On a split stage dim the rotation is one collective-permute. Which stage
+works on which microbatch and repeat, and which slots are bubbles, comes
+from `gpipe.schedule.Schedule`; the loop and its recomputing gradient from
+`gpipe.recurrent`.
+"""
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import tensorflow as tf
+
+from gpipe import microbatch
+from gpipe import nest
+from gpipe import recurrent
+from gpipe import schedule as schedule_lib
+from gpipe import stage_call
+from gpipe import stage_runners
+from lingvo.core import py_utils
+
+NestedMap = py_utils.NestedMap
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoopSpec:
+  """Everything the loop needs besides the tensors it carries.
+
+  Attributes:
+    schedule: which stage works on what, per iteration.
+    body: the body layer.
+    fn_name: the body method each stage runs.
+    run_stages: (spec, theta, IterationStages) -> StagesResult, one of
+      gpipe.stage_runners.
+    repeats: the circular-repeat selector (gpipe.repeats).
+    placement: the sharding placement (gpipe.sharding.StagePlacement).
+    args: the structure of the microbatched positional inputs.
+    states: the structure of the padded per-stage states.
+    mb_kwargs: per-example kwargs, [M, ...].
+    kwargs_no_batch: kwargs every stage gets whole.
+    base_seed: the step seed; (layer, microbatch) gets base_seed +
+      Schedule.StepSeedOffset(layer, microbatch).
+    global_step: the caller's global step (read before the loop: the
+      backward pass recomputes the body outside the caller's context), or
+      None.
+    var_names: the body's non-trainable variables the loop carries.
+    store_intermediates: differentiate with TensorFlow's while-loop gradient.
+  """
+  schedule: schedule_lib.Schedule
+  body: stage_call.Body
+  fn_name: str
+  run_stages: Callable[..., stage_runners.StagesResult]
+  repeats: Any
+  placement: Any
+  args: nest.TensorLeaves
+  states: Any
+  mb_kwargs: Dict[str, Any]
+  kwargs_no_batch: Dict[str, Any]
+  base_seed: tf.Tensor
+  global_step: Optional[tf.Tensor]
+  var_names: Tuple[str, ...]
+  store_intermediates: bool
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoopResult:
+  """What the loop produced.
+
+  Attributes:
+    outputs: the [M, ...] tensor leaves of the outputs, microbatch order.
+    states: the updated padded per-stage state leaves, [T, S, ...].
+    aux_loss: the valid calls' aux losses summed over all iterations.
+    summaries: {name: (sum of value * weight [T, S], weights [T, S])} of
+      every summary the body added, bubbles zeroed.
+    vars: the final values of the carried non-trainable variables.
+  """
+  outputs: List[tf.Tensor]
+  states: List[tf.Tensor]
+  aux_loss: tf.Tensor
+  summaries: Dict[str, Tuple[tf.Tensor, tf.Tensor]]
+  vars: List[tf.Tensor]
+
+
+def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
+        var_values) -> LoopResult:
+  """Runs the loop.
+
+  Args:
+    spec: the LoopSpec.
+    theta: the stage-stacked weights, placed.
+    mb_leaves: the [M, ...] tensor leaves of the microbatched inputs.
+    state_leaves: the [T, S, ...] padded per-stage state leaves.
+    var_values: the carried non-trainable values, [S, (R,) ...].
+  """
+  place = spec.placement
+  sched = spec.schedule
+  # Carried: the buffer and the body's non-trainable variables (see
+  # gpipe.stage_vars). The iteration index comes in as an input and each
+  # iteration's aux loss goes out as an extra, summed afterwards:
+  # loop-carried scalars are what the partitioner tends to mis-shard.
+  state0 = NestedMap(
+      buffer=[place.SplitStages(microbatch.BubbleFiller(x, sched.num_stages))
+              for x in mb_leaves],
+      vars=[place.SplitStages(tf.stop_gradient(v)) for v in var_values])
+  inputs = NestedMap(
+      stage0=[microbatch.PadForIterations(x, sched) for x in mb_leaves],
+      iteration=tf.range(sched.num_iterations, dtype=tf.int32),
+      states=[place.SplitStages(x, 1) for x in state_leaves])
+  history, final, extras = recurrent.Recurrent(
+      theta, state0, inputs,
+      lambda th, st, inp: _Iteration(spec, th, st, inp),
+      store_intermediates=spec.store_intermediates)
+  outputs = [
+      place.ReplicateLoopDim(
+          microbatch.LastStageOutputs(place.SplitStages(h, 1), sched))
+      for h in history.buffer
+  ]
+  return LoopResult(
+      outputs=outputs,
+      states=[place.SplitStages(x, 1) for x in extras.states],
+      aux_loss=tf.reduce_sum(extras.aux_loss),
+      summaries=extras.summaries,
+      vars=final.vars)
+
+
+def _Iteration(spec: LoopSpec, theta, state, inp):
+  """One loop iteration: every stage runs on its slot of the buffer."""
+  sched = spec.schedule
+  place = spec.placement
+  per_stage = place.SplitStages  # [S] vectors live with their stages
+  it = place.ReplicateBookkeeping(inp.iteration)
+  stage_ids = tf.range(sched.num_stages, dtype=tf.int32)
+  stage_in = [
+      per_stage(StageInputs(sched, it, per_stage(buf),
+                            place.ReplicateLoopDim(x)))
+      for buf, x in zip(state.buffer, inp.stage0)
+  ]
+  args = spec.args.Rebuild(stage_in)
+  num_args = len(args)
+  args += tuple(tf.nest.pack_sequence_as(spec.states, inp.states))
+  # Each device computes its own entries from the replicated iteration.
+  mb_ids = per_stage(tf.clip_by_value(
+      sched.MicrobatchId(it, stage_ids), 0, sched.num_microbatches - 1))
+  repeat_ids = per_stage(sched.RepeatId(it, stage_ids))
+  seeds = per_stage(spec.base_seed + tf.cast(
+      sched.StepSeedOffset(sched.LayerId(it, stage_ids), mb_ids),
+      spec.base_seed.dtype))
+  res = spec.run_stages(
+      spec, theta,
+      stage_runners.IterationStages(args=args, mb_ids=mb_ids,
+                                    repeat_ids=repeat_ids, seeds=seeds,
+                                    var_values=list(state.vars)))
+  valid = per_stage(sched.IsValid(it, stage_ids))
+  outs, state_outs = res.outputs[:num_args], res.outputs[num_args:]
+  new_buffer = [
+      per_stage(RotateStages(per_stage(MaskBubbles(valid, o, x))))
+      for o, x in zip(spec.args.Of(outs), stage_in)
+  ]
+  # Bubbles keep the state slots and non-trainable values they found, and
+  # their aux losses and summaries are dropped by the same select.
+  keep = lambda v: tf.where(valid, v, tf.zeros_like(v))
+  aux = tf.constant(0.0, tf.float32)
+  if res.aux is not None:
+    aux = tf.reduce_sum(keep(res.aux))
+  new_state = NestedMap(
+      buffer=new_buffer,
+      vars=[per_stage(SelectStages(valid, new, old))
+            for new, old in zip(res.vars, state.vars)])
+  extras = NestedMap(
+      aux_loss=place.ReplicateBookkeeping(aux),
+      summaries={
+          name: (per_stage(keep(value * weight)), per_stage(keep(weight)))
+          for name, value, weight in res.summaries
+      },
+      states=[per_stage(SelectStages(valid, new, old))
+              for new, old in zip(tf.nest.flatten(state_outs), inp.states)])
+  return new_state, extras
+
+
+def StageInputs(sched, iteration, rotated, stage0_input):
+  """The stages' inputs: the rotated buffer, stage 0 maybe a fresh input.
+
+  The carried buffer is last iteration's outputs already rotated by one
+  stage (see RotateStages): slot s holds what stage s - 1 produced, and
+  slot 0 what the last stage produced. Stage 0 takes the fresh microbatch
+  whenever the schedule says it reads one: always when linear (the wrapped
+  slot is dropped), in the first S iterations of each R * S block when
+  circular (otherwise it keeps the wrapped slot: the microbatch's next
+  repeat).
+  """
+  num_stages = sched.num_stages
+  reads = tf.logical_and(
+      tf.equal(tf.range(num_stages), 0), sched.StageZeroReadsInput(iteration))
+  reads = tf.reshape(reads, [num_stages] + [1] * (rotated.shape.rank - 1))
+  fresh = tf.broadcast_to(stage0_input[None], py_utils.GetShape(rotated))
+  return tf.where(reads, fresh, rotated)
+
+
+@tf.custom_gradient
+def RotateStages(x):
+  """[S, ...] -> slot s gets slot s - 1, slot 0 gets slot S - 1.
+
+  Along a split stage dim this is exactly one collective-permute once
+  partitioned, and so is its gradient, the opposite rotation (written out:
+  TensorFlow's gradient of the concat of two slices is two permutes). A
+  shift that pads a zero in instead becomes an all-to-all.
+  """
+  rotated = tf.concat([x[-1:], x[:-1]], axis=0)
+
+  def Grad(dy):
+    return tf.concat([dy[1:], dy[:1]], axis=0)
+
+  return rotated, Grad
+
+
+def SelectStages(valid, new, old):
+  """Per stage slot: new where the stage was valid, old on bubbles."""
+  mask = tf.reshape(valid, [-1] + [1] * (new.shape.rank - 1))
+  return tf.where(mask, new, old)
+
+
+def MaskBubbles(valid, out, stage_in):
+  """Bubble slots of the [S] stage outputs pass their input through instead.
+
+  Bubbles never compute on zeros: the loop starts from real data
+  (microbatch.BubbleFiller) and a bubble hands its own input on, so every
+  bubble runs the body on some real microbatch's values. A body that is
+  finite on real data (but, say, divides by its input) thus stays finite on
+  bubbles, and the select's zero cotangent times a finite local derivative
+  keeps the gradients finite too. The pass-through is cut from the gradient.
+  """
+  mask = tf.reshape(valid, [-1] + [1] * (out.shape.rank - 1))
+  return tf.where(mask, out, tf.stop_gradient(stage_in))

@@ -1,0 +1,63 @@
+"""The unpipelined path: the S * R layers one after another, whole batch.
+
+What `unroll='always'` (and 'eval_only' in eval) runs: no microbatches, no
+loop, no bubbles. Each logical layer (repeat-major: layer r * S + s) calls
+the body through `stage_call.CallStage` in the caller's own contexts, so aux
+losses, summaries and step seeds behave as in the plain stack.
+"""
+
+import tensorflow as tf
+
+
+def CheckPerLayerStates(per_layer_states, num_layers):
+  """Copies of the per-layer state lists, checked to have R * S entries."""
+  checked = []
+  for k, states in enumerate(per_layer_states):
+    if not isinstance(states, (list, tuple)) or len(states) != num_layers:
+      got = type(states).__name__
+      if isinstance(states, (list, tuple)):
+        got += f' of {len(states)}'
+      raise ValueError(
+          f'With unroll, padded_per_stage_states[{k}] must be a list of '
+          f'{num_layers} per-layer states (num_stages * circular_repeat), '
+          f'one per logical layer; got a {got}. Make them with the body '
+          'method for each layer_theta.')
+    checked.append(list(states))
+  return checked
+
+
+def Run(layout, body, fn_name, theta, args, kwargs, kwargs_no_batch,
+        per_layer_states, var_names, carried):
+  """Runs every logical layer in order.
+
+  Args:
+    layout: the layer's weight layout (gpipe.layouts).
+    body: the stage_call.Body.
+    fn_name: the body method.
+    theta: the layer's theta.
+    args: the positional inputs, a tuple.
+    kwargs: per-example kwargs (whole batch).
+    kwargs_no_batch: kwargs passed as they are.
+    per_layer_states: lists of R * S states, one list per state arg.
+    var_names: the body's non-trainable variables.
+    carried: their values, [S, (R,) ...].
+
+  Returns:
+    (outputs tuple, per-layer state lists updated, carried values updated).
+  """
+  num_stages = layout.num_stages
+  per_layer_states = CheckPerLayerStates(per_layer_states,
+                                         num_stages * layout.repeats.count)
+  outputs = tuple(args)
+  for repeat in range(layout.repeats.count):
+    for stage in range(num_stages):
+      layer = repeat * num_stages + stage
+      with tf.name_scope(f'layer_{layer:03d}'):
+        states = tuple(s[layer] for s in per_layer_states)
+        outputs, carried = layout.RunLayerOnBatch(
+            body, fn_name, theta, repeat, stage, outputs + states, kwargs,
+            kwargs_no_batch, var_names, carried)
+        outputs, states = outputs[:len(args)], outputs[len(args):]
+        for per_layer, state in zip(per_layer_states, states):
+          per_layer[layer] = state
+  return outputs, per_layer_states, carried

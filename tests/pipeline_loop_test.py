@@ -1,0 +1,126 @@
+"""gpipe.pipeline_loop with a stand-in for the stages: order checks only.
+
+A fake runner computes layer l on microbatch m as y = w * x + (l + 1) and
+reports the microbatch id as its aux loss; the reference is a plain Python
+loop over the layers for each microbatch. No body layer is involved, so a
+failure here is the loop's: schedule, rotation, stage-0 reads, masking.
+"""
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import nest
+from gpipe import pipeline_loop
+from gpipe import repeats
+from gpipe import schedule as schedule_lib
+from gpipe import sharding
+from gpipe import stage_runners
+from lingvo.core import py_utils
+
+ROWS, DIM = 2, 3
+
+
+def _FakeRunner(spec, theta, it):
+  (x,) = it.args
+  num_stages = spec.schedule.num_stages
+  layer = it.repeat_ids * num_stages + tf.range(num_stages)
+  y = theta.w * x + tf.cast(layer + 1, x.dtype)[:, None, None]
+  return stage_runners.StagesResult(
+      outputs=(y,), aux=tf.cast(it.mb_ids, tf.float32),
+      summaries=[('mb', tf.cast(it.mb_ids, tf.float32),
+                  tf.ones([num_stages]))],
+      vars=[])
+
+
+def _Spec(sched, x_mb, store_intermediates=False):
+  return pipeline_loop.LoopSpec(
+      schedule=sched, body=None, fn_name='FProp', run_stages=_FakeRunner,
+      repeats=repeats.For(sched.circular_repeat),
+      placement=sharding.StagePlacement(sched.num_stages),
+      args=nest.TensorLeaves((x_mb,)), states=[], mb_kwargs={},
+      kwargs_no_batch={}, base_seed=tf.constant(0, tf.int64),
+      global_step=None, var_names=(),
+      store_intermediates=store_intermediates)
+
+
+@pytest.mark.parametrize('s,m,r,store', [
+    (1, 1, 1, False), (2, 3, 1, False), (3, 4, 2, False), (2, 5, 3, True),
+    (4, 2, 2, False), (4, 6, 1, True)])
+def test_loop_runs_every_layer_on_every_microbatch_in_order(s, m, r, store):
+  sched = schedule_lib.Schedule(s, m, r)
+  x_np = np.random.RandomState(0).uniform(-1, 1, [m, ROWS, DIM])
+  with tf.Graph().as_default():
+    x = tf.constant(x_np, tf.float32)
+    w = tf.constant(0.9)
+    res = pipeline_loop.Run(_Spec(sched, x, store), py_utils.NestedMap(w=w),
+                            [x], [], [])
+    (out,) = res.outputs
+    want = []
+    for mb in range(m):
+      h = x[mb]
+      for layer in range(s * r):
+        h = w * h + (layer + 1)
+      want.append(h)
+    want = tf.stack(want)
+    grads = [tf.convert_to_tensor(g)
+             for g in tf.gradients(tf.reduce_sum(out * out), [w, x])]
+    want_grads = [tf.convert_to_tensor(g) for g in
+                  tf.gradients(tf.reduce_sum(want * want), [w, x])]
+    weighted, weight = res.summaries['mb']
+    with tf.compat.v1.Session() as sess:
+      got = sess.run(dict(out=out, want=want, grads=grads,
+                          want_grads=want_grads, aux=res.aux_loss,
+                          weighted=weighted, weight=weight))
+  np.testing.assert_allclose(got['out'], got['want'], rtol=1e-6)
+  for g, wg in zip(got['grads'], got['want_grads']):
+    np.testing.assert_allclose(g, wg, rtol=1e-5)
+  # Bubbles add nothing: each microbatch is counted once per layer.
+  assert got['aux'] == s * r * sum(range(m))
+  assert got['weighted'].shape == (sched.num_iterations, s)
+  np.testing.assert_array_equal(got['weight'].sum(axis=0), [m * r] * s)
+
+
+def test_rotate_stages_is_a_roll_and_its_gradient_the_opposite_roll():
+  x_np = np.arange(12.0, dtype=np.float32).reshape(4, 3)
+  cot = np.random.RandomState(1).normal(size=[4, 3]).astype(np.float32)
+  with tf.Graph().as_default():
+    x = tf.constant(x_np)
+    y = pipeline_loop.RotateStages(x)
+    (g,) = tf.gradients(y, [x], grad_ys=[cot])
+    with tf.compat.v1.Session() as sess:
+      y_v, g_v = sess.run((y, g))
+  np.testing.assert_array_equal(y_v, np.roll(x_np, 1, axis=0))
+  np.testing.assert_array_equal(g_v, np.roll(cot, -1, axis=0))
+
+
+def test_mask_bubbles_passes_the_input_through_without_gradient():
+  with tf.Graph().as_default():
+    out = tf.constant([[1.0], [2.0], [3.0]])
+    stage_in = tf.constant([[10.0], [20.0], [30.0]])
+    valid = tf.constant([True, False, True])
+    y = pipeline_loop.MaskBubbles(valid, out, stage_in)
+    g_out, g_in = tf.gradients(y, [out, stage_in])
+    with tf.compat.v1.Session() as sess:
+      y_v, g_out_v = sess.run((y, g_out))
+  np.testing.assert_array_equal(y_v, [[1.0], [20.0], [3.0]])
+  np.testing.assert_array_equal(g_out_v, [[1.0], [0.0], [1.0]])
+  assert g_in is None
+
+
+@pytest.mark.parametrize('s,m,r', [(3, 4, 1), (2, 3, 2)])
+def test_stage_inputs_follow_the_schedule(s, m, r):
+  sched = schedule_lib.Schedule(s, m, r)
+  with tf.Graph().as_default():
+    rotated = tf.constant(np.arange(s, dtype=np.float32)[:, None])
+    fresh = tf.constant([-1.0])
+    got = [pipeline_loop.StageInputs(sched, tf.constant(i), rotated, fresh)
+           for i in range(sched.num_iterations)]
+    with tf.compat.v1.Session() as sess:
+      got = sess.run(got)
+  for i, value in enumerate(got):
+    want = np.arange(s, dtype=np.float32)
+    if sched.StageZeroReadsInput(i):
+      want[0] = -1.0
+    np.testing.assert_array_equal(value[:, 0], want, err_msg=str(i))

@@ -1,0 +1,78 @@
+"""gpipe.stage_runners: one iteration's stages, each on its own slot.
+
+The one-device runner (DenseBody, weights [S, R, ...]) and the stage-
+parallel runner (StageParallelDenseBody, weights [R, S, ...]) compute the
+same per-stage math; both are checked against NumPy: stage s applies
+repeat repeat_ids[s]'s weights to its slot and scales by its microbatch's
+per-example kwarg.
+"""
+
+import types
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import repeats
+from gpipe import schedule as schedule_lib
+from gpipe import stage_call
+from gpipe import stage_runners
+from tests import bodies
+
+S, M, R, ROWS, D = 3, 4, 2, 2, 4
+
+
+def _Data():
+  rng = np.random.RandomState(0)
+  f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  return dict(x=f32(S, ROWS, D), w=f32(S, R, D, D), b=f32(S, R, D),
+              scale=f32(M, ROWS, D), mb_ids=np.array([3, 0, 2], np.int32),
+              repeat_ids=np.array([1, 0, 1], np.int32))
+
+
+def _Want(d):
+  out = []
+  for s in range(S):
+    r, m = d['repeat_ids'][s], d['mb_ids'][s]
+    y = np.tanh(d['x'][s] @ d['w'][s, r] + d['b'][s, r]) * d['scale'][m]
+    out.append(y)
+  return np.stack(out)
+
+
+@pytest.mark.parametrize('stage_parallel', [False, True])
+def test_each_stage_gets_its_slot_repeat_and_microbatch(stage_parallel):
+  d = _Data()
+  with tf.Graph().as_default():
+    if stage_parallel:
+      layer = bodies.StageParallelDenseBody.Params().Set(
+          name='body', dim=D, num_stages=S).Instantiate()
+      theta = dict(w=np.swapaxes(d['w'], 0, 1), b=np.swapaxes(d['b'], 0, 1))
+      param = 'stage_parallel_body'
+    else:
+      layer = bodies.DenseBody.Params().Set(name='body', dim=D).Instantiate()
+      theta = dict(w=d['w'], b=d['b'])
+      param = 'single_stage_body'
+    theta = layer.theta.Pack([tf.constant(theta[k]) for k in ('b', 'w')])
+    spec = types.SimpleNamespace(
+        schedule=schedule_lib.Schedule(S, M, R),
+        body=stage_call.Body(layer, param, 'pipe'), fn_name='FProp',
+        repeats=repeats.For(R), mb_kwargs={'scale': tf.constant(d['scale'])},
+        kwargs_no_batch={}, var_names=(), global_step=None)
+    it = stage_runners.IterationStages(
+        args=(tf.constant(d['x']),), mb_ids=tf.constant(d['mb_ids']),
+        repeat_ids=tf.constant(d['repeat_ids']),
+        seeds=tf.constant([1, 2, 3], tf.int64), var_values=[])
+    runner = stage_runners.RunTogether if stage_parallel else (
+        stage_runners.RunOneByOne)
+    res = runner(spec, theta, it)
+    assert res.aux is None and res.summaries == [] and res.vars == []
+    with tf.compat.v1.Session() as sess:
+      (got,) = sess.run(res.outputs)
+  np.testing.assert_allclose(got, _Want(d), rtol=1e-5, atol=1e-6)
+
+
+def test_stage_parallel_aux_losses_must_be_per_stage():
+  with pytest.raises(ValueError, match=r'aux losses of shape \[num_stages\]'):
+    with tf.Graph().as_default():
+      stage_runners.StageParallelAuxLoss([tf.constant(1.0)], S)
