@@ -1,0 +1,117 @@
+"""How the benchmarks measure: timed training steps and XLA's memory."""
+
+import statistics
+import time
+
+import numpy as np
+
+import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+import tensorflow as tf
+from gpipe import partitioning
+from lingvo.core import scatter_update
+
+
+def Median(fn, warmup, reps):
+  for _ in range(warmup):
+    fn()
+  times = []
+  for _ in range(reps):
+    began = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - began)
+  return statistics.median(times)
+
+
+def TrainStep(forward, variables, x):
+  """Loss and gradients w.r.t. the variables and the input."""
+  y = forward(x)
+  loss = tf.reduce_sum(y * y)
+  return [loss] + tf.gradients(loss, variables + [x])
+
+
+class GraphStep:
+  """A training step in a tf.Graph run by a Session (Lingvo's home)."""
+
+  def __init__(self, make_layer, forward_of, batch, dim):
+    self.graph = tf.Graph()
+    with self.graph.as_default():
+      began = time.perf_counter()
+      layer = make_layer()
+      x = tf.constant(np.random.RandomState(0).uniform(
+          -1, 1, [batch, dim]).astype(np.float32))
+      self.fetch = TrainStep(lambda t: forward_of(layer, layer.theta, t),
+                              layer.vars.Flatten(), x)
+      self.build_seconds = time.perf_counter() - began
+      self.sess = tf.compat.v1.Session(graph=self.graph)
+      self.sess.run(tf.compat.v1.global_variables_initializer())
+
+  def Time(self, warmup, reps):
+    t = Median(lambda: self.sess.run(self.fetch), warmup, reps)
+    self.sess.close()
+    return t
+
+
+class JitStep:
+  """A training step as tf.function(jit_compile=True), run eagerly."""
+
+  def __init__(self, make_layer, forward_of, batch, dim):
+    with tf.init_scope():
+      self.layer = make_layer()
+    self.x = tf.constant(np.random.RandomState(0).uniform(
+        -1, 1, [batch, dim]).astype(np.float32))
+    layer = self.layer
+    theta = layer.theta
+    self.weights = [tf.convert_to_tensor(v) for _, v in theta.FlattenItems()]
+
+    def Step(weights, x):
+      with tf.GradientTape() as tape:
+        tape.watch(weights + [x])
+        y = forward_of(layer, theta.Pack(weights), x)
+        loss = tf.reduce_sum(y * y)
+      return [loss] + tape.gradient(loss, weights + [x])
+
+    self.fn = tf.function(Step, jit_compile=True, autograph=False)
+
+  def Compile(self):
+    """(trace seconds, trace + XLA compile + first run seconds)."""
+    began = time.perf_counter()
+    with NoInplaceUpdate():
+      self.fn.get_concrete_function(self.weights, self.x)
+    traced = time.perf_counter() - began
+    self.Run()
+    return traced, time.perf_counter() - began
+
+  def Run(self):
+    with NoInplaceUpdate():
+      out = self.fn(self.weights, self.x)
+    out[0].numpy()
+
+  def Time(self, warmup, reps):
+    return Median(self.Run, warmup, reps)
+
+
+def NoInplaceUpdate():
+  """Lingvo's Recurrent uses InplaceUpdate, which XLA:CPU cannot compile."""
+  return scatter_update.SetInplaceUpdate(False)
+
+
+def Pipelined(layer, theta, x):
+  return layer.FProp(theta, x)
+
+
+def Step(mode, make_layer, forward_of, batch, dim):
+  cls = GraphStep if mode == 'graph' else JitStep
+  return cls(make_layer, forward_of, batch, dim)
+
+
+
+
+def TempBytes(make_layer, forward_of, batch, dim):
+  """XLA's temporary bytes of a jit training step (1 device)."""
+  step = JitStep(make_layer, forward_of, batch, dim)
+  args = [w.numpy() for w in step.weights] + [step.x.numpy()]
+  n = len(step.weights)
+  fn = lambda *a: step.fn(list(a[:n]), a[n])
+  return partitioning.CompiledMemory(fn, args)['temp_size_in_bytes']
+
+

@@ -1,0 +1,178 @@
+"""Writes the benchmark results as BENCHMARKS.md tables."""
+
+import dataclasses
+import datetime
+import os
+import platform
+import statistics
+
+import tensorflow as tf
+
+# Team targets the tables are reported against.
+TARGET_OVERHEAD_JIT = 1.15   # measured / ideal, jit
+TARGET_VS_LINGVO = 1.0       # our time / Lingvo's
+TARGET_COMPILE_GROWTH = 1.3  # compile time at M=64 / at M=4
+
+
+@dataclasses.dataclass
+class OverheadRow:
+  mode: str
+  s: int
+  m: int
+  r: int
+  iterations: int
+  seq_ms: float
+  pipe_ms: float
+  lingvo_ms: float = None
+
+  @property
+  def ideal(self):
+    return self.iterations / (self.m * self.r) * 4.0 / 3.0
+
+  @property
+  def ratio(self):
+    return self.pipe_ms / self.seq_ms
+
+  @property
+  def vs_ideal(self):
+    return self.ratio / self.ideal
+
+
+
+@dataclasses.dataclass
+class MemoryRow:
+  what: str
+  value: int
+  buffer_bytes: int  # [S, rows, dim] float32
+  iterations: int
+  naive: int
+  ours: int
+  stored: int
+
+
+
+def Markdown(cfg, overhead, failures, memory, compile_rows, partitioned,
+             seconds):
+  lines = ['# Benchmarks', '']
+  lines += [
+      f'Measured {datetime.date.today()} on {platform.machine()}, '
+      f'{os.cpu_count()} CPU cores, Python {platform.python_version()}, '
+      f'TensorFlow {tf.__version__}; one CPU device (partitioned figures: '
+      'virtual CPU devices). Reproduce with',
+      '', '```', f'.venv/bin/python -m benchmarks.run{cfg.flag}', '```', '',
+      f'({seconds / 60:.1f} minutes). Every figure is a ratio of two '
+      'measurements of this run; times are medians of '
+      f'{cfg.reps} repetitions after {cfg.warmup} warm-up runs. Body: a '
+      f'residual MLP block, width {cfg.dim}, hidden {cfg.hidden}; '
+      f'batch {cfg.batch}.', '']
+  lines += _OverheadTable(overhead)
+  lines += _LingvoTable(overhead, failures)
+  lines += _MemoryTable(cfg, memory)
+  lines += _CompileTable(compile_rows)
+  lines += _PartitionedTable(partitioned)
+  return '\n'.join(lines) + '\n'
+
+
+def _OverheadTable(rows):
+  out = ['## 1. Overhead vs the plain stack', '',
+         'Training step (forward + backward). ratio = pipelined / plain; '
+         'ideal = T / (M R) x 4/3 (bubbles, and the recomputed forward); '
+         f'target measured/ideal <= {TARGET_OVERHEAD_JIT} under jit.', '',
+         '| mode | S | M | R | T | plain ms | pipelined ms | ratio | ideal '
+         '| measured/ideal |', '|---|---|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    out.append(f'| {r.mode} | {r.s} | {r.m} | {r.r} | {r.iterations} | '
+               f'{r.seq_ms:.1f} | {r.pipe_ms:.1f} | {r.ratio:.2f} | '
+               f'{r.ideal:.2f} | {r.vs_ideal:.2f} |')
+  for mode in sorted({r.mode for r in rows}):
+    vals = [r.vs_ideal for r in rows if r.mode == mode]
+    out.append('')
+    out.append(f'{mode}: median measured/ideal {statistics.median(vals):.2f} '
+               f'(range {min(vals):.2f}-{max(vals):.2f}).')
+  return out + ['']
+
+
+def _LingvoTable(rows, failures):
+  out = ['## 2. Against Lingvo\'s LayerwiseShardablePipelinedLayer', '',
+         'Same Params, same step; Lingvo\'s layer runs on CPU with R = 1 '
+         f'only. Target: ours / Lingvo <= {TARGET_VS_LINGVO}.', '',
+         '| mode | S | M | ours ms | Lingvo ms | ours / Lingvo |',
+         '|---|---|---|---|---|---|']
+  ratios = {}
+  for r in rows:
+    if r.lingvo_ms is None:
+      continue
+    ratio = r.pipe_ms / r.lingvo_ms
+    ratios.setdefault(r.mode, []).append(ratio)
+    out.append(f'| {r.mode} | {r.s} | {r.m} | {r.pipe_ms:.1f} | '
+               f'{r.lingvo_ms:.1f} | {ratio:.2f} |')
+  for mode, vals in sorted(ratios.items()):
+    out += ['', f'{mode}: median ours / Lingvo {statistics.median(vals):.2f} '
+            f'(range {min(vals):.2f}-{max(vals):.2f}).']
+  out += ['', 'Only we run (graph mode, one CPU):', '',
+          '| configuration | gpipe | Lingvo |', '|---|---|---|']
+  for name, ours, theirs in failures:
+    out.append(f'| {name} | {ours} | {theirs} |')
+  return out + ['']
+
+
+def _MemoryTable(cfg, rows):
+  out = ['## 3. Activation memory', '',
+         'XLA temporary bytes of a jit training step (buffer assignment, one '
+         'device): naive = a tf.while_loop pipeline differentiated by '
+         'TensorFlow; ours = recompute (default); stored = '
+         f'store_body_intermediates. S = {cfg.memory_stages}, microbatches of '
+         f'{cfg.memory_rows} rows; the body (WideBody) has internal '
+         'activations [rows, expansion, dim] and fixed [dim, dim] weights. '
+         'buffer x T = one [S, rows, dim] buffer per iteration. Varying M: '
+         'expansion 4; varying the expansion: M = 8.', '',
+         '| varied | value | T | buffer x T KiB | naive KiB | ours KiB | '
+         'stored KiB | ours / (buffer x T) |',
+         '|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    bt = r.buffer_bytes * r.iterations
+    out.append(f'| {r.what} | {r.value} | {r.iterations} | {bt / 1024:.0f} '
+               f'| {r.naive / 1024:.0f} | {r.ours / 1024:.0f} | '
+               f'{r.stored / 1024:.0f} | {r.ours / bt:.2f} |')
+  wide = [r for r in rows if r.what == 'expansion']
+  if len(wide) > 1:
+    first, last = wide[0], wide[-1]
+    out += ['', f'Body internals x{last.value // first.value}: ours '
+            f'x{last.ours / first.ours:.2f}, naive '
+            f'x{last.naive / first.naive:.2f}, stored '
+            f'x{last.stored / first.stored:.2f}.']
+  return out + ['']
+
+
+def _CompileTable(rows):
+  out = ['## 4. Compile time', '',
+         'Tracing + XLA compilation + first run of a jit training step, '
+         'seconds; growth = at the largest M / at the smallest. Target '
+         f'growth <= {TARGET_COMPILE_GROWTH}.', '']
+  ms = list(rows[0][2]) if rows else []
+  out.append('| S | path | ' + ' | '.join(f'M={m}' for m in ms) +
+             ' | growth |')
+  out.append('|---|---|' + '---|' * len(ms) + '---|')
+  for s, unroll, per_m in rows:
+    path = 'pipelined' if unroll == 'never' else "unroll='always'"
+    vals = [per_m[m][1] for m in ms]
+    out.append(f'| {s} | {path} | ' + ' | '.join(f'{v:.2f}' for v in vals) +
+               f' | {vals[-1] / vals[0]:.2f} |')
+  return out + ['']
+
+
+def _PartitionedTable(rows):
+  out = ['## 5. Partitioned (XLA SPMD partitioner, virtual CPU devices)', '',
+         'shard_stages_1d over S devices, M = 2S microbatches of 4 rows. '
+         'Permute bytes: the forward loop\'s collective-permutes per '
+         'iteration, per device; buffer: one stage\'s slot of the buffer.', '',
+         '| S = devices | R | weight bytes / device | total | share | '
+         'permutes / iteration | permute bytes | buffer bytes | max |diff| |',
+         '|---|---|---|---|---|---|---|---|---|']
+  for s, r, per_device, total, n, pb, bb, diff in rows:
+    out.append(f'| {s} | {r} | {per_device} | {total} | '
+               f'{per_device / total:.3f} | {n} | {pb} | {bb} | {diff:.1e} |')
+  return out + ['']
+
+
+# -----------------------------------------------------------------------------
