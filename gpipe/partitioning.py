@@ -121,13 +121,21 @@ class CompiledModule:
   param_shard_shapes: list  # per entry parameter, one device's shape
   output_shard_shapes: list
   # XLA's cost analysis per device, each loop counted per iteration:
-  # {'flops', 'bytes accessed'}; reference_cost: of the reference module
+  # {'flops', 'bytes accessed'}, or None when a loop's trip count is unknown
+  # (cost_error says which); reference_cost: of the reference module
   # compiled for one device (None without one).
   cost: dict
   reference_cost: dict
   collectives: list  # of Collective
   loops: list  # the outermost while loops' body computation names
   hlo: str  # the partitioned per-device module
+  cost_error: str = None
+
+  def Cost(self, key):
+    """cost[key] ('flops' or 'bytes accessed'), or a clear error."""
+    if self.cost is None:
+      raise RuntimeError(f'No per-iteration cost: {self.cost_error}')
+    return self.cost[key]
 
   @property
   def peak_bytes(self):
@@ -176,6 +184,7 @@ def CompileFromShapes(proto, num_devices, reference_proto=None, aliases=(),
       param_shard_shapes=[tuple(s) for s in report['param_shard_shapes']],
       output_shard_shapes=[tuple(s) for s in report['output_shard_shapes']],
       cost=report['cost'],
+      cost_error=report.get('cost_error'),
       reference_cost=report.get('reference_cost'),
       collectives=collectives,
       loops=loops,

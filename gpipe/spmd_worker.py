@@ -72,12 +72,13 @@ def _Main(workdir):
     report['output_shard_shapes'] = _ShardShapes(
         devices, executable.get_output_shardings(),
         _TupleElements(computation.program_shape().result_shape()))
-    report['cost'] = LoopAwareCost(devices[0].client, hlo)
+    report['cost'], report['cost_error'] = _CostOrWhyNot(
+        devices[0].client, hlo)
     reference = config.get('reference_module')
     if reference:
       reference_exe, _ = _Compile((workdir / reference).read_bytes(),
                                   devices[:1])
-      report['reference_cost'] = LoopAwareCost(
+      report['reference_cost'], _ = _CostOrWhyNot(
           devices[0].client, reference_exe.hlo_modules()[0].to_string())
   else:
     report['output_shard_shapes'] = _Run(workdir, config, executable, devices)
@@ -224,13 +225,26 @@ def _LoopsReachedFrom(computations, root):
   return loops
 
 
+class UnknownTripCount(RuntimeError):
+  """A while loop without XLA's known_trip_count: its cost is unknown."""
+
+
+def _CostOrWhyNot(client, hlo_text):
+  """(LoopAwareCost, None), or (None, the reason) for a loop of unknown
+  trip count (e.g. a plain tf.while_loop): memory stats stay valid."""
+  try:
+    return LoopAwareCost(client, hlo_text), None
+  except UnknownTripCount as e:
+    return None, str(e)
+
+
 def TripCount(while_line):
   """How often a while loop (its HLO instruction line) runs."""
   trips = _TRIP_COUNT_RE.search(while_line)
   if trips:
     return int(trips.group(1))
   op_name = _OP_NAME_RE.search(while_line)
-  raise RuntimeError(
+  raise UnknownTripCount(
       'XLA did not find the trip count of the while loop '
       f'{op_name.group(1) if op_name else while_line[:100]!r}; its cost '
       'cannot be counted per iteration.')

@@ -242,6 +242,23 @@ def test_loop_aware_cost_counts_each_iteration():
   assert abs(compiled.cost['flops'] / (11 * matmul) - 1) < 0.01
 
 
+def test_a_loop_of_unknown_trip_count_leaves_memory_and_says_why_no_cost():
+
+  def Fn(x):
+    # Runs until the values are large: XLA cannot know how often.
+    _, y = tf.while_loop(lambda i, x: tf.reduce_max(x) < 100.0,
+                         lambda i, x: (i + 1, x * 2.0), [0, x])
+    return y
+
+  memory = partitioning.CompiledMemory(Fn, [np.ones([64, 64], np.float32)])
+  assert memory['argument_size_in_bytes'] == 64 * 64 * 4
+  compiled = partitioning.CompileFromShapes(
+      partitioning.LowerFromShapes(Fn, [tf.TensorSpec([64, 64])]), 1)
+  assert compiled.cost is None
+  with pytest.raises(RuntimeError, match='did not find the trip count'):
+    compiled.Cost('flops')
+
+
 def test_plan_command_json(capsys):
   status = plan.main([
       '--params', 'tests.plan_test.LayerParams', '--input_shape',
