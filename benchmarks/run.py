@@ -39,7 +39,7 @@ from gpipe import check_partitioning
 from gpipe import layers
 from gpipe import partitioning
 from gpipe import schedule
-from gpipe import trainer
+from gpipe import stage_call
 from lingvo.core import gshard_layers
 
 # -----------------------------------------------------------------------------
@@ -229,7 +229,7 @@ def main(argv=None):
   parser.add_argument('--quick', action='store_true',
                       help='a small subset, to check the script runs')
   args = parser.parse_args(argv)
-  trainer.EnsureFlagsParsed()  # Lingvo's layer reads --xla_device.
+  stage_call.EnsureFlagsParsed()  # Lingvo's layer reads --xla_device.
   cfg = QuickConfig() if args.quick else Config()
   began = time.perf_counter()
   print('1-2. overhead and Lingvo', flush=True)

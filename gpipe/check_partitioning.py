@@ -18,8 +18,15 @@ and prints:
   * the largest difference between the partitioned run and the same step run
     unpartitioned on one device.
 
-Exit status 0 when the partitioned run matches and no weight is gathered.
+Exit status 0 when the partitioned run matches, every stage-stacked weight
+is split and none is gathered; 1 when a check fails; 2 when the params, the
+device count or the input shapes do not fit the layer (one line says why).
 """
+
+# Before TensorFlow loads, so that the command prints its own lines only.
+if __name__ == '__main__':
+  from gpipe import quiet  # pylint: disable=g-import-not-at-top
+  quiet.UnlessVerbose()
 
 import argparse
 import dataclasses
@@ -30,6 +37,7 @@ import numpy as np
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import layers
 from gpipe import partitioning
 from gpipe import sharding
 from lingvo.core import hyperparams
@@ -106,6 +114,7 @@ class Report:
   run: partitioning.PartitionedRun
   step: PipelineStep
   expected: list  # the step's results run unpartitioned on one device
+  num_stages: int
 
   @property
   def max_abs_diff(self):
@@ -136,6 +145,33 @@ class Report:
     return partitioning.GatheredTensors(
         self.run.collectives,
         [np.shape(w) for w in self.step.args[:self.step.num_weights]])
+
+  def UnsplitWeights(self):
+    """Weights every device holds whole although they have a stage dim.
+
+    A stage-stacked weight has a dim of num_stages; held whole, it means
+    the stage annotations were lost (or never asked for).
+    """
+    return [name for name, full, shard in self.WeightShapes()
+            if tuple(full) == tuple(shard) and self.num_stages > 1 and
+            self.num_stages in full]
+
+  def Problems(self, tolerance):
+    """One line per failed check (none: the layer partitions as intended)."""
+    problems = []
+    if self.max_abs_diff > tolerance:
+      problems.append(f'MISMATCH: partitioned and unpartitioned results '
+                      f'differ by {self.max_abs_diff:.3g} > {tolerance}.')
+    if self.GatheredWeights():
+      problems.append('WEIGHTS GATHERED: a stage-stacked weight is moved '
+                      'whole between devices; an annotation is wrong.')
+    unsplit = self.UnsplitWeights()
+    if unsplit:
+      problems.append(
+          f'WEIGHTS NOT SPLIT: {", ".join(unsplit)} live whole on every '
+          'device; the stage dim lost its annotation (shard_stages_1d or '
+          'pipeline_stage_mesh_dim).')
+    return problems
 
   def Summary(self):
     lines = [f'Partitioned for {self.run.num_devices} virtual devices.']
@@ -187,7 +223,8 @@ def CheckPartitioning(layer_params, input_shapes, num_devices, seed=0):
   step = BuildPipelineStep(layer, input_shapes, seed)
   expected = RunUnpartitioned(step)
   run = RunStepPartitioned(step, num_devices)
-  return Report(run=run, step=step, expected=expected)
+  return Report(run=run, step=step, expected=expected,
+                num_stages=layer_params.num_stages)
 
 
 def LoadParams(spec):
@@ -204,6 +241,40 @@ def LoadParams(spec):
     raise ValueError(f'--params {spec} is a {type(value).__name__}, not '
                      'Params.')
   return value
+
+
+def CheckDevices(params, num_devices=None):
+  """The device count to partition for, checked against the stage mesh.
+
+  Args:
+    params: PipelinedLayer params.
+    num_devices: the count asked for, or None for the layer's own: its
+      num_stages (shard_stages_1d) or the size of its device_mesh.
+
+  Returns:
+    num_devices, or the layer's own count.
+
+  Raises:
+    ValueError: when the stages are not split over devices at all, or not
+      over num_devices of them, naming the param and the fix.
+  """
+  p = params
+  if not p.shard_stages_1d and p.pipeline_stage_mesh_dim is None:
+    raise ValueError(
+        'The layer does not split its stages over devices (neither '
+        'shard_stages_1d nor pipeline_stage_mesh_dim is set): every device '
+        f'would hold all {p.num_stages} stages\' weights. Set '
+        'shard_stages_1d=True, or pipeline_stage_mesh_dim with device_mesh.')
+  if p.shard_stages_1d:
+    own, why = p.num_stages, (f'shard_stages_1d splits the stage dim over '
+                              f'num_stages={p.num_stages} devices')
+  else:
+    own = int(np.asarray(p.device_mesh).size)
+    why = f'its device_mesh has {own} devices'
+  if num_devices is not None and num_devices != own:
+    raise ValueError(f'--num_devices {num_devices} does not match the '
+                     f'layer: {why}. Use --num_devices {own}.')
+  return own
 
 
 def _ParseShape(text):
@@ -229,20 +300,30 @@ def main(argv=None):
   parser.add_argument('--num_devices', type=int, default=None,
                       help='virtual devices (default: num_stages, or the '
                       'size of device_mesh)')
+  parser.add_argument('--verbose', action='store_true',
+                      help='also show TensorFlow, XLA and Lingvo logs')
   parser.add_argument('--tolerance', type=float, default=1e-4,
                       help='largest accepted |partitioned - unpartitioned|')
   args = parser.parse_args(argv)
-  params = LoadParams(args.params)
-  num_devices = args.num_devices
-  if num_devices is None:
-    num_devices = (np.asarray(params.device_mesh).size
-                   if params.device_mesh is not None else params.num_stages)
-  report = CheckPartitioning(params, args.input_shape, num_devices)
+  try:
+    params = LoadParams(args.params)
+    num_devices = CheckDevices(params, args.num_devices)
+    layers.ValidateParams(params, args.input_shape[0][0])
+  except ValueError as e:
+    print(f'check_partitioning: error: {e}', file=sys.stderr)
+    return 2
+  try:
+    report = CheckPartitioning(params, args.input_shape, num_devices)
+  except (ValueError, TypeError, tf.errors.OpError) as e:
+    shapes = ', '.join(str(list(s)) for s in args.input_shape)
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    print(f'check_partitioning: error: the layer cannot run on inputs of '
+          f'shape {shapes}: {first}', file=sys.stderr)
+    return 2
   print(report.Summary())
-  ok = report.max_abs_diff <= args.tolerance and not report.GatheredWeights()
-  print('OK' if ok else 'MISMATCH' if report.max_abs_diff > args.tolerance
-        else 'WEIGHTS GATHERED')
-  return 0 if ok else 1
+  problems = report.Problems(args.tolerance)
+  print('\n'.join(problems) if problems else 'OK')
+  return 1 if problems else 0
 
 
 if __name__ == '__main__':

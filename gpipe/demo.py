@@ -15,15 +15,23 @@
    and draws it to --out (default: <logdir>/schedule.png).
 """
 
+# Before TensorFlow loads, so that the command prints its own lines only.
+if __name__ == '__main__':
+  from gpipe import quiet  # pylint: disable=g-import-not-at-top
+  quiet.UnlessVerbose()
+
 import argparse
+import os
 import sys
 import tempfile
 import time
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import microbatch
+from gpipe import quiet
 from gpipe import schedule as schedule_lib
 from gpipe import schedule_plot
+from gpipe import stage_call
 from gpipe import trainer
 from lingvo import model_registry
 import params.lm  # pylint: disable=unused-import  (registers the models)
@@ -39,23 +47,48 @@ def _Args(argv=None):
                       help='checkpoint directory (resumes from it)')
   parser.add_argument('--out', default=None,
                       help='schedule PNG (default <logdir>/schedule.png)')
+  parser.add_argument('--verbose', action='store_true',
+                      help='also show TensorFlow, XLA and Lingvo logs')
   parser.add_argument('--skip-check', action='store_true',
                       help='skip the pipelined-vs-unrolled check')
   args = parser.parse_args(argv)
-  if args.steps < 0:
-    parser.error(f'--steps must be >= 0, got {args.steps}.')
+  if args.steps < 1:
+    parser.error(f'--steps must be >= 1 (the global step to train to), got '
+                 f'{args.steps}.')
+  for flag, path in (('--logdir', args.logdir),
+                     ('--out', args.out and os.path.dirname(
+                         os.path.abspath(args.out)))):
+    problem = path and _NotWritable(path)
+    if problem:
+      parser.error(f'{flag} {path}: {problem}')
   return parser, args
+
+
+def _NotWritable(directory):
+  """Why files cannot be written in directory (created if missing), or ''."""
+  try:
+    os.makedirs(directory, exist_ok=True)
+  except OSError as e:
+    return f'cannot create it ({e.strerror}).'
+  if not os.access(directory, os.W_OK):
+    return 'is not writable.'
+  return ''
 
 
 def ModelParams(name):
   """Registered model params, validated before anything is built."""
-  trainer.EnsureFlagsParsed()
+  stage_call.EnsureFlagsParsed()
   try:
-    cfg = model_registry.GetParams(name, 'Train')
-  except LookupError as e:
+    with quiet.LibraryPrints():
+      cfg = model_registry.GetParams(name, 'Train')
+  except (LookupError, ValueError) as e:  # unknown, or not module.Class
     known = sorted(k for k in model_registry.GetAllRegisteredClasses()
                    if k.startswith('lm.'))
-    raise ValueError(f'Unknown model {name!r}; registered: {known}.') from e
+    hint = ''
+    if f'lm.{name}' in known:
+      hint = f' Did you mean lm.{name}?'
+    raise ValueError(f'Unknown model {name!r}.{hint} Registered: '
+                     f'{", ".join(known)}.') from e
   validate = getattr(cfg.task.cls, 'ValidateParams', None)
   if validate:
     validate(cfg.task, cfg.input)
@@ -119,10 +152,11 @@ def main(argv=None):
           f'{first.loss:.4f} -> {last.loss:.4f}, accuracy '
           f'{first.accuracy:.3f} -> {last.accuracy:.3f}')
   else:
-    print(f'nothing to train: {logdir} is already at step >= {args.steps}; '
-          'pass a larger --steps to continue.')
-  print(f'checkpoint in {logdir} (continue with --logdir {logdir} --steps '
-        f'{args.steps * 2 or 100})')
+    print(f'nothing to train: {logdir} is already at step '
+          f'{trainer.CheckpointStep(logdir)} >= --steps {args.steps}.')
+  reached = trainer.CheckpointStep(logdir)
+  print(f'checkpoint in {logdir} at step {reached} (continue with --logdir '
+        f'{logdir} --steps {reached + args.steps})')
   print(sched.Summary())
   print(sched.Render())
   schedule_plot.Draw(sched, out)

@@ -32,6 +32,7 @@ circular repeat is in use (`gpipe.repeats`), where tensors are placed
 and its recomputing gradient (`gpipe.recurrent`).
 """
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -54,6 +55,10 @@ NestedMap = py_utils.NestedMap
 
 _UNROLL_VALUES = ('never', 'eval_only', 'always')
 _AUX_LOSS_ACCUMULATIONS = ('mean', 'sum')
+_BOOL_PARAMS = ('shard_stages_1d', 'per_stage_vars',
+                'store_body_intermediates')
+_INT_PARAMS = ('num_stages', 'circular_repeat', 'num_microbatches',
+               'microbatch_size', 'pipeline_stage_mesh_dim')
 
 
 class PipelinedLayer(base_layer.BaseLayer):
@@ -118,6 +123,13 @@ class PipelinedLayer(base_layer.BaseLayer):
     super().__init__(params)
     p = self.params
     _ValidateParams(p)
+    stage_call.EnsureFlagsParsed()  # Lingvo bodies read flags.
+    self._said_microbatched = False
+    for name in _INT_PARAMS:  # NumPy integers are accepted, kept as ints.
+      if p.Get(name) is not None:
+        p.Set(**{name: int(p.Get(name))})
+    for name in _BOOL_PARAMS:
+      p.Set(**{name: bool(p.Get(name))})
     self._layout = layouts.For(p, repeats.For(p.circular_repeat))
     self._placement = sharding.StagePlacement(
         p.num_stages, p.shard_stages_1d, p.device_mesh,
@@ -300,6 +312,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     p = self.params
     if not args:
       raise ValueError('PipelinedLayer.FProp needs at least one input.')
+    args, kwargs = microbatch.CheckInputs(args, kwargs)
     states = list(padded_per_stage_states or [])
     if p.unroll == 'always' or (p.unroll == 'eval_only' and self.do_eval):
       return self._UnrolledFProp(theta, fn_name, args, kwargs,
@@ -327,6 +340,13 @@ class PipelinedLayer(base_layer.BaseLayer):
                       padded_states):
     """Microbatches, runs the loop over the buffer, reassembles the batch."""
     p = self.params
+    if tf.executing_eagerly():
+      raise RuntimeError(
+          f'PipelinedLayer {p.name!r}: the pipeline is a while loop with a '
+          'recomputing gradient and needs a graph; eager execution cannot '
+          'run it. Call FProp inside tf.function (e.g. a training step under '
+          '@tf.function(jit_compile=True) with tf.GradientTape) or in a '
+          "tf.Graph; unroll='always' runs eagerly, unpipelined.")
     inputs = self._SplitInputs(args, kwargs)
     state_leaves = microbatch.CheckPaddedStates(padded_states,
                                                  inputs.schedule)
@@ -343,8 +363,14 @@ class PipelinedLayer(base_layer.BaseLayer):
         store_intermediates=p.store_body_intermediates)
     var_values = self._layout.NonTrainableValues(theta, var_names)
     with tf.name_scope(p.name):
-      result = pipeline_loop.Run(spec, self._LoopTheta(theta),
-                                 inputs.args.leaves, state_leaves, var_values)
+      try:
+        result = pipeline_loop.Run(spec, self._LoopTheta(theta),
+                                   inputs.args.leaves, state_leaves,
+                                   var_values)
+      except Exception as e:
+        if not inputs.split:
+          e.add_note(_MicrobatchedNote(inputs))
+        raise
       outputs = [microbatch.ToBatch(x) if inputs.split else x
                  for x in result.outputs]
       self._AddAuxLoss(result.aux_loss, inputs.schedule.num_microbatches)
@@ -382,8 +408,13 @@ class PipelinedLayer(base_layer.BaseLayer):
       args, kwargs = nest.MapTensors(to_mb, args), nest.MapTensors(to_mb,
                                                                    kwargs)
     args = nest.MapTensors(self._placement.ReplicateLoopDim, args)
-    return NestedMap(schedule=self.Schedule(num_mb), split=split,
-                     args=nest.TensorLeaves(args), kwargs=kwargs)
+    inputs = NestedMap(schedule=self.Schedule(num_mb), split=split,
+                       args=nest.TensorLeaves(args), kwargs=kwargs)
+    if not split and not self._said_microbatched:
+      logging.info('PipelinedLayer %r: %s', p.name,
+                   _MicrobatchedNote(inputs))
+      self._said_microbatched = True
+    return inputs
 
   # ---------------------------------------------------------------------------
   # What reaches the caller besides the outputs.
@@ -448,12 +479,22 @@ def ValidateParams(p, batch_size=None):
 
 def _ValidateParams(p):
   """Raises ValueError naming the parameter for every bad combination."""
-  if not isinstance(p.num_stages, int) or p.num_stages < 1:
-    raise ValueError(f'num_stages must be an integer >= 1, got '
-                     f'{p.num_stages!r}.')
-  if not isinstance(p.circular_repeat, int) or p.circular_repeat < 1:
-    raise ValueError(f'circular_repeat must be an integer >= 1, got '
-                     f'{p.circular_repeat!r}.')
+  for name in ('num_stages', 'circular_repeat'):
+    value = p.Get(name)
+    if not schedule_lib.IsInteger(value) or value < 1:
+      raise ValueError(f'{name} must be an integer >= 1, got {value!r} '
+                       f'({type(value).__name__}).')
+  for name in _BOOL_PARAMS:
+    value = p.Get(name)
+    if not isinstance(value, (bool, np.bool_)):
+      raise ValueError(f'{name} must be True or False, got {value!r} '
+                       f'({type(value).__name__}).')
+  if p.pipeline_stage_mesh_dim is not None and not schedule_lib.IsInteger(
+      p.pipeline_stage_mesh_dim):
+    raise ValueError(
+        'pipeline_stage_mesh_dim must be None or an integer, got '
+        f'{p.pipeline_stage_mesh_dim!r} '
+        f'({type(p.pipeline_stage_mesh_dim).__name__}).')
   if p.unroll not in _UNROLL_VALUES:
     raise ValueError(f'unroll must be one of {_UNROLL_VALUES}, got '
                      f'{p.unroll!r}.')
@@ -493,6 +534,16 @@ def _ValidateParams(p):
           f'device_mesh axis {p.pipeline_stage_mesh_dim} has '
           f'{mesh.shape[p.pipeline_stage_mesh_dim]} devices but num_stages='
           f'{p.num_stages}; they must be equal.')
+
+
+def _MicrobatchedNote(inputs):
+  """Says how inputs were read when no microbatch param is set."""
+  first = inputs.args.leaves[0]
+  return (f'neither num_microbatches nor microbatch_size is set, so the '
+          f'inputs were taken as already microbatched: '
+          f'M={inputs.schedule.num_microbatches} microbatches of shape '
+          f'{first.shape.as_list()[1:]}. To split a [batch, ...] input, set '
+          'num_microbatches or microbatch_size.')
 
 
 def _CheckIndex(name, value, bound):

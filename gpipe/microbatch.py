@@ -71,9 +71,10 @@ def CheckMicrobatchParams(num_microbatches, microbatch_size):
         f'microbatch_size ({microbatch_size}).')
   for name, value in (('num_microbatches', num_microbatches),
                       ('microbatch_size', microbatch_size)):
-    if value is not None and (not isinstance(value, int) or value < 1):
+    if value is not None and (not schedule_lib.IsInteger(value) or
+                              value < 1):
       raise ValueError(f'{name} must be None or an integer >= 1, got '
-                       f'{value!r}.')
+                       f'{value!r} ({type(value).__name__}).')
 
 
 def _Divisors(n):
@@ -260,3 +261,41 @@ def CheckPaddedStates(padded_states, sched):
           'PadMicrobatches([M, num_stages, ...] states), e.g. '
           'PadMicrobatches(MicrobatchStates(per_stage_states)).')
   return leaves
+
+
+def CheckInputs(args, kwargs):
+  """The layer's batched inputs with NumPy arrays made tensors, or an error.
+
+  Every leaf of args and of the per-example kwargs must be a tensor with a
+  leading batch dim (or None); NumPy arrays are converted as TensorFlow
+  would. Python numbers, strings and scalar tensors have no batch dim:
+  they belong in kwargs_no_batch.
+  """
+
+  def CheckTree(where, tree):
+    leaves = [tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x
+              for x in tf.nest.flatten(tree)]
+    for i, x in enumerate(leaves):
+      if x is None or (nest.IsTensor(x) and x.shape.rank != 0):
+        continue
+      what = (f'a scalar tensor ({x.dtype.name})' if nest.IsTensor(x) else
+              f'a {type(x).__name__} ({x!r:.40})')
+      raise ValueError(
+          f'PipelinedLayer input {where}{_Paths(tree)[i]} is {what}; inputs '
+          'and per-example kwargs must be tensors with the batch as leading '
+          'dim (lists are read as structures of inputs). Pass unbatched '
+          'values via kwargs_no_batch.')
+    return tf.nest.pack_sequence_as(tree, leaves)
+
+  args = tuple(CheckTree(f'args[{i}]', a) for i, a in enumerate(args))
+  kwargs = {k: CheckTree(f'kwargs[{k!r}]', v) for k, v in kwargs.items()}
+  return args, kwargs
+
+
+def _Paths(tree, prefix=''):
+  """'[i]' / '.key' paths of tree's leaves, in tf.nest.flatten order."""
+  if isinstance(tree, dict):  # NestedMap too; tf.nest sorts the keys
+    return [p for k in sorted(tree) for p in _Paths(tree[k], f'{prefix}.{k}')]
+  if isinstance(tree, (list, tuple)):
+    return [p for i, x in enumerate(tree) for p in _Paths(x, f'{prefix}[{i}]')]
+  return [prefix]

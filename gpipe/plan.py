@@ -30,6 +30,11 @@ Varying circular_repeat keeps the model's depth: a stage body with a
 depth * R0 / R blocks; a body without one plans only its own R.
 """
 
+# Before TensorFlow loads, so that the command prints its own lines only.
+if __name__ == '__main__':
+  from gpipe import quiet  # pylint: disable=g-import-not-at-top
+  quiet.UnlessVerbose()
+
 import argparse
 import contextlib
 import dataclasses
@@ -45,11 +50,12 @@ import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import check_partitioning
 from gpipe import layers as gpipe_layers
 from gpipe import partitioning
+from gpipe import quiet
 from gpipe import roofline
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
+from gpipe import stage_call
 from gpipe import train_step
-from gpipe import trainer
 from lingvo.core import hyperparams
 
 GIB = 2**30
@@ -79,7 +85,8 @@ class ModelTarget:
     import params.lm  # pylint: disable=unused-import
     # pylint: enable=g-import-not-at-top
     try:
-      self._cfg = model_registry.GetParams(name, 'Train')
+      with quiet.LibraryPrints():
+        self._cfg = model_registry.GetParams(name, 'Train')
     except LookupError as e:
       raise PlanError(f'--model {name!r}: {e}') from None
     self.name = name
@@ -276,7 +283,7 @@ class CandidateReport:
 
   @property
   def flops_per_device(self):
-    return self.compiled.cost['flops']
+    return self.compiled.Cost('flops')
 
   @property
   def flops_unpartitioned(self):
@@ -285,7 +292,7 @@ class CandidateReport:
   @property
   def prediction(self):
     return roofline.Predict(self.chip, self.flops_per_device,
-                            self.compiled.cost['bytes accessed'],
+                            self.compiled.Cost('bytes accessed'),
                             self.CollectiveBytesPerStep())
 
   def ToJson(self):
@@ -301,7 +308,7 @@ class CandidateReport:
         'flops_per_device': self.flops_per_device,
         'flops_unpartitioned': self.flops_unpartitioned,
         'flops_ratio': self.flops_per_device / (self.flops_unpartitioned / n),
-        'bytes_accessed_per_device': self.compiled.cost['bytes accessed'],
+        'bytes_accessed_per_device': self.compiled.Cost('bytes accessed'),
         'permute_bytes_per_iteration': self.permute_bytes_per_iteration,
         'loops': self.LoopSummaries(),
         'collective_bytes_per_step': self.CollectiveBytesPerStep(),
@@ -357,7 +364,7 @@ def AsOnTpu():
   step before summing them. The planner describes the TPU program, so it
   lowers with xla_device='tpu' (and asserts off, as on a TPU).
   """
-  trainer.EnsureFlagsParsed()
+  stage_call.EnsureFlagsParsed()
   flags = absl_flags.FLAGS
   saved = flags.xla_device, flags.enable_asserts
   flags.xla_device, flags.enable_asserts = 'tpu', False
@@ -365,23 +372,6 @@ def AsOnTpu():
     yield
   finally:
     flags.xla_device, flags.enable_asserts = saved
-
-
-def CheckDevices(stack_params, num_devices):
-  """Raises PlanError when the stage mesh cannot live on num_devices."""
-  p = stack_params
-  if p.shard_stages_1d and num_devices != p.num_stages:
-    raise PlanError(
-        f'--num_devices {num_devices} does not match the layer: '
-        f'shard_stages_1d splits the stage dim over num_stages='
-        f'{p.num_stages} devices. Use --num_devices {p.num_stages}.')
-  if p.pipeline_stage_mesh_dim is not None and p.device_mesh is not None:
-    mesh_size = int(np.asarray(p.device_mesh).size)
-    if num_devices != mesh_size:
-      raise PlanError(
-          f'--num_devices {num_devices} does not match the layer\'s '
-          f'device_mesh of {mesh_size} devices. Use --num_devices '
-          f'{mesh_size}.')
 
 
 # -----------------------------------------------------------------------------
@@ -587,6 +577,8 @@ def _Args(argv):
   parser.add_argument('--depth_param', default='num_blocks',
                       help='stage-body param holding its depth, scaled to '
                       'keep S x R x depth fixed as circular_repeat varies')
+  parser.add_argument('--verbose', action='store_true',
+                      help='also show TensorFlow, XLA and Lingvo logs')
   parser.add_argument('--json', action='store_true',
                       help='print the report as JSON')
   return parser, parser.parse_args(argv)
@@ -612,7 +604,7 @@ def _LoadParams(spec):
 
 def main(argv=None):
   parser, args = _Args(argv)
-  trainer.EnsureFlagsParsed()
+  stage_call.EnsureFlagsParsed()
   if not partitioning.IsAvailable():
     print("gpipe.plan needs jax and jaxlib: pip install 'gpipe[spmd]'",
           file=sys.stderr)
@@ -620,11 +612,10 @@ def main(argv=None):
   try:
     target = _Target(parser, args)
     stack = target.stack_params
-    num_devices = args.num_devices
-    if num_devices is None:
-      num_devices = (int(np.asarray(stack.device_mesh).size)
-                     if stack.device_mesh is not None else stack.num_stages)
-    CheckDevices(stack, num_devices)
+    try:
+      num_devices = check_partitioning.CheckDevices(stack, args.num_devices)
+    except ValueError as e:
+      raise PlanError(str(e)) from None
     m0 = stack.num_microbatches
     if m0 is None:
       if not args.num_microbatches:

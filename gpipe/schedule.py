@@ -42,6 +42,7 @@ import argparse
 
 import dataclasses
 import numbers
+import os
 import sys
 
 # Step seeds one body call may draw (each py_utils.GenerateStepSeedPair takes
@@ -51,6 +52,11 @@ STEP_SEEDS_PER_CALL = 1 << 12
 
 def _CeilDiv(a, b):
   return -(-a // b)
+
+
+def IsInteger(value):
+  """A Python or NumPy integer, not a bool (which Python counts as one)."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,8 +75,7 @@ class Schedule:
   def __post_init__(self):
     for name in ('num_stages', 'num_microbatches', 'circular_repeat'):
       value = getattr(self, name)
-      if (not isinstance(value, numbers.Integral) or isinstance(value, bool) or
-          value < 1):
+      if not IsInteger(value) or value < 1:
         raise ValueError(f'{name} must be an integer >= 1, got {value!r}.')
       # NumPy integers are accepted and stored as plain ints.
       object.__setattr__(self, name, int(value))
@@ -273,12 +278,17 @@ def main(argv=None):
     parser.error(str(e).replace('num_stages', '--stages').replace(
         'num_microbatches', '--microbatches').replace('circular_repeat',
                                                       '--circular-repeat'))
+  if args.out:
+    directory = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+      parser.error(f'--out {args.out}: cannot write there (directory '
+                   f'{directory} does not exist or is not writable).')
   print(schedule.Summary())
   print(schedule.Render())
   if args.out:
     from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
     schedule_plot.Draw(schedule, args.out)
-    print(f'wrote {args.out}')
+    print(f'wrote {os.path.abspath(args.out)}')
   return 0
 
 

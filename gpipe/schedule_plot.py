@@ -71,6 +71,6 @@ def Draw(schedule, path):
       f'{schedule.bubble_fraction:.0%} bubbles (hatched); cells: {cell_kind}',
       fontsize=9)
   fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  fig.savefig(path, dpi=100, format='png')  # exactly `path`, any suffix
   pyplot.close(fig)
   return labels

@@ -75,6 +75,8 @@ def CallStage(body: Body, fn_name: str, theta, args: Sequence[Any], kwargs,
   args = tuple(args)
   fn = getattr(body.layer, fn_name)
   ctx = context if context is not None else contextlib.nullcontext()
+  graph = tf.compat.v1.get_default_graph()
+  num_ops = len(graph.get_operations())
   try:
     with ctx:
       out, new_vars = stage_vars.CallWithStageVars(
@@ -85,11 +87,35 @@ def CallStage(body: Body, fn_name: str, theta, args: Sequence[Any], kwargs,
                f'{body.param} of pipelined layer {body.owner!r}, running '
                f'{where})')
     raise
+  if context is not None and not tf.executing_eagerly():
+    _CheckNoV1Summaries(body, fn_name, graph.get_operations()[num_ops:])
   outputs = CheckBodyOutputs(body, args, out)
   if context is None:
     return StageResult(outputs, new_vars, [], [])
   return StageResult(outputs, new_vars, list(context.aux_losses),
                      context.Summaries())
+
+
+_V1_SUMMARY_OPS = frozenset({
+    'ScalarSummary', 'HistogramSummary', 'ImageSummary', 'AudioSummary',
+    'AudioSummaryV2', 'TensorSummary', 'TensorSummaryV2', 'MergeSummary'})
+
+
+def _CheckNoV1Summaries(body, fn_name, new_ops):
+  """tf.compat.v1.summary ops inside the loop cannot be fetched: say so now.
+
+  They would build, and then fail at fetch time with a graph error naming
+  a tensor inside the loop body.
+  """
+  found = sorted({op.type for op in new_ops if op.type in _V1_SUMMARY_OPS})
+  if found:
+    raise ValueError(
+        f'{type(body.layer).__name__}.{fn_name} (the {body.param} of '
+        f'pipelined layer {body.owner!r}) adds tf.compat.v1.summary ops '
+        f'({", ".join(found)}) inside the pipeline loop, where they cannot '
+        'be fetched. Use py_utils.AddTpuSummaryTensor(name, value, weight) '
+        'instead: the pipeline averages it over each stage\'s valid '
+        'iterations and reports <name>/stage_<i>.')
 
 
 def CheckBodyOutputs(body: Body, inputs, out):
@@ -182,3 +208,15 @@ def CallersGlobalStep():
     return py_utils.GetGlobalStep()
   except flags.UnparsedFlagAccessError:
     return None
+
+
+def EnsureFlagsParsed():
+  """Lingvo reads absl flags (e.g. --xla_device) while building a model.
+
+  A script, a test or a tf.function that never ran absl.app has unparsed
+  flags, and Lingvo code would raise UnparsedFlagAccessError; mark them
+  parsed so that their defaults apply (a later absl.app.run still parses
+  the command line).
+  """
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()

@@ -18,21 +18,12 @@ import os
 import sys
 import time
 
-from absl import flags
 import numpy as np
 import tensorflow as tf
 
+from gpipe import stage_call
+
 _CHECKPOINT_NAME = 'ckpt'
-
-
-def EnsureFlagsParsed():
-  """Lingvo reads absl flags (e.g. --xla_device) while building a model.
-
-  A script or a test that never ran absl.app has unparsed flags; mark them
-  parsed so the flags' defaults apply.
-  """
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
 
 
 @dataclasses.dataclass
@@ -49,7 +40,7 @@ class TrainGraph:
 
 def BuildTrainGraph(cfg, graph_seed=1):
   """Builds Lingvo's FProp + BProp graph of model params `cfg`."""
-  EnsureFlagsParsed()
+  stage_call.EnsureFlagsParsed()
   graph = tf.Graph()
   with graph.as_default():
     tf.compat.v1.random.set_random_seed(graph_seed)
@@ -130,6 +121,12 @@ def _InitOrRestore(sess, tg, logdir):
   return int(sess.run(tg.global_step))
 
 
+def CheckpointStep(logdir):
+  """The global step of the latest checkpoint in logdir, or 0 if none."""
+  latest = tf.train.latest_checkpoint(logdir) if logdir else None
+  return int(latest.rpartition('-')[2]) if latest else 0
+
+
 def _Save(sess, tg, logdir):
   os.makedirs(logdir, exist_ok=True)
   tg.saver.save(sess, os.path.join(logdir, _CHECKPOINT_NAME),
@@ -190,7 +187,7 @@ def CompareWithUnrolled(cfg, values=None):
 
 def _LossAndGradients(cfg, values):
   """(loss, {name: gradient}, {name: value}) at step 0 of a fresh model."""
-  EnsureFlagsParsed()
+  stage_call.EnsureFlagsParsed()
   graph = tf.Graph()
   with graph.as_default():
     tf.compat.v1.random.set_random_seed(1)

@@ -64,11 +64,40 @@ def _FProp(p, batch=4, **kwargs):
     (dict(pipeline_stage_mesh_dim=0), r'needs device_mesh'),
     (dict(pipeline_stage_mesh_dim=2, device_mesh=np.arange(4).reshape(2, 2)),
      r'pipeline_stage_mesh_dim=2 is not an axis of device_mesh'),
+    # Types: a string 'False' is truthy, True counts as the integer 1.
+    (dict(per_stage_vars='False'),
+     r"per_stage_vars must be True or False, got 'False' \(str\)"),
+    (dict(shard_stages_1d=1),
+     r'shard_stages_1d must be True or False, got 1 \(int\)'),
+    (dict(store_body_intermediates=None),
+     r'store_body_intermediates must be True or False, got None'),
+    (dict(num_stages=True), r'num_stages must be an integer >= 1, got True '
+     r'\(bool\)'),
+    (dict(circular_repeat=2.0),
+     r'circular_repeat must be an integer >= 1, got 2.0 \(float\)'),
+    (dict(num_microbatches='2'),
+     r"num_microbatches must be None or an integer >= 1, got '2' \(str\)"),
+    (dict(num_microbatches=None, microbatch_size=True),
+     r'microbatch_size must be None or an integer >= 1, got True \(bool\)'),
+    (dict(pipeline_stage_mesh_dim='0', device_mesh=np.arange(2)),
+     r"pipeline_stage_mesh_dim must be None or an integer, got '0'"),
 ])
 def test_bad_params_raise_at_construction(overrides, pattern):
   with tf.Graph().as_default():
     with pytest.raises(ValueError, match=pattern):
       _Params(**overrides).Instantiate()
+
+
+def test_numpy_integers_and_bools_are_accepted_as_plain_values():
+  p = _Params(num_stages=np.int64(2), circular_repeat=np.int32(2),
+              num_microbatches=np.int64(2), shard_stages_1d=np.bool_(True))
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    assert type(layer.params.num_stages) is int  # pylint: disable=unidiomatic-typecheck
+    assert layer.params.shard_stages_1d is True
+    assert layer.vars.body.w.shape.as_list() == [2, 2, 4, 4]
+    out = layer.FProp(layer.theta, tf.zeros([4, 4]))
+  assert out.shape.as_list() == [4, 4]
 
 
 def test_mesh_axis_must_match_num_stages():
@@ -110,6 +139,133 @@ def test_kwarg_with_other_batch_size():
   with pytest.raises(ValueError, match=r'batch size 4 as leading dim.*'
                      r'kwargs_no_batch'):
     _FProp(_Params(), batch=4, scale=tf.ones([3, 1]))
+
+
+@pytest.mark.parametrize('args, kwargs, pattern', [
+    ((3.0,), {}, r'input args\[0\] is a float \(3.0\)'),
+    (([1.0, 2.0],), {}, r'input args\[0\]\[0\] is a float \(1.0\).*lists are '
+     r'read as structures'),
+    ((tf.zeros([4, 4]), tf.constant(2.0)), {},
+     r'input args\[1\] is a scalar tensor \(float32\)'),
+    ((tf.zeros([4, 4]),), dict(scale=0.5),
+     r"input kwargs\['scale'\] is a float \(0.5\)"),
+])
+def test_inputs_without_a_batch_dim_are_rejected(args, kwargs, pattern):
+  with tf.Graph().as_default():
+    layer = _Params().Instantiate()
+    with pytest.raises(ValueError, match=pattern + r'.*kwargs_no_batch'):
+      layer.FProp(layer.theta, *args, **kwargs)
+
+
+def test_numpy_inputs_are_converted_like_tensorflow_does():
+  x = np.random.RandomState(0).uniform(-1, 1, [4, 4]).astype(np.float32)
+  with tf.Graph().as_default():
+    layer = _Params().Instantiate()
+    from_numpy = layer.FProp(layer.theta, x)
+    from_tensor = layer.FProp(layer.theta, tf.constant(x))
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      a, b = sess.run((from_numpy, from_tensor))
+  np.testing.assert_array_equal(a, b)
+
+
+def test_eager_fprop_says_what_to_do_and_unroll_runs_eagerly():
+  layer = _Params().Instantiate()
+  with pytest.raises(RuntimeError, match=r'needs a graph.*tf.function'):
+    layer.FProp(layer.theta, tf.zeros([4, 4]))
+  unrolled = _Params(unroll='always').Instantiate()
+  assert unrolled.FProp(unrolled.theta, tf.zeros([4, 4])).shape == [4, 4]
+
+
+def _ReadmeTf2Steps(stack, x, target, num_steps):
+  """The README's TF2 training step, run num_steps times: the losses."""
+  variables = stack.vars.Flatten()
+
+  @tf.function(jit_compile=True)
+  def TrainStep(x, target):
+    with tf.GradientTape() as tape:
+      y = stack.FProp(stack.theta, x)
+      loss = tf.reduce_mean(tf.square(y - target))
+    for v, g in zip(variables, tape.gradient(loss, variables)):
+      v.assign_sub(0.1 * g)
+    return loss
+
+  return [float(TrainStep(x, target)) for _ in range(num_steps)]
+
+
+def test_readme_tf2_training_step_equals_the_unpipelined_step():
+  rng = np.random.RandomState(3)
+  x = tf.constant(rng.uniform(-1, 1, [8, 4]).astype(np.float32))
+  target = tf.constant(rng.uniform(-1, 1, [8, 4]).astype(np.float32))
+  p = _Params(num_microbatches=4, circular_repeat=2)
+  piped = p.Instantiate()
+  plain = p.Copy().Set(unroll='always').Instantiate()
+  for mine, theirs in zip(plain.vars.Flatten(), piped.vars.Flatten()):
+    mine.assign(theirs)
+  piped_losses = _ReadmeTf2Steps(piped, x, target, 3)
+  plain_losses = _ReadmeTf2Steps(plain, x, target, 3)
+  np.testing.assert_allclose(piped_losses, plain_losses, rtol=1e-5)
+  assert piped_losses[2] < piped_losses[0]
+  for mine, theirs in zip(plain.vars.Flatten(), piped.vars.Flatten()):
+    np.testing.assert_allclose(mine.numpy(), theirs.numpy(), rtol=1e-5,
+                               atol=1e-6)
+
+
+class _V1SummaryBody(bodies.DenseBody):
+
+  def FProp(self, theta, x):
+    y = super().FProp(theta, x)
+    tf.compat.v1.summary.scalar('mean', tf.reduce_mean(y))
+    return y
+
+
+def test_v1_summaries_in_the_body_fail_at_build_time():
+  with tf.Graph().as_default():
+    layer = _Params(single_stage_body=_V1SummaryBody.Params()).Instantiate()
+    with pytest.raises(ValueError, match=r'_V1SummaryBody.FProp.*'
+                       r'tf.compat.v1.summary ops \(ScalarSummary\).*'
+                       r'py_utils.AddTpuSummaryTensor'):
+      layer.FProp(layer.theta, tf.zeros([4, 4]))
+
+
+def test_forgotten_microbatch_params_are_named_when_the_body_fails():
+  # Neither num_microbatches nor microbatch_size: [4, 4] is read as 4
+  # microbatches of shape [4], which the body cannot multiply by [4, 4]...
+  p = _Params(num_microbatches=None, single_stage_body=_RankTwoBody.Params())
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    with pytest.raises(ValueError, match='rank 2') as info:
+      layer.FProp(layer.theta, tf.zeros([4, 4]))
+  notes = ' '.join(getattr(info.value, '__notes__', []))
+  assert ('taken as already microbatched: M=4 microbatches of shape [4]' in
+          notes), notes
+  assert 'set num_microbatches or microbatch_size' in notes
+
+
+class _RankTwoBody(bodies.DenseBody):
+
+  def FProp(self, theta, x):
+    if x.shape.rank != 2:
+      raise ValueError(f'expects rank 2 inputs, got rank {x.shape.rank}')
+    return super().FProp(theta, x)
+
+
+def test_flags_are_parsed_for_lingvo_bodies_without_absl_app():
+  script = (
+      'import gpipe\n'
+      'from absl import flags\n'
+      'from gpipe import layers\n'
+      'from tests import bodies\n'
+      'assert not flags.FLAGS.is_parsed()\n'
+      "layers.PipelinedLayer.Params().Set(name='p', num_stages=2,\n"
+      '    single_stage_body=bodies.DenseBody.Params()).Instantiate()\n'
+      'print(flags.FLAGS.xla_device)\n')
+  env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
+  env['PYTHONPATH'] = str(_ROOT) + os.pathsep + env.get('PYTHONPATH', '')
+  proc = subprocess.run([sys.executable, '-c', script], cwd=_ROOT, env=env,
+                        capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 class _TwoOutputBody(base_layer.BaseLayer):

@@ -9,12 +9,13 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import demo
+from gpipe import stage_call
 from gpipe import trainer
 from lingvo import model_registry
 from lingvo.core import base_model
 import params.lm as lm
 
-trainer.EnsureFlagsParsed()
+stage_call.EnsureFlagsParsed()
 
 
 def _TinyCfg(*, num_stages=2, circular_repeat=1, num_microbatches=3,
@@ -210,9 +211,29 @@ def test_demo_trains_checks_and_draws_the_schedule(tmp_path, capsys):
   first = float(re.search(r'loss ([0-9.]+) -> ', text).group(1))
   assert abs(checked - first) < 1e-4, (checked, first)
   assert 'trained steps 0..2' in text
+  # The resume hint trains further than the checkpoint.
+  assert f'continue with --logdir {tmp_path / "run"} --steps 6' in text
   assert 'bubble fraction 0.429' in text  # 4 stages, 4 microbatches: 3/7
   assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert os.path.exists(str(tmp_path / 'run' / 'ckpt-3.index'))
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--steps', '0'], r'--steps must be >= 1'),
+    (['--logdir', '/proc/gpipe_run'], r'--logdir /proc/gpipe_run: cannot '
+     r'create it'),
+    (['--out', '/proc/gpipe/schedule.png'], r'--out /proc/gpipe: cannot '
+     r'create it'),
+    (['--model', 'CopyLMSmall'], r"Unknown model 'CopyLMSmall'. Did you mean "
+     r'lm.CopyLMSmall\? Registered: .*lm.CopyLMSmall'),
+])
+def test_demo_rejects_bad_flags_before_training(capsys, argv, message):
+  with pytest.raises(SystemExit) as info:
+    demo.main(argv)
+  assert info.value.code == 2
+  err = capsys.readouterr().err
+  assert re.search(message, err), err
+  assert 'trained' not in err
 
 
 if __name__ == '__main__':

@@ -20,6 +20,9 @@ places whole shards only).
 
 import dataclasses
 
+import re
+import types
+
 import numpy as np
 import pytest
 
@@ -218,6 +221,7 @@ def test_negative_control_catches_replicated_weights():
     gathered.update(partitioning.ShapesOf(c.shape))
   full_shapes = {full for _, full, _ in report.WeightShapes()}
   assert full_shapes <= gathered, report.Summary()
+  assert report.Problems(1e-4)[0].startswith('WEIGHTS GATHERED')
 
 
 def CliParams():
@@ -235,6 +239,51 @@ def test_check_partitioning_command(capsys):
   assert '1 collective-permute' in out
   assert 'body.w: [2, 8, 8] -> [1, 8, 8]' in out
   assert out.strip().endswith('OK')
+
+
+def test_weights_held_whole_are_reported_not_split():
+  report = check_partitioning.Report(
+      run=types.SimpleNamespace(param_shard_shapes=[(4, 8, 8), (1, 8)]),
+      step=types.SimpleNamespace(
+          weight_names=['body.w', 'body.b'], num_weights=2,
+          args=[np.zeros([4, 8, 8]), np.zeros([4, 8])]),
+      expected=[], num_stages=4)
+  assert report.UnsplitWeights() == ['body.w']
+
+
+def UnshardedCliParams():
+  return CliParams().Set(shard_stages_1d=False)
+
+
+@pytest.mark.parametrize('argv, message', [
+    (['--params', 'tests.partitioning_test.CliParams', '--num_devices', '4'],
+     r'--num_devices 4 does not match the layer: shard_stages_1d splits the '
+     r'stage dim over num_stages=2 devices. Use --num_devices 2.'),
+    (['--params', 'tests.partitioning_test.UnshardedCliParams'],
+     r'neither shard_stages_1d nor pipeline_stage_mesh_dim is set.*Set '
+     r'shard_stages_1d=True'),
+    (['--params', 'tests.partitioning_test.NoSuchParams'],
+     r"--params tests.partitioning_test.NoSuchParams: module "
+     r"'tests.partitioning_test' has no attribute 'NoSuchParams'"),
+    (['--params', 'tests.partitioning_test.CliParams', '--input_shape',
+      '25,8'],
+     r'Batch size 25 is not divisible by num_microbatches=\d+'),
+    (['--params', 'tests.partitioning_test.CliParams', '--input_shape',
+      '24,5'],
+     r'the layer cannot run on inputs of shape \[24, 5\]: '),
+])
+def test_check_partitioning_command_rejects_in_one_line(capsys, argv,
+                                                          message):
+  if '--input_shape' not in argv:
+    argv = argv + ['--input_shape', f'24,{DIM}']
+  status = check_partitioning.main(argv)
+  captured = capsys.readouterr()
+  assert status == 2, captured
+  err = captured.err.strip()
+  assert len(err.splitlines()) == 1, err
+  assert err.startswith('check_partitioning: error: ')
+  assert re.search(message, err), err
+  assert not captured.out
 
 
 _TOY_HLO = """\

@@ -6,6 +6,10 @@ state untouched). Each stage's (and repeat's) log, in iteration order, must
 be exactly the sequence of cells the diagram draws in that stage's row.
 """
 
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -102,9 +106,32 @@ def test_schedule_command_prints_and_draws(tmp_path, capsys):
   assert 'stage 3: useful work in 16 of 19 iterations' in text
   assert sched.Render() in text
   assert out_png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert f'wrote {out_png}' in text
   from matplotlib import image  # pylint: disable=g-import-not-at-top
   height, width = image.imread(out_png).shape[:2]
   assert width > height > 0
+
+
+def test_schedule_command_writes_exactly_the_path_given(tmp_path, capsys):
+  out = tmp_path / 'schedule'  # no suffix: still a PNG, at this path
+  assert schedule_lib.main(['--stages', '2', '--microbatches', '3', '--out',
+                            str(out)]) == 0
+  assert f'wrote {out}\n' in capsys.readouterr().out
+  assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_schedule_command_needs_neither_tensorflow_nor_lingvo():
+  code = ('import sys\n'
+          'from gpipe import schedule\n'
+          "schedule.main(['--stages', '4', '--microbatches', '8'])\n"
+          "heavy = [m for m in ('tensorflow', 'lingvo', 'jax') "
+          'if m in sys.modules]\n'
+          'assert not heavy, heavy\n')
+  result = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                          text=True, timeout=60, check=False,
+                          cwd=pathlib.Path(__file__).resolve().parent.parent)
+  assert result.returncode == 0, result.stderr
+  assert 'bubble fraction' in result.stdout
 
 
 @pytest.mark.parametrize('argv,message', [
@@ -113,6 +140,8 @@ def test_schedule_command_prints_and_draws(tmp_path, capsys):
      '--microbatches must be an integer'),
     (['--stages', '2', '--microbatches', '4', '--circular-repeat', '0'],
      '--circular-repeat must be an integer'),
+    (['--stages', '2', '--microbatches', '4', '--out', '/proc/x/s.png'],
+     '--out /proc/x/s.png: cannot write there'),
 ])
 def test_schedule_command_rejects_bad_configs(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
