@@ -16,9 +16,10 @@ exactly what running the S * R layers one after another computes.
 
 Params and variable names/shapes follow Lingvo's
 `gshard_layers.LayerwiseShardablePipelinedLayer`, so its configs and
-checkpoints carry over. This module holds the Params, their validation, the
-public API and the choice between the unrolled path (`gpipe.unrolled`) and
-the pipeline, whose data path for one FProp call is:
+checkpoints carry over. This module holds the Params (checked by
+`gpipe.param_checks`), the public API and the choice between the unrolled
+path (`gpipe.unrolled`) and the pipeline, whose data path for one FProp call
+is:
 
     split inputs       gpipe.microbatch         [B, ...] -> [M, B/M, ...]
     run the loop       gpipe.pipeline_loop      T iterations over the buffer
@@ -33,13 +34,13 @@ and its recomputing gradient (`gpipe.recurrent`).
 """
 
 from absl import logging
-import numpy as np
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layouts
 from gpipe import microbatch
 from gpipe import nest
+from gpipe import param_checks
 from gpipe import pipeline_loop
 from gpipe import repeats
 from gpipe import schedule as schedule_lib
@@ -52,13 +53,6 @@ from lingvo.core import gshard_utils
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
-
-_UNROLL_VALUES = ('never', 'eval_only', 'always')
-_AUX_LOSS_ACCUMULATIONS = ('mean', 'sum')
-_BOOL_PARAMS = ('shard_stages_1d', 'per_stage_vars',
-                'store_body_intermediates')
-_INT_PARAMS = ('num_stages', 'circular_repeat', 'num_microbatches',
-               'microbatch_size', 'pipeline_stage_mesh_dim')
 
 
 class PipelinedLayer(base_layer.BaseLayer):
@@ -122,14 +116,10 @@ class PipelinedLayer(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     p = self.params
-    _ValidateParams(p)
+    param_checks.Check(p)
+    param_checks.Normalize(p)
     stage_call.EnsureFlagsParsed()  # Lingvo bodies read flags.
     self._said_microbatched = False
-    for name in _INT_PARAMS:  # NumPy integers are accepted, kept as ints.
-      if p.Get(name) is not None:
-        p.Set(**{name: int(p.Get(name))})
-    for name in _BOOL_PARAMS:
-      p.Set(**{name: bool(p.Get(name))})
     self._layout = layouts.For(p, repeats.For(p.circular_repeat))
     self._placement = sharding.StagePlacement(
         p.num_stages, p.shard_stages_1d, p.device_mesh,
@@ -160,8 +150,8 @@ class PipelinedLayer(base_layer.BaseLayer):
     the stage-parallel body itself cannot consume; it is for inspection.
     """
     p = self.params
-    _CheckIndex('repeat_idx', repeat_idx, p.circular_repeat)
-    _CheckIndex('stage_idx', stage_idx, p.num_stages)
+    param_checks.CheckIndex('repeat_idx', repeat_idx, p.circular_repeat)
+    param_checks.CheckIndex('stage_idx', stage_idx, p.num_stages)
     return self._layout.LayerTheta(theta, repeat_idx, stage_idx)
 
   def PlaceVariables(self, theta):
@@ -471,69 +461,10 @@ def ValidateParams(p, batch_size=None):
   Raises:
     ValueError: naming the parameter and the fix.
   """
-  _ValidateParams(p)
+  param_checks.Check(p)
   if batch_size is not None:
     microbatch.ResolveNumMicrobatches(batch_size, p.num_microbatches,
                                       p.microbatch_size)
-
-
-def _ValidateParams(p):
-  """Raises ValueError naming the parameter for every bad combination."""
-  for name in ('num_stages', 'circular_repeat'):
-    value = p.Get(name)
-    if not schedule_lib.IsInteger(value) or value < 1:
-      raise ValueError(f'{name} must be an integer >= 1, got {value!r} '
-                       f'({type(value).__name__}).')
-  for name in _BOOL_PARAMS:
-    value = p.Get(name)
-    if not isinstance(value, (bool, np.bool_)):
-      raise ValueError(f'{name} must be True or False, got {value!r} '
-                       f'({type(value).__name__}).')
-  if p.pipeline_stage_mesh_dim is not None and not schedule_lib.IsInteger(
-      p.pipeline_stage_mesh_dim):
-    raise ValueError(
-        'pipeline_stage_mesh_dim must be None or an integer, got '
-        f'{p.pipeline_stage_mesh_dim!r} '
-        f'({type(p.pipeline_stage_mesh_dim).__name__}).')
-  if p.unroll not in _UNROLL_VALUES:
-    raise ValueError(f'unroll must be one of {_UNROLL_VALUES}, got '
-                     f'{p.unroll!r}.')
-  if p.aux_loss_microbatch_accumulation not in _AUX_LOSS_ACCUMULATIONS:
-    raise ValueError(
-        'aux_loss_microbatch_accumulation must be one of '
-        f'{_AUX_LOSS_ACCUMULATIONS}, got '
-        f'{p.aux_loss_microbatch_accumulation!r}.')
-  if (p.single_stage_body is None) == (p.stage_parallel_body is None):
-    raise ValueError(
-        'Set exactly one of single_stage_body and stage_parallel_body; got '
-        f'single_stage_body={"set" if p.single_stage_body else None}, '
-        f'stage_parallel_body={"set" if p.stage_parallel_body else None}.')
-  if p.per_stage_vars and p.stage_parallel_body is not None:
-    raise ValueError(
-        'per_stage_vars=True needs single_stage_body; a stage_parallel_body '
-        'defines its own stacked variables. Unset per_stage_vars or use '
-        'single_stage_body.')
-  microbatch.CheckMicrobatchParams(p.num_microbatches, p.microbatch_size)
-  if p.shard_stages_1d and p.pipeline_stage_mesh_dim is not None:
-    raise ValueError(
-        'Set at most one of shard_stages_1d and pipeline_stage_mesh_dim; got '
-        f'shard_stages_1d=True and pipeline_stage_mesh_dim='
-        f'{p.pipeline_stage_mesh_dim}.')
-  if p.pipeline_stage_mesh_dim is not None:
-    if p.device_mesh is None:
-      raise ValueError(
-          f'pipeline_stage_mesh_dim={p.pipeline_stage_mesh_dim} needs '
-          'device_mesh to be set.')
-    mesh = np.asarray(p.device_mesh)
-    if not 0 <= p.pipeline_stage_mesh_dim < mesh.ndim:
-      raise ValueError(
-          f'pipeline_stage_mesh_dim={p.pipeline_stage_mesh_dim} is not an '
-          f'axis of device_mesh with shape {mesh.shape}.')
-    if mesh.shape[p.pipeline_stage_mesh_dim] != p.num_stages:
-      raise ValueError(
-          f'device_mesh axis {p.pipeline_stage_mesh_dim} has '
-          f'{mesh.shape[p.pipeline_stage_mesh_dim]} devices but num_stages='
-          f'{p.num_stages}; they must be equal.')
 
 
 def _MicrobatchedNote(inputs):
@@ -544,8 +475,3 @@ def _MicrobatchedNote(inputs):
           f'M={inputs.schedule.num_microbatches} microbatches of shape '
           f'{first.shape.as_list()[1:]}. To split a [batch, ...] input, set '
           'num_microbatches or microbatch_size.')
-
-
-def _CheckIndex(name, value, bound):
-  if isinstance(value, (int, np.integer)) and not 0 <= value < bound:
-    raise ValueError(f'{name}={value} is out of range [0, {bound}).')

@@ -1,0 +1,88 @@
+"""Checks of PipelinedLayer params: every bad value or combination is a
+ValueError naming the param, the value (and its type) and the fix, raised
+before anything is built."""
+
+import numpy as np
+
+from gpipe import microbatch
+from gpipe import schedule as schedule_lib
+
+_UNROLL_VALUES = ('never', 'eval_only', 'always')
+_AUX_LOSS_ACCUMULATIONS = ('mean', 'sum')
+_BOOL_PARAMS = ('shard_stages_1d', 'per_stage_vars',
+                'store_body_intermediates')
+_INT_PARAMS = ('num_stages', 'circular_repeat', 'num_microbatches',
+               'microbatch_size', 'pipeline_stage_mesh_dim')
+
+
+def Check(p):
+  """Raises ValueError naming the parameter for every bad combination."""
+  for name in ('num_stages', 'circular_repeat'):
+    value = p.Get(name)
+    if not schedule_lib.IsInteger(value) or value < 1:
+      raise ValueError(f'{name} must be an integer >= 1, got {value!r} '
+                       f'({type(value).__name__}).')
+  for name in _BOOL_PARAMS:
+    value = p.Get(name)
+    if not isinstance(value, (bool, np.bool_)):
+      raise ValueError(f'{name} must be True or False, got {value!r} '
+                       f'({type(value).__name__}).')
+  if p.pipeline_stage_mesh_dim is not None and not schedule_lib.IsInteger(
+      p.pipeline_stage_mesh_dim):
+    raise ValueError(
+        'pipeline_stage_mesh_dim must be None or an integer, got '
+        f'{p.pipeline_stage_mesh_dim!r} '
+        f'({type(p.pipeline_stage_mesh_dim).__name__}).')
+  if p.unroll not in _UNROLL_VALUES:
+    raise ValueError(f'unroll must be one of {_UNROLL_VALUES}, got '
+                     f'{p.unroll!r}.')
+  if p.aux_loss_microbatch_accumulation not in _AUX_LOSS_ACCUMULATIONS:
+    raise ValueError(
+        'aux_loss_microbatch_accumulation must be one of '
+        f'{_AUX_LOSS_ACCUMULATIONS}, got '
+        f'{p.aux_loss_microbatch_accumulation!r}.')
+  if (p.single_stage_body is None) == (p.stage_parallel_body is None):
+    raise ValueError(
+        'Set exactly one of single_stage_body and stage_parallel_body; got '
+        f'single_stage_body={"set" if p.single_stage_body else None}, '
+        f'stage_parallel_body={"set" if p.stage_parallel_body else None}.')
+  if p.per_stage_vars and p.stage_parallel_body is not None:
+    raise ValueError(
+        'per_stage_vars=True needs single_stage_body; a stage_parallel_body '
+        'defines its own stacked variables. Unset per_stage_vars or use '
+        'single_stage_body.')
+  microbatch.CheckMicrobatchParams(p.num_microbatches, p.microbatch_size)
+  if p.shard_stages_1d and p.pipeline_stage_mesh_dim is not None:
+    raise ValueError(
+        'Set at most one of shard_stages_1d and pipeline_stage_mesh_dim; got '
+        f'shard_stages_1d=True and pipeline_stage_mesh_dim='
+        f'{p.pipeline_stage_mesh_dim}.')
+  if p.pipeline_stage_mesh_dim is not None:
+    if p.device_mesh is None:
+      raise ValueError(
+          f'pipeline_stage_mesh_dim={p.pipeline_stage_mesh_dim} needs '
+          'device_mesh to be set.')
+    mesh = np.asarray(p.device_mesh)
+    if not 0 <= p.pipeline_stage_mesh_dim < mesh.ndim:
+      raise ValueError(
+          f'pipeline_stage_mesh_dim={p.pipeline_stage_mesh_dim} is not an '
+          f'axis of device_mesh with shape {mesh.shape}.')
+    if mesh.shape[p.pipeline_stage_mesh_dim] != p.num_stages:
+      raise ValueError(
+          f'device_mesh axis {p.pipeline_stage_mesh_dim} has '
+          f'{mesh.shape[p.pipeline_stage_mesh_dim]} devices but num_stages='
+          f'{p.num_stages}; they must be equal.')
+
+
+def Normalize(p):
+  """NumPy integers and bools (accepted by Check) as plain Python values."""
+  for name in _INT_PARAMS:
+    if p.Get(name) is not None:
+      p.Set(**{name: int(p.Get(name))})
+  for name in _BOOL_PARAMS:
+    p.Set(**{name: bool(p.Get(name))})
+
+
+def CheckIndex(name, value, bound):
+  if isinstance(value, (int, np.integer)) and not 0 <= value < bound:
+    raise ValueError(f'{name}={value} is out of range [0, {bound}).')
