@@ -312,15 +312,31 @@ class PipelinedLayer(base_layer.BaseLayer):
 
   def _UnrolledFProp(self, theta, fn_name, args, kwargs, kwargs_no_batch,
                      per_layer_states):
-    """Runs the S * R layers one after another on the whole batch."""
+    """Runs the S * R layers one after another on the whole batch.
+
+    Inputs already microbatched ([M, B/M, ...], neither num_microbatches nor
+    microbatch_size set, as the GShard builders feed them) are run as the
+    batch of M * B/M examples they hold, and given back microbatched.
+    """
+    p = self.params
+    premicrobatched = p.num_microbatches is None and p.microbatch_size is None
+    if premicrobatched:
+      num_mb = microbatch.MergeMicrobatchDims((args, kwargs, per_layer_states))
+      merge = lambda t: microbatch.MergeMicrobatches(t, num_mb)
+      args, kwargs, per_layer_states = nest.MapTensors(
+          merge, (args, kwargs, per_layer_states))
     names = self._layout.NonTrainableNames(self)
     carried = self._layout.NonTrainableValues(theta, names)
-    with tf.name_scope(self.params.name):
+    with tf.name_scope(p.name):
       outputs, per_layer_states, carried = unrolled.Run(
           self._layout, self._body, fn_name, theta, args, kwargs,
           kwargs_no_batch, per_layer_states, names, carried)
       outputs, per_layer_states = self._AfterAssigning(
           names, carried, (outputs, per_layer_states))
+    if premicrobatched:
+      outputs, per_layer_states = nest.MapTensors(
+          lambda t: microbatch.SplitMergedMicrobatches(t, num_mb),
+          (outputs, per_layer_states))
     outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
     if not per_layer_states:
       return outputs

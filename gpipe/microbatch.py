@@ -139,9 +139,8 @@ def BubbleFiller(x, num_stages):
   results are discarded, so any real data will do (zeros would not: see
   PadForIterations).
   """
-  dims = [d if d is not None else tf.shape(x)[i]
-          for i, d in enumerate(x.shape.as_list())]
-  return tf.stop_gradient(tf.broadcast_to(x[:1], [num_stages] + dims[1:]))
+  return tf.stop_gradient(
+      tf.broadcast_to(x[:1], [num_stages] + _Shape(x)[1:]))
 
 
 def LastStageOutputs(stacked, schedule: schedule_lib.Schedule):
@@ -268,15 +267,18 @@ def CheckInputs(args, kwargs):
 
   Every leaf of args and of the per-example kwargs must be a tensor with a
   leading batch dim (or None); NumPy arrays are converted as TensorFlow
-  would. Python numbers, strings and scalar tensors have no batch dim:
-  they belong in kwargs_no_batch.
+  would. Python numbers and scalar tensors have no batch dim: they belong in
+  kwargs_no_batch. A kwarg may also be a flag (a bool or a string), which
+  every stage gets as it is (as Lingvo's use_short_seq_opt=False).
   """
 
-  def CheckTree(where, tree):
+  def CheckTree(where, tree, flags_ok):
     leaves = [tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x
               for x in tf.nest.flatten(tree)]
     for i, x in enumerate(leaves):
       if x is None or (nest.IsTensor(x) and x.shape.rank != 0):
+        continue
+      if flags_ok and isinstance(x, (bool, str)):
         continue
       what = (f'a scalar tensor ({x.dtype.name})' if nest.IsTensor(x) else
               f'a {type(x).__name__} ({x!r:.40})')
@@ -287,8 +289,8 @@ def CheckInputs(args, kwargs):
           'values via kwargs_no_batch.')
     return tf.nest.pack_sequence_as(tree, leaves)
 
-  args = tuple(CheckTree(f'args[{i}]', a) for i, a in enumerate(args))
-  kwargs = {k: CheckTree(f'kwargs[{k!r}]', v) for k, v in kwargs.items()}
+  args = tuple(CheckTree(f'args[{i}]', a, False) for i, a in enumerate(args))
+  kwargs = {k: CheckTree(f'kwargs[{k!r}]', v, True) for k, v in kwargs.items()}
   return args, kwargs
 
 
@@ -299,3 +301,42 @@ def _Paths(tree, prefix=''):
   if isinstance(tree, (list, tuple)):
     return [p for i, x in enumerate(tree) for p in _Paths(x, f'{prefix}[{i}]')]
   return [prefix]
+
+
+def MergeMicrobatchDims(tree):
+  """M of already-microbatched [M, B/M, ...] tensors, checked to be shared.
+
+  For running them unpipelined as one batch (see MergeMicrobatches).
+  """
+  leaves = [x for x in tf.nest.flatten(tree) if nest.IsTensor(x)]
+  dims = {tuple(x.shape.as_list()[:1]) for x in leaves}
+  if any(x.shape.rank is None or x.shape.rank < 2 for x in leaves) or (
+      len(dims) != 1 or None in next(iter(dims), (None,))):
+    shapes = ', '.join(str(x.shape) for x in leaves)
+    raise ValueError(
+        'With neither num_microbatches nor microbatch_size set, inputs are '
+        'taken as already microbatched, [M, microbatch, ...] with one static '
+        f'M; got shapes {shapes}. Set num_microbatches or microbatch_size to '
+        'pass [batch, ...] inputs.')
+  return next(iter(dims))[0]
+
+
+def MergeMicrobatches(x, num_microbatches):
+  """[M, B/M, ...] -> [M * B/M, ...], microbatch after microbatch."""
+  del num_microbatches  # The leading dims are checked by MergeMicrobatchDims.
+  shape = _Shape(x)
+  return tf.reshape(x, [shape[0] * shape[1]] + shape[2:])
+
+
+def SplitMergedMicrobatches(x, num_microbatches):
+  """The inverse of MergeMicrobatches."""
+  shape = _Shape(x)
+  return tf.reshape(x, [num_microbatches, shape[0] // num_microbatches] +
+                    shape[1:])
+
+
+def _Shape(x):
+  """The shape of x, static dims as ints, unknown ones as scalar tensors."""
+  dynamic = tf.shape(x)
+  return [d if d is not None else dynamic[i]
+          for i, d in enumerate(x.shape.as_list())]

@@ -250,6 +250,24 @@ class _RankTwoBody(bodies.DenseBody):
     return super().FProp(theta, x)
 
 
+def test_eval_of_premicrobatched_inputs_with_a_rank_specific_body():
+  # The GShard builders' case: [M, mb, ...] inputs, a body that takes only
+  # [mb, ...]; eval (unrolled) must equal training (pipelined).
+  p = _Params(num_microbatches=None, unroll='eval_only', circular_repeat=2,
+              single_stage_body=_RankTwoBody.Params().Set(dim=4))
+  x = np.random.RandomState(2).uniform(-1, 1, [3, 2, 4]).astype(np.float32)
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    piped = layer.FProp(layer.theta, tf.constant(x))
+    with cluster_factory.SetEval(True):
+      unrolled = layer.FProp(layer.theta, tf.constant(x))
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      got, want = sess.run((unrolled, piped))
+  assert got.shape == (3, 2, 4)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_flags_are_parsed_for_lingvo_bodies_without_absl_app():
   script = (
       'import gpipe\n'

@@ -8,6 +8,8 @@ every variable and the input). float32, |err| <= 1e-5 + 1e-5 * |ref|.
 
 import pytest
 
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
 from tests import pipeline_harness as harness
 
 Case = harness.Case
@@ -160,6 +162,33 @@ def test_premicrobatched_inputs(mode):
           premicrobatched=True,
           circular_repeat=2,
           batch=6), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('body', ['dense', 'stage_parallel'])
+def test_premicrobatched_inputs_unrolled(body, mode):
+  # As the GShard builders evaluate: [M, mb, ...] inputs and per-example
+  # kwargs, the layers run one after another (eval_only in eval, always).
+  harness.CheckCase(
+      Case(
+          body=body,
+          num_stages=2,
+          num_microbatches=3,
+          premicrobatched=True,
+          circular_repeat=2,
+          batch=6,
+          kwargs=True,
+          unroll='always'), mode)
+
+
+def test_premicrobatched_inputs_unrolled_need_a_shared_leading_dim():
+  p = harness.Case(num_stages=2, premicrobatched=True,
+                   unroll='always').Params()
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    with pytest.raises(ValueError, match=r'taken as already microbatched, '
+                       r'\[M, microbatch, ...\].*Set num_microbatches'):
+      layer.FProp(layer.theta, tf.zeros([3, 2, 4]), scale=tf.zeros([2, 2, 4]))
 
 
 @pytest.mark.parametrize('mode', MODES)

@@ -1,0 +1,46 @@
+"""Lingvo's own pipelined model code, run on gpipe.
+
+Lingvo's clients of its pipeline layer — `batch_major_attention.
+PipelinedTransformerLayers` and the GShard builders (`gshard_builder`) —
+build `gshard_layers.LayerwiseShardablePipelinedLayer` themselves, by that
+name, when their layers are constructed. `UseGpipeInLingvo` points the name
+at gpipe's `PipelinedLayer` (same Params, same variable names and shapes):
+
+    from gpipe import lingvo_compat
+    lingvo_compat.UseGpipeInLingvo()          # from now on
+    with lingvo_compat.UseGpipeInLingvo():    # or only inside the block
+      model = model_params.Instantiate()
+
+Importing gpipe alone changes nothing in Lingvo. Params built before the
+switch keep the class they name (`p.cls`).
+"""
+
+from gpipe import layers
+from lingvo.core import gshard_layers
+
+_LINGVO_LAYER = gshard_layers.LayerwiseShardablePipelinedLayer
+
+
+class UseGpipeInLingvo:
+  """Makes Lingvo build gpipe's layer; as a context manager, until exit."""
+
+  def __init__(self):
+    self._previous = gshard_layers.LayerwiseShardablePipelinedLayer
+    gshard_layers.LayerwiseShardablePipelinedLayer = layers.PipelinedLayer
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    gshard_layers.LayerwiseShardablePipelinedLayer = self._previous
+    return False
+
+
+def LingvoBuildsGpipe():
+  """True while Lingvo's pipeline layer name means gpipe's layer."""
+  return gshard_layers.LayerwiseShardablePipelinedLayer is layers.PipelinedLayer
+
+
+def LingvosOwnLayer():
+  """Lingvo's own LayerwiseShardablePipelinedLayer, switched or not."""
+  return _LINGVO_LAYER

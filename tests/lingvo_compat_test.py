@@ -1,0 +1,111 @@
+"""Lingvo's PipelinedTransformerLayers, unchanged, on gpipe.
+
+With `UseGpipeInLingvo()` Lingvo's own client builds gpipe's layer. Its
+pipelined FProp (outputs and the gradients of every variable and the input)
+must equal Lingvo's own layer with unroll='always' — Lingvo's code running
+the layers one after another, independent of gpipe — on the same weights.
+"""
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import layers
+from gpipe import lingvo_compat
+from lingvo.core import batch_major_attention
+from lingvo.core import gshard_layers
+from lingvo.core import py_utils
+
+DIM, HEADS, TIME = 8, 2, 4
+
+
+def _Params(num_stages, num_microbatches, circular_repeat, unroll,
+            shard_stages_1d=False):
+  stage = batch_major_attention.StackedTransformerLayers.Params().Set(
+      num_layers=1, mdl_dim=DIM, hidden_dim=2 * DIM, num_atten_heads=HEADS,
+      dropout_prob=0.0, mask_self_atten=True)
+  return batch_major_attention.PipelinedTransformerLayers.Params().Set(
+      name='pipelined', pipeline_stage=stage,
+      num_pipeline_stages=num_stages,
+      num_pipeline_microbatches=num_microbatches,
+      circular_repeat=circular_repeat, unroll=unroll,
+      shard_stages_1d=shard_stages_1d, random_seed=1)
+
+
+def test_the_switch_applies_and_undoes():
+  lingvos = gshard_layers.LayerwiseShardablePipelinedLayer
+  assert lingvos is lingvo_compat.LingvosOwnLayer()
+  assert not lingvo_compat.LingvoBuildsGpipe()
+  with lingvo_compat.UseGpipeInLingvo():
+    assert lingvo_compat.LingvoBuildsGpipe()
+    with tf.Graph().as_default():
+      layer = _Params(2, 2, 1, 'never').Instantiate()
+    assert type(layer.pipeline) is layers.PipelinedLayer  # pylint: disable=unidiomatic-typecheck
+  assert gshard_layers.LayerwiseShardablePipelinedLayer is lingvos
+
+
+def _Step(layer, x, paddings):
+  out, _ = layer.FProp(layer.theta, x, paddings)
+  loss = tf.reduce_sum(out * tf.sin(out))
+  variables = layer.vars.Flatten()
+  grads = tf.gradients(loss, variables + [x])
+  return out, [tf.convert_to_tensor(g) for g in grads], variables
+
+
+@pytest.mark.parametrize('s,m,r,shard', [
+    (2, 2, 1, False), (2, 4, 2, False), (4, 2, 1, True), (2, 3, 2, True)])
+def test_pipelined_transformer_layers_equal_lingvos_unrolled(s, m, r, shard):
+  batch = 2 * m
+  rng = np.random.RandomState(0)
+  x_np = rng.normal(size=[batch, TIME, DIM]).astype(np.float32)
+  pad_np = np.zeros([batch, TIME], np.float32)
+  pad_np[:, -1] = rng.randint(0, 2, [batch])
+  with tf.Graph().as_default():
+    with lingvo_compat.UseGpipeInLingvo():
+      ours = _Params(s, m, r, 'never', shard).Instantiate()
+    assert isinstance(ours.pipeline, layers.PipelinedLayer)
+    # Lingvo's own layer, running the layers one after another.
+    theirs = _Params(s, m, r, 'always').Set(name='reference').Instantiate()
+    assert not isinstance(theirs.pipeline, layers.PipelinedLayer)
+    x = tf.constant(x_np)
+    paddings = tf.constant(pad_np)
+    out, grads, variables = _Step(ours, x, paddings)
+    ref_out, ref_grads, ref_vars = _Step(theirs, x, paddings)
+    # Same variables: Lingvo's names (under each layer's own name) and shapes.
+    names = [v.name.replace('pipelined', '<name>') for v in variables]
+    assert names == [v.name.replace('reference', '<name>') for v in ref_vars]
+    assert [v.shape for v in variables] == [v.shape for v in ref_vars]
+    copy = [r.assign(v) for r, v in zip(ref_vars, variables)]
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      sess.run(copy)
+      got, want = sess.run(((out, grads), (ref_out, ref_grads)))
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  for name, g, w in zip(names + ['input'], got[1], want[1]):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert np.abs(w).max() > 0, name
+
+
+@pytest.mark.parametrize('s,m,r', [(2, 2, 1), (2, 4, 2)])
+def test_decoding_step_by_step_equals_the_causal_fprop(s, m, r):
+  batch = 2 * m
+  x_np = np.random.RandomState(1).normal(size=[batch, TIME, DIM]).astype(
+      np.float32)
+  with tf.Graph().as_default():
+    with lingvo_compat.UseGpipeInLingvo():
+      layer = _Params(s, m, r, 'never').Instantiate()
+    x = tf.constant(x_np)
+    full, _ = layer.FProp(layer.theta, x, tf.zeros([batch, TIME]))
+    states = layer.InitStates(layer.theta, batch, TIME)
+    steps = []
+    for t in range(TIME):
+      # Lingvo's client passes use_short_seq_opt=False, a flag, as a kwarg.
+      y, states = layer.ExtendStep(layer.theta, x[:, t:t + 1], None, None,
+                                   states, tf.constant(t))
+      steps.append(y)
+    decoded = tf.concat(steps, axis=1)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      got, want = sess.run((decoded, full))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
