@@ -314,29 +314,30 @@ class PipelinedLayer(base_layer.BaseLayer):
                      per_layer_states):
     """Runs the S * R layers one after another on the whole batch.
 
-    Inputs already microbatched ([M, B/M, ...], neither num_microbatches nor
-    microbatch_size set, as the GShard builders feed them) are run as the
-    batch of M * B/M examples they hold, and given back microbatched.
+    Inputs already microbatched ([M, ...], neither num_microbatches nor
+    microbatch_size set, as the GShard builders feed them) run microbatch by
+    microbatch, as the pipeline computes them, and come back [M, ...]; the
+    aux losses then combine over microbatches as the pipeline's do.
     """
     p = self.params
-    premicrobatched = p.num_microbatches is None and p.microbatch_size is None
-    if premicrobatched:
-      num_mb = microbatch.MergeMicrobatchDims((args, kwargs, per_layer_states))
-      merge = lambda t: microbatch.MergeMicrobatches(t, num_mb)
-      args, kwargs, per_layer_states = nest.MapTensors(
-          merge, (args, kwargs, per_layer_states))
     names = self._layout.NonTrainableNames(self)
     carried = self._layout.NonTrainableValues(theta, names)
+    run_args = (self._layout, self._body, fn_name, theta, args, kwargs,
+                kwargs_no_batch, per_layer_states, names, carried)
     with tf.name_scope(p.name):
-      outputs, per_layer_states, carried = unrolled.Run(
-          self._layout, self._body, fn_name, theta, args, kwargs,
-          kwargs_no_batch, per_layer_states, names, carried)
+      if p.num_microbatches is None and p.microbatch_size is None:
+        num_mb = microbatch.NumPremadeMicrobatches(
+            (args, kwargs, per_layer_states))
+        with py_utils.AuxLossContext(reentrant=True) as aux_ctx:
+          outputs, per_layer_states, carried = (
+              unrolled.RunMicrobatchByMicrobatch(num_mb, *run_args))
+        if aux_ctx.aux_losses:
+          self._AddAuxLoss(stage_call.SumAuxLosses(aux_ctx.aux_losses),
+                           num_mb)
+      else:
+        outputs, per_layer_states, carried = unrolled.Run(*run_args)
       outputs, per_layer_states = self._AfterAssigning(
           names, carried, (outputs, per_layer_states))
-    if premicrobatched:
-      outputs, per_layer_states = nest.MapTensors(
-          lambda t: microbatch.SplitMergedMicrobatches(t, num_mb),
-          (outputs, per_layer_states))
     outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
     if not per_layer_states:
       return outputs

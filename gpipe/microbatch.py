@@ -303,36 +303,18 @@ def _Paths(tree, prefix=''):
   return [prefix]
 
 
-def MergeMicrobatchDims(tree):
-  """M of already-microbatched [M, B/M, ...] tensors, checked to be shared.
-
-  For running them unpipelined as one batch (see MergeMicrobatches).
-  """
+def NumPremadeMicrobatches(tree):
+  """M of already-microbatched [M, ...] tensors, checked to be shared."""
   leaves = [x for x in tf.nest.flatten(tree) if nest.IsTensor(x)]
-  dims = {tuple(x.shape.as_list()[:1]) for x in leaves}
-  if any(x.shape.rank is None or x.shape.rank < 2 for x in leaves) or (
-      len(dims) != 1 or None in next(iter(dims), (None,))):
+  dims = {x.shape.as_list()[0] if x.shape.rank else None for x in leaves}
+  if len(dims) != 1 or None in dims:
     shapes = ', '.join(str(x.shape) for x in leaves)
     raise ValueError(
         'With neither num_microbatches nor microbatch_size set, inputs are '
-        'taken as already microbatched, [M, microbatch, ...] with one static '
-        f'M; got shapes {shapes}. Set num_microbatches or microbatch_size to '
-        'pass [batch, ...] inputs.')
-  return next(iter(dims))[0]
-
-
-def MergeMicrobatches(x, num_microbatches):
-  """[M, B/M, ...] -> [M * B/M, ...], microbatch after microbatch."""
-  del num_microbatches  # The leading dims are checked by MergeMicrobatchDims.
-  shape = _Shape(x)
-  return tf.reshape(x, [shape[0] * shape[1]] + shape[2:])
-
-
-def SplitMergedMicrobatches(x, num_microbatches):
-  """The inverse of MergeMicrobatches."""
-  shape = _Shape(x)
-  return tf.reshape(x, [num_microbatches, shape[0] // num_microbatches] +
-                    shape[1:])
+        'taken as already microbatched, [M, ...] with one static M; got '
+        f'shapes {shapes}. Set num_microbatches or microbatch_size to pass '
+        '[batch, ...] inputs.')
+  return dims.pop()
 
 
 def _Shape(x):

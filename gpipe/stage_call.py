@@ -40,10 +40,14 @@ class StageResult:
 
   def AuxLoss(self):
     """One stage's aux losses summed to a float32 scalar, or None."""
-    if not self.aux_losses:
-      return None
-    return tf.add_n(
-        [tf.reduce_sum(tf.cast(l, tf.float32)) for l in self.aux_losses])
+    return SumAuxLosses(self.aux_losses)
+
+
+def SumAuxLosses(aux_losses):
+  """Aux losses summed to a float32 scalar, or None if there are none."""
+  if not aux_losses:
+    return None
+  return tf.add_n([tf.reduce_sum(tf.cast(l, tf.float32)) for l in aux_losses])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,15 @@
 """The unpipelined path: the S * R layers one after another, whole batch.
 
 What `unroll='always'` (and 'eval_only' in eval) runs: no microbatches, no
-loop, no bubbles. Each logical layer (repeat-major: layer r * S + s) calls
+loop, no bubbles (inputs that come already microbatched run microbatch by
+microbatch, see RunMicrobatchByMicrobatch). Each logical layer (repeat-major: layer r * S + s) calls
 the body through `stage_call.CallStage` in the caller's own contexts, so aux
 losses, summaries and step seeds behave as in the plain stack.
 """
 
 import tensorflow as tf
+
+from gpipe import nest
 
 
 def CheckPerLayerStates(per_layer_states, num_layers):
@@ -61,3 +64,26 @@ def Run(layout, body, fn_name, theta, args, kwargs, kwargs_no_batch,
         for per_layer, state in zip(per_layer_states, states):
           per_layer[layer] = state
   return outputs, per_layer_states, carried
+
+
+def RunMicrobatchByMicrobatch(num_microbatches, layout, body, fn_name, theta,
+                              args, kwargs, kwargs_no_batch, per_layer_states,
+                              var_names, carried):
+  """Run on each of already-microbatched [M, ...] inputs in turn.
+
+  The body sees one microbatch at a time, exactly as in the pipeline (a
+  per-microbatch scalar stays a scalar); non-trainable variables are
+  carried from one microbatch to the next. Outputs and states are stacked
+  back to [M, ...]. Args as for Run.
+  """
+  outputs, states = [], []
+  for m in range(num_microbatches):
+    take = lambda t, m=m: t[m]
+    with tf.name_scope(f'microbatch_{m:03d}'):
+      out, state, carried = Run(
+          layout, body, fn_name, theta, nest.MapTensors(take, args),
+          nest.MapTensors(take, kwargs), kwargs_no_batch,
+          nest.MapTensors(take, per_layer_states), var_names, carried)
+    outputs.append(out)
+    states.append(state)
+  return nest.Stack(outputs), nest.Stack(states), carried

@@ -268,6 +268,47 @@ def test_eval_of_premicrobatched_inputs_with_a_rank_specific_body():
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+class _LossCarryingBody(bodies.DenseBody):
+  """(x, loss) -> (y, loss + mean(y)), as the GShard builders carry their
+  loss through the pipeline: one scalar per microbatch; adds an aux loss."""
+
+  def FProp(self, theta, x, loss):
+    if loss.shape.rank != 0:
+      raise ValueError(f'loss must be a scalar, got shape {loss.shape}')
+    y = super().FProp(theta, x)
+    py_utils.AuxLossContext.Current().AddLoss(tf.reduce_mean(y * y))
+    return y, loss + tf.reduce_mean(y)
+
+
+@pytest.mark.parametrize('accumulation', ['mean', 'sum'])
+def test_eval_of_premicrobatched_per_microbatch_scalars(accumulation):
+  p = _Params(num_microbatches=None, unroll='eval_only', circular_repeat=2,
+              aux_loss_microbatch_accumulation=accumulation,
+              single_stage_body=_LossCarryingBody.Params().Set(dim=4))
+  x_np = np.random.RandomState(4).uniform(-1, 1, [3, 2, 4]).astype(
+      np.float32)
+
+  def Run(layer):
+    x = tf.constant(x_np)
+    loss = tf.constant([0.5, -1.0, 2.0])  # [M]: a scalar per microbatch
+    with py_utils.AuxLossContext() as aux_ctx:
+      out = layer.FProp(layer.theta, x, loss)
+    assert len(aux_ctx.aux_losses) == 1
+    return out, aux_ctx.aux_losses[0]
+
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    piped = Run(layer)
+    with cluster_factory.SetEval(True):
+      unrolled = Run(layer)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      got, want = sess.run((unrolled, piped))
+  for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  assert got[0][1].shape == (3,)
+
+
 def test_flags_are_parsed_for_lingvo_bodies_without_absl_app():
   script = (
       'import gpipe\n'

@@ -187,7 +187,8 @@ def test_premicrobatched_inputs_unrolled_need_a_shared_leading_dim():
   with tf.Graph().as_default():
     layer = p.Instantiate()
     with pytest.raises(ValueError, match=r'taken as already microbatched, '
-                       r'\[M, microbatch, ...\].*Set num_microbatches'):
+                       r'\[M, ...\] with one static M; got shapes '
+                       r'\(3, 2, 4\), \(2, 2, 4\).*Set num_microbatches'):
       layer.FProp(layer.theta, tf.zeros([3, 2, 4]), scale=tf.zeros([2, 2, 4]))
 
 
