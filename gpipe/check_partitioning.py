@@ -243,6 +243,15 @@ def LoadParams(spec):
   return value
 
 
+def CheckPipelineParams(params, name):
+  """Raises ValueError unless `params` are a PipelinedLayer's."""
+  cls = getattr(params, 'cls', None)
+  if not (isinstance(cls, type) and issubclass(cls, layers.PipelinedLayer)):
+    raise ValueError(f'{name} is Params of '
+                     f'{getattr(cls, "__name__", cls)}, not of a '
+                     'PipelinedLayer.')
+
+
 def CheckDevices(params, num_devices=None):
   """The device count to partition for, checked against the stage mesh.
 
@@ -307,6 +316,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   try:
     params = LoadParams(args.params)
+    CheckPipelineParams(params, f'--params {args.params}')
     num_devices = CheckDevices(params, args.num_devices)
     layers.ValidateParams(params, args.input_shape[0][0])
   except ValueError as e:

@@ -90,12 +90,9 @@ def ToMicrobatches(x, num_microbatches):
   """
   if not nest.IsTensor(x):
     return x
-  shape = x.shape.as_list()
-  batch = shape[0]
-  rest = [d if d is not None else tf.shape(x)[i + 1]
-          for i, d in enumerate(shape[1:])]
+  batch, *rest = _Shape(x)
   reshaped = tf.reshape(x, [batch // num_microbatches, num_microbatches] + rest)
-  return tf.transpose(reshaped, [1, 0] + list(range(2, len(shape) + 1)))
+  return tf.transpose(reshaped, [1, 0] + list(range(2, x.shape.rank + 1)))
 
 
 def ToBatch(x):

@@ -110,9 +110,10 @@ class LayerTarget:
   """A PipelinedLayer's Params trained on float32 inputs of given shapes."""
 
   def __init__(self, layer_params, input_shapes, name='layer'):
-    if not issubclass(layer_params.cls, gpipe_layers.PipelinedLayer):
-      raise PlanError(f'{name} is Params of {layer_params.cls.__name__}, not '
-                      'of a PipelinedLayer.')
+    try:
+      check_partitioning.CheckPipelineParams(layer_params, name)
+    except ValueError as e:
+      raise PlanError(str(e)) from None
     self._params = layer_params
     self._input_shapes = input_shapes
     self.name = name

@@ -79,8 +79,10 @@ def CallStage(body: Body, fn_name: str, theta, args: Sequence[Any], kwargs,
   args = tuple(args)
   fn = getattr(body.layer, fn_name)
   ctx = context if context is not None else contextlib.nullcontext()
+  # In the loop (with a context), the ops the body adds are checked below.
+  in_loop_graph = context is not None and not tf.executing_eagerly()
   graph = tf.compat.v1.get_default_graph()
-  num_ops = len(graph.get_operations())
+  num_ops = len(graph.get_operations()) if in_loop_graph else 0
   try:
     with ctx:
       out, new_vars = stage_vars.CallWithStageVars(
@@ -91,7 +93,7 @@ def CallStage(body: Body, fn_name: str, theta, args: Sequence[Any], kwargs,
                f'{body.param} of pipelined layer {body.owner!r}, running '
                f'{where})')
     raise
-  if context is not None and not tf.executing_eagerly():
+  if in_loop_graph:
     _CheckNoV1Summaries(body, fn_name, graph.get_operations()[num_ops:])
   outputs = CheckBodyOutputs(body, args, out)
   if context is None:

@@ -251,6 +251,10 @@ def test_weights_held_whole_are_reported_not_split():
   assert report.UnsplitWeights() == ['body.w']
 
 
+def BodyParams():
+  return bodies.DenseBody.Params().Set(dim=DIM)
+
+
 def UnshardedCliParams():
   return CliParams().Set(shard_stages_1d=False)
 
@@ -265,6 +269,9 @@ def UnshardedCliParams():
     (['--params', 'tests.partitioning_test.NoSuchParams'],
      r"--params tests.partitioning_test.NoSuchParams: module "
      r"'tests.partitioning_test' has no attribute 'NoSuchParams'"),
+    (['--params', 'tests.partitioning_test.BodyParams'],
+     r'--params tests.partitioning_test.BodyParams is Params of DenseBody, '
+     r'not of a PipelinedLayer.'),
     (['--params', 'tests.partitioning_test.CliParams', '--input_shape',
       '25,8'],
      r'Batch size 25 is not divisible by num_microbatches=\d+'),
