@@ -187,10 +187,55 @@ class PipelinedLayer(base_layer.BaseLayer):
       (outputs with a leading [num_stages] dim, a no-op), the pair Lingvo's
       layer returns.
     """
-    out = self._layout.RunEveryStage(self._body, fn_name,
-                                     self._layout.AsLayerTheta(theta), args,
-                                     kwargs)
+    theta = self._layout.AsLayerTheta(theta, self)
+    out = self._layout.RunEveryStage(self._body, fn_name, theta, args, kwargs)
     return self._placement.SplitStages(out, 0), tf.no_op()
+
+  def BodyFProp(self, theta, fn_name, iteration, num_microbatches, *args,
+                kwargs_no_batch=None, **kwargs):
+    """Every stage's body call of one pipeline iteration, as Lingvo's has it.
+
+    Stage s runs on args[s] with the weights, repeat, microbatch slice of
+    the per-example kwargs and step seed the schedule gives it at
+    `iteration` (on a bubble: the clamped microbatch, results to be
+    dropped by the caller). For callers that drive their own loop.
+
+    Args:
+      theta: the stage-stacked body weights (`theta.body`, as Lingvo's layer
+        takes them), or this layer's theta.
+      fn_name: the body method.
+      iteration: scalar int32 loop iteration.
+      num_microbatches: M, for the schedule.
+      *args: the stages' inputs, each with a leading [num_stages] dim.
+      kwargs_no_batch: passed to every stage as they are.
+      **kwargs: per-example kwargs, [M, ...]: stage s gets the slice of
+        its microbatch.
+
+    Returns:
+      (outputs with a leading [num_stages] dim, a no-op). Each stage's aux
+      losses go to the caller's AuxLossContext as one [num_stages] loss;
+      the body's summaries as `<name>/stage_<i>`; non-trainable variables
+      the stages assign are written back.
+    """
+    sched = self.Schedule(num_microbatches)
+    spec = self._LoopSpec(sched, fn_name, nest.TensorLeaves(args), [],
+                          kwargs, kwargs_no_batch or {})
+    theta = self._layout.AsLayerTheta(theta, self)
+    var_values = self._layout.NonTrainableValues(theta, spec.var_names)
+    with tf.name_scope(self.params.name):
+      iteration = self._placement.ReplicateBookkeeping(
+          tf.convert_to_tensor(iteration, tf.int32))
+      res = spec.run_stages(
+          spec, self._LoopTheta(theta),
+          pipeline_loop.StagesAt(spec, iteration, args, var_values))
+      ctx = py_utils.AuxLossContext.Current()
+      if res.aux is not None and ctx is not None:
+        ctx.AddLoss(res.aux)
+      self._AddSummaries({name: ((value * weight)[None], weight[None])
+                          for name, value, weight in res.summaries})
+      outputs = self._AfterAssigning(spec.var_names, res.vars, res.outputs)
+    outputs = tuple(self._placement.SplitStages(o, 0) for o in outputs)
+    return (outputs[0] if len(outputs) == 1 else outputs), tf.no_op()
 
   def MicrobatchStates(self, per_stage_states):
     """[S, B, ...] states of the whole batch -> [M, S, B/M, ...].
@@ -235,10 +280,11 @@ class PipelinedLayer(base_layer.BaseLayer):
     The padded states are opaque to the caller: pass them to FPropFn call
     after call; UnpadStates gives each layer's state back.
     """
-    if not nest.IsTensor(x):
-      return tf.nest.map_structure(self.PadMicrobatches, x)
-    sched = self.Schedule(x.shape.as_list()[0])
-    return self._placement.SplitStages(microbatch.PadStates(x, sched), 1)
+    def Pad(t):
+      sched = self.Schedule(t.shape.as_list()[0])
+      return self._placement.SplitStages(microbatch.PadStates(t, sched), 1)
+
+    return nest.MapTensors(Pad, x)
 
   def UnpadStates(self, padded, num_microbatches=None):
     """[T, S, ...] state slots -> [R * S, B, ...]: each layer's state.
@@ -292,7 +338,11 @@ class PipelinedLayer(base_layer.BaseLayer):
         batch, as the body's own method makes them (see layer_theta).
       kwargs_no_batch: passed to every stage unsliced (e.g. time_step).
       **kwargs: per-example tensors (leading batch dim), microbatched like
-        args: each stage sees its own microbatch's slice.
+        args: each stage sees its own microbatch's slice. Their batch may
+        differ from the args' if num_microbatches divides it: row r goes to
+        microbatch r mod M, so a source tiled over the args' rows (row t
+        uses source row t mod source_batch) stays tiled in every
+        microbatch (see microbatch.CheckLeadingDims).
 
     Returns:
       The outputs, in the structure of args (a single arg is not wrapped).
@@ -357,17 +407,9 @@ class PipelinedLayer(base_layer.BaseLayer):
     inputs = self._SplitInputs(args, kwargs)
     state_leaves = microbatch.CheckPaddedStates(padded_states,
                                                  inputs.schedule)
-    var_names = tuple(self._layout.NonTrainableNames(self))
-    spec = pipeline_loop.LoopSpec(
-        schedule=inputs.schedule, body=self._body, fn_name=fn_name,
-        run_stages=stage_runners.For(self._layout.stage_parallel,
-                                     self._placement),
-        repeats=self._layout.repeats, placement=self._placement,
-        args=inputs.args, states=padded_states, mb_kwargs=inputs.kwargs,
-        kwargs_no_batch=kwargs_no_batch,
-        base_seed=stage_call.NextStepSeed(),
-        global_step=stage_call.CallersGlobalStep(), var_names=var_names,
-        store_intermediates=p.store_body_intermediates)
+    spec = self._LoopSpec(inputs.schedule, fn_name, inputs.args,
+                          padded_states, inputs.kwargs, kwargs_no_batch)
+    var_names = spec.var_names
     var_values = self._layout.NonTrainableValues(theta, var_names)
     with tf.name_scope(p.name):
       try:
@@ -390,6 +432,21 @@ class PipelinedLayer(base_layer.BaseLayer):
           tf.nest.pack_sequence_as(padded_states, new_states))
     return outputs[0] if len(outputs) == 1 else outputs
 
+  def _LoopSpec(self, sched, fn_name, args, states, mb_kwargs,
+                kwargs_no_batch):
+    """What the loop (or one of its iterations) needs besides tensors."""
+    return pipeline_loop.LoopSpec(
+        schedule=sched, body=self._body, fn_name=fn_name,
+        run_stages=stage_runners.For(self._layout.stage_parallel,
+                                     self._placement),
+        repeats=self._layout.repeats, placement=self._placement,
+        args=args, states=states, mb_kwargs=mb_kwargs,
+        kwargs_no_batch=kwargs_no_batch,
+        base_seed=stage_call.NextStepSeed(),
+        global_step=stage_call.CallersGlobalStep(),
+        var_names=tuple(self._layout.NonTrainableNames(self)),
+        store_intermediates=self.params.store_body_intermediates)
+
   def _LoopTheta(self, theta):
     """The stage-stacked weights the loop carries, placed on the devices."""
     return self._layout.LoopTheta(theta, self._placement)
@@ -409,7 +466,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     batch = microbatch.BatchSize(tensors[0])
     num_mb, split = microbatch.ResolveNumMicrobatches(batch, p.num_microbatches,
                                                       p.microbatch_size)
-    microbatch.CheckLeadingDims(args, kwargs, batch)
+    microbatch.CheckLeadingDims(args, kwargs, batch, num_mb, split)
     if split:
       to_mb = lambda x: microbatch.ToMicrobatches(x, num_mb)
       args, kwargs = nest.MapTensors(to_mb, args), nest.MapTensors(to_mb,

@@ -24,6 +24,13 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
+def _Paths(theta):
+  """The set of dotted paths of theta's leaves ('body.w', ...)."""
+  if not isinstance(theta, NestedMap):
+    raise TypeError(f'theta must be a NestedMap; got {type(theta).__name__}.')
+  return frozenset(path for path, _ in theta.FlattenItems())
+
+
 def For(params, repeats):
   """The layout the params ask for."""
   if params.stage_parallel_body is not None:
@@ -59,11 +66,26 @@ class StackedLayout:
     """The child whose methods compute one stage (or all, stage-parallel)."""
     return layer.body
 
-  def AsLayerTheta(self, theta):
-    """The layer's theta from either it or its `body` child's theta."""
-    if isinstance(theta, NestedMap) and set(theta.keys()) == {'body'}:
+  def AsLayerTheta(self, theta, layer):
+    """The layer's theta from either it or its `body` child's theta.
+
+    Told apart by every weight's path, not by the top-level keys: a body
+    whose only child is itself named `body` has the same top-level keys as
+    the layer. The layer's paths are the body's with 'body.' in front, so
+    the two sets are never equal.
+    """
+    paths = _Paths(theta)
+    if not paths:  # a body without weights
+      return theta if 'body' in theta else NestedMap(body=theta)
+    if paths == _Paths(layer.vars):
       return theta
-    return NestedMap(body=theta)
+    if paths == _Paths(layer.vars.body):
+      return NestedMap(body=theta)
+    raise ValueError(
+        f'PipelinedLayer {layer.params.name!r}: theta must be the layer\'s '
+        'theta or its stage-stacked body weights (theta.body); got one with '
+        f'weights {sorted(paths)[:3]}, expected '
+        f'{sorted(_Paths(layer.vars.body))[:3]}.')
 
   def LayerTheta(self, theta, repeat, stage):
     """Logical layer repeat * S + stage's weights."""
@@ -155,7 +177,8 @@ class PerStageLayout(StackedLayout):
   def Body(self, layer):
     return getattr(layer, self._ChildName(0))
 
-  def AsLayerTheta(self, theta):
+  def AsLayerTheta(self, theta, layer):
+    del layer  # Per-stage children: the layer's theta is the only form.
     return theta
 
   def LayerTheta(self, theta, repeat, stage):

@@ -225,18 +225,48 @@ def LayerStatesToBatch(per_layer):
   return tf.transpose(whole, [1, 0] + list(range(2, rank - 1)))
 
 
-def CheckLeadingDims(args, kwargs, batch):
-  """Every tensor input and per-example kwarg must share the batch dim."""
-  for where, tree in (('args', args), ('kwargs', kwargs)):
-    for x in tf.nest.flatten(tree):
-      dim0 = x.shape.as_list()[0] if (nest.IsTensor(x) and
-                                       x.shape.rank) else None
-      if dim0 is not None:
-        if isinstance(batch, int) and dim0 != batch:
-          raise ValueError(
-              f'All {where} must have the batch size {batch} as leading dim; '
-              f'got a tensor of shape {x.shape}. Pass unbatched values via '
-              'kwargs_no_batch.')
+def CheckLeadingDims(args, kwargs, batch, num_microbatches, split):
+  """The args must share the batch dim; per-example kwargs split evenly.
+
+  A per-example kwarg may have a batch of its own (a source of 4 sequences
+  for 8 beam hypotheses): it is split into the same M microbatches, row r
+  to microbatch r mod M, as Lingvo's layer splits it. Inside microbatch m
+  an input row t (position t div M) and a kwarg row t mod Bk then keep
+  their relation when M divides Bk: the kwarg's rows tile the input's
+  (input row t uses kwarg row t mod Bk, Lingvo's FProp order
+  [multiplier, source_batch]). Already-microbatched inputs ([M, ...]) need
+  every kwarg to be [M, ...] too.
+  """
+  for x in tf.nest.flatten(args):
+    dim0 = _StaticDim0(x)
+    if dim0 is not None and isinstance(batch, int) and dim0 != batch:
+      raise ValueError(
+          f'All args must have the batch size {batch} as leading dim; got a '
+          f'tensor of shape {x.shape}. Pass unbatched values via '
+          'kwargs_no_batch.')
+  for name, value in kwargs.items():
+    for x in tf.nest.flatten(value):
+      dim0 = _StaticDim0(x)
+      if dim0 is None:
+        continue
+      if split and dim0 % num_microbatches:
+        raise ValueError(
+            f'Per-example kwarg {name!r} has shape {x.shape}: its leading '
+            f'(batch) dim {dim0} must be divisible by num_microbatches='
+            f'{num_microbatches} to split it like the inputs. Pass a batch '
+            f'that is a multiple of {num_microbatches}, or unbatched values '
+            'via kwargs_no_batch.')
+      if not split and dim0 != num_microbatches:
+        raise ValueError(
+            f'Per-example kwarg {name!r} has shape {x.shape}; the inputs are '
+            f'already microbatched, [{num_microbatches}, ...], so it must be '
+            f'[{num_microbatches}, ...] too.')
+
+
+def _StaticDim0(x):
+  if nest.IsTensor(x) and x.shape.rank:
+    return x.shape.as_list()[0]
+  return None
 
 
 def CheckPaddedStates(padded_states, sched):

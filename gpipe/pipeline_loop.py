@@ -156,18 +156,8 @@ def _Iteration(spec: LoopSpec, theta, state, inp):
   args = spec.args.Rebuild(stage_in)
   num_args = len(args)
   args += tuple(tf.nest.pack_sequence_as(spec.states, inp.states))
-  # Each device computes its own entries from the replicated iteration.
-  mb_ids = per_stage(tf.clip_by_value(
-      sched.MicrobatchId(it, stage_ids), 0, sched.num_microbatches - 1))
-  repeat_ids = per_stage(sched.RepeatId(it, stage_ids))
-  seeds = per_stage(spec.base_seed + tf.cast(
-      sched.StepSeedOffset(sched.LayerId(it, stage_ids), mb_ids),
-      spec.base_seed.dtype))
-  res = spec.run_stages(
-      spec, theta,
-      stage_runners.IterationStages(args=args, mb_ids=mb_ids,
-                                    repeat_ids=repeat_ids, seeds=seeds,
-                                    var_values=list(state.vars)))
+  res = spec.run_stages(spec, theta,
+                        StagesAt(spec, it, args, list(state.vars)))
   valid = per_stage(sched.IsValid(it, stage_ids))
   outs, state_outs = res.outputs[:num_args], res.outputs[num_args:]
   new_buffer = [
@@ -193,6 +183,28 @@ def _Iteration(spec: LoopSpec, theta, state, inp):
       states=[per_stage(SelectStages(valid, new, old))
               for new, old in zip(tf.nest.flatten(state_outs), inp.states)])
   return new_state, extras
+
+
+def StagesAt(spec: LoopSpec, iteration, args, var_values):
+  """Iteration `iteration`'s work for the stage runners.
+
+  Each stage's microbatch (clamped into range on bubbles), repeat and step
+  seed, from the schedule; each device computes its own entries from the
+  replicated iteration.
+  """
+  sched = spec.schedule
+  per_stage = spec.placement.SplitStages
+  stage_ids = tf.range(sched.num_stages, dtype=tf.int32)
+  mb_ids = per_stage(tf.clip_by_value(
+      sched.MicrobatchId(iteration, stage_ids), 0,
+      sched.num_microbatches - 1))
+  seeds = per_stage(spec.base_seed + tf.cast(
+      sched.StepSeedOffset(sched.LayerId(iteration, stage_ids), mb_ids),
+      spec.base_seed.dtype))
+  return stage_runners.IterationStages(
+      args=tuple(args), mb_ids=mb_ids,
+      repeat_ids=per_stage(sched.RepeatId(iteration, stage_ids)),
+      seeds=seeds, var_values=list(var_values))
 
 
 def StageInputs(sched, iteration, rotated, stage0_input):

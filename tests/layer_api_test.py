@@ -135,10 +135,27 @@ def test_batch_not_divisible_by_microbatch_size():
     _FProp(_Params(num_microbatches=None, microbatch_size=4), batch=6)
 
 
-def test_kwarg_with_other_batch_size():
-  with pytest.raises(ValueError, match=r'batch size 4 as leading dim.*'
-                     r'kwargs_no_batch'):
+def test_kwarg_batch_not_divisible_by_num_microbatches():
+  with pytest.raises(ValueError, match=r"kwarg 'scale' has shape \(3, 1\): "
+                     r'its leading \(batch\) dim 3 must be divisible by '
+                     r'num_microbatches=2.*kwargs_no_batch'):
     _FProp(_Params(), batch=4, scale=tf.ones([3, 1]))
+
+
+def test_args_with_other_batch_sizes():
+  with tf.Graph().as_default():
+    layer = _Params(
+        single_stage_body=bodies.MultiInputBody.Params()).Instantiate()
+    with pytest.raises(ValueError, match=r'All args must have the batch size '
+                       r'4 as leading dim; got a tensor of shape \(2, 4\)'):
+      layer.FProp(layer.theta, tf.zeros([4, 4]), None,
+                  NestedMap(a=tf.zeros([2, 4]), b=tf.zeros([4])))
+
+
+def test_premicrobatched_kwargs_must_be_microbatched_too():
+  with pytest.raises(ValueError, match=r"kwarg 'scale' has shape \(4, 1\); "
+                     r'the inputs are already microbatched, \[2, \.\.\.\]'):
+    _FProp(_Params(num_microbatches=None), batch=2, scale=tf.ones([4, 1]))
 
 
 @pytest.mark.parametrize('args, kwargs, pattern', [
@@ -527,6 +544,155 @@ def test_aux_loss_equals_sequential_per_microbatch(accumulation,
     total /= m_count
   np.testing.assert_allclose(aux_v, total, rtol=1e-5)
   assert all(np.abs(g).max() > 0 for g in grads_v)
+
+
+# -- Lingvo's layer API: BodyFProp, per-example kwargs of their own batch. ----
+
+
+class _SourceBody(bodies.DenseBody):
+  """tanh(x @ w + b) + source, the source's rows tiled over x's rows.
+
+  Lingvo's FProp order for several hypotheses per source ([multiplier,
+  source_batch]): row t of x uses source row t mod source_batch.
+  """
+
+  def FProp(self, theta, x, source):
+    y = super().FProp(theta, x)
+    reps = py_utils.GetShape(x)[0] // py_utils.GetShape(source)[0]
+    return y + tf.tile(source, [reps, 1])
+
+
+@pytest.mark.parametrize('s,m,r,mode', [(2, 2, 1, 'graph'), (3, 4, 2, 'graph'),
+                                        (2, 4, 2, 'jit'), (4, 2, 1, 'jit')])
+def test_kwargs_with_a_batch_of_their_own(s, m, r, mode):
+  """A source of 4 rows for 8 query rows: each microbatch keeps the tiling.
+
+  Forward against NumPy on the whole batch; gradients (weights, query and
+  source) against a plain loop over the layers' weights on the whole batch.
+  """
+  rng = np.random.RandomState(3)
+  x_np = rng.uniform(-1, 1, [8, 4]).astype(np.float32)
+  src_np = rng.uniform(-1, 1, [4, 4]).astype(np.float32)
+  p = _Params(num_stages=s, num_microbatches=m, circular_repeat=r,
+              single_stage_body=_SourceBody.Params())
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    x, src = tf.constant(x_np), tf.constant(src_np)
+    wrt = layer.vars.Flatten() + [x, src]
+
+    def Step():
+      y = layer.FProp(layer.theta, x, source=src)
+      return y, tf.gradients(tf.reduce_sum(y * tf.sin(y)), wrt)
+
+    y, grads = (tf.function(Step, jit_compile=True, autograph=False)()
+                if mode == 'jit' else Step())
+    h = x
+    for rep in range(r):
+      for stage in range(s):
+        h = layer.body.FProp(layer.layer_theta(layer.theta, rep, stage), h,
+                             src)
+    ref_grads = tf.gradients(tf.reduce_sum(h * tf.sin(h)), wrt)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      y_v, g_v, ref_g, vars_v = sess.run([y, grads, ref_grads, layer.vars])
+  expected = x_np
+  for w in harness.PerLayerWeights(
+      harness.Case(num_stages=s, circular_repeat=r),
+      {k: dict(v) for k, v in vars_v.items()}):
+    expected = (bodies.DenseFn(bodies.NP, w['w'], w['b'], expected) +
+                np.tile(src_np, [2, 1]))
+  np.testing.assert_allclose(y_v, expected, rtol=1e-5, atol=1e-5)
+  for got, want in zip(g_v, ref_g):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  assert np.abs(g_v[-1]).max() > 0  # the source's gradient flows
+
+
+class _AuxScaleBody(bodies.DenseBody):
+  """DenseBody adding sum(y) as an aux loss."""
+
+  def FProp(self, theta, x, scale=None, shift=None):
+    y = super().FProp(theta, x, scale, shift)
+    py_utils.AuxLossContext.Current().AddLoss(tf.reduce_sum(y))
+    return y
+
+
+@pytest.mark.parametrize('s,m,r', [(2, 3, 1), (3, 2, 2), (2, 4, 3)])
+def test_body_fprop_runs_one_iteration_of_every_stage(s, m, r):
+  """Stage j gets args[j], the weights of its repeat at the iteration and
+  its microbatch's slice of the kwargs, per gpipe.schedule; its aux loss
+  lands in a [num_stages] loss (bubbles included, as in Lingvo's layer)."""
+  rng = np.random.RandomState(5)
+  args_np = rng.uniform(-1, 1, [s, 2, 4]).astype(np.float32)
+  scale_np = rng.uniform(0.5, 1.5, [m, 2, 1]).astype(np.float32)
+  p = _Params(num_stages=s, num_microbatches=m, circular_repeat=r,
+              single_stage_body=_AuxScaleBody.Params())
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    schedule = layer.Schedule(m)
+    iteration = tf.compat.v1.placeholder(tf.int32, [])
+    with py_utils.AuxLossContext() as ctx:
+      out, _ = layer.BodyFProp(layer.theta.body, 'FProp', iteration, m,
+                               tf.constant(args_np),
+                               scale=tf.constant(scale_np))
+    aux, = ctx.aux_losses
+    assert aux.shape.as_list() == [s]
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      vars_v = sess.run(layer.vars)
+      runs = [sess.run([out, aux], {iteration: i})
+              for i in range(schedule.num_iterations)]
+  weights = harness.PerLayerWeights(
+      harness.Case(num_stages=s, circular_repeat=r),
+      {k: dict(v) for k, v in vars_v.items()})
+  for i, (out_v, aux_v) in enumerate(runs):
+    for j in range(s):
+      mb = min(max(schedule.MicrobatchId(i, j), 0), m - 1)
+      w = weights[schedule.LayerId(i, j)]
+      want = bodies.DenseFn(bodies.NP, w['w'], w['b'], args_np[j],
+                            scale=scale_np[mb])
+      np.testing.assert_allclose(out_v[j], want, rtol=1e-5, atol=1e-6)
+      np.testing.assert_allclose(aux_v[j], want.sum(), rtol=1e-5, atol=1e-5)
+
+
+class _Wrapper(base_layer.BaseLayer):
+  """A body whose only child is named `body` (as the pipeline's is)."""
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateChild('body', bodies.DenseBody.Params())
+
+  def FProp(self, theta, x):
+    return self.body.FProp(theta.body, x)
+
+  def InitStates(self, theta, batch_size):
+    return tf.fill([batch_size], tf.reduce_sum(theta.body.w))
+
+
+def test_body_fprop_no_microbatching_takes_either_theta():
+  with tf.Graph().as_default():
+    layer = _Params(num_stages=3,
+                    single_stage_body=_Wrapper.Params()).Instantiate()
+    per_stage = [layer.BodyFPropNoMicrobatching(theta, 'InitStates', 2)[0]
+                 for theta in (layer.theta, layer.theta.body)]
+    with pytest.raises(ValueError, match=r"theta must be the layer's theta "
+                       r'or its stage-stacked body weights'):
+      layer.BodyFPropNoMicrobatching(layer.theta.body.body, 'InitStates', 2)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      (a, b), w = sess.run([per_stage, layer.vars.body.body.w])
+  want = np.repeat(w.sum(axis=(1, 2))[:, None], 2, axis=1)
+  np.testing.assert_allclose(a, want, rtol=1e-6)
+  np.testing.assert_allclose(b, want, rtol=1e-6)
+
+
+def test_pad_microbatches_returns_non_tensors_unchanged():
+  with tf.Graph().as_default():
+    layer = _Params().Instantiate()
+    assert layer.PadMicrobatches(None) is None
+    assert layer.PadMicrobatches(3) == 3
+    padded = layer.PadMicrobatches([None, tf.zeros([2, 2, 5])])
+    assert padded[0] is None
+    assert padded[1].shape.as_list() == [3, 2, 5]
 
 
 # -- TF1 behaviour, as Lingvo's trainer runs. --------------------------------
