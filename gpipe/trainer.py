@@ -106,6 +106,64 @@ def Train(cfg, steps, logdir=None, progress=None, on_start=None,
   return history
 
 
+@dataclasses.dataclass
+class DecodeResult:
+  """Greedy copies of held-out prompts, decoded through the pipeline."""
+  num_sequences: int
+  token_accuracy: float  # decoded tokens equal to the targets
+  exact_copies: float  # sequences copied without an error
+  agreement: float  # decoded tokens equal to full-sequence greedy decoding
+  largest_margin_where_different: float  # top-2 logit gap; ~0 is a tie
+  seconds: float
+
+  def Agrees(self, tie=1e-4):
+    """Incremental and full-sequence greedy decoding pick the same tokens
+    (or differ only where two logits tie)."""
+    return self.largest_margin_where_different <= tie
+
+  def Describe(self):
+    return (f'decoded {self.num_sequences} held-out copies through the '
+            f'pipeline: token accuracy {self.token_accuracy:.3f}, exact '
+            f'copies {self.exact_copies:.3f}; equal to full-sequence greedy '
+            f'decoding: {self.agreement:.3f} of tokens [{self.seconds:.1f} s]')
+
+
+def DecodeHeldOut(cfg, logdir):
+  """Decodes the held-out batch (cfg.input) with the checkpoint in logdir.
+
+  Incremental decoding (the task's Decode: one ExtendStep per position
+  through the pipelined stack, per-stage caches) and, as its check, greedy
+  decoding by full-sequence FProps of the same weights.
+  """
+  stage_call.EnsureFlagsParsed()
+  latest = tf.train.latest_checkpoint(logdir)
+  if not latest:
+    raise ValueError(f'No checkpoint in {logdir} to decode with.')
+  graph = tf.Graph()
+  with graph.as_default():
+    model = cfg.Instantiate()
+    task = model.GetTask()
+    batch = task.input_generator.GetPreprocessedInputBatch()
+    out = task.Decode(batch)
+    full, margin = task.FullSequenceGreedyCheck(task.theta, out.prompts,
+                                                out.decoded)
+    saver = tf.compat.v1.train.Saver()  # weights and global step
+    with tf.compat.v1.Session(graph=graph) as sess:
+      saver.restore(sess, latest)
+      began = time.time()
+      decoded, targets, full, margin = sess.run(
+          [out.decoded, out.targets, full, margin])
+  correct = decoded == targets
+  differ = decoded != full
+  return DecodeResult(
+      num_sequences=len(decoded), token_accuracy=float(correct.mean()),
+      exact_copies=float(correct.all(axis=1).mean()),
+      agreement=float(1 - differ.mean()),
+      largest_margin_where_different=float(
+          margin[differ].max()) if differ.any() else 0.0,
+      seconds=time.time() - began)
+
+
 def InitialValues(sess, task):
   """{variable name: value} of a task's variables in a session."""
   variables = task.vars.Flatten()

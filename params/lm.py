@@ -137,6 +137,35 @@ class StageBlocks(base_layer.BaseLayer):
       x, _ = block.FProp(block_theta, x, time_major_paddings)
     return tf.transpose(x, [1, 0, 2]), paddings
 
+  def InitStates(self, theta, batch_size, max_len):
+    """Empty key/value caches of every block, batch-major [b, max_len, d].
+
+    Batch-major so that the pipeline can split the batch of each stage's
+    state into microbatches (PipelinedLayer.MicrobatchStates).
+    """
+    del theta
+    dim = self.params.block_tpl.source_dim
+    zeros = tf.zeros([batch_size, max_len, dim], py_utils.FPropDtype(
+        self.params))
+    return py_utils.NestedMap(blocks=[
+        py_utils.NestedMap(key=zeros, value=zeros) for _ in self.blocks])
+
+  def ExtendStep(self, theta, x, states, time_step):
+    """One position through every block: x [b, d] -> (y [b, d], states).
+
+    Position `time_step` of each block's cache is written; the block attends
+    to positions 0..time_step, as its causal FProp does.
+    """
+    new_states = []
+    for block, block_theta, cache in zip(self.blocks, theta.blocks,
+                                         states.blocks):
+      time_major = cache.Transform(lambda c: tf.transpose(c, [1, 0, 2]))
+      x, _, updated = block.ExtendStep(block_theta, x, time_major,
+                                       t=time_step)
+      new_states.append(
+          updated.Transform(lambda c: tf.transpose(c, [1, 0, 2])))
+    return x, py_utils.NestedMap(blocks=new_states)
+
 
 def CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob):
   """A pre-LN causal self-attention + feed-forward block.
@@ -146,8 +175,9 @@ def CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob):
   had it never stopped.
   """
   p = layers_with_attention.TransformerLayer.Params().Set(
-      source_dim=model_dim, output_dim=model_dim, is_decoder=False)
-  p.tr_atten_tpl.Set(num_attention_heads=num_heads, is_masked=True,
+      source_dim=model_dim, output_dim=model_dim, is_decoder=False,
+      mask_self_atten=True)  # (the layer overrides tr_atten_tpl.is_masked)
+  p.tr_atten_tpl.Set(num_attention_heads=num_heads,
                      residual_dropout_prob=dropout_prob,
                      atten_dropout_prob=dropout_prob,
                      residual_dropout_tpl=_DeterministicDropout())
@@ -242,6 +272,86 @@ class PipelinedLMTask(base_model.BaseTask):
     logits = tf.reshape(logits, [batch, seq_len, -1])
     return py_utils.NestedMap(logits=logits)
 
+  # -- Incremental decoding through the pipeline. ----------------------------
+
+  def InitDecodeStates(self, theta, batch_size):
+    """Every stage's empty caches, laid out for the pipeline's loop."""
+    stack = self.stack
+    per_stage, _ = stack.BodyFPropNoMicrobatching(
+        theta.stack, 'InitStates', batch_size, self.params.max_seq_len)
+    return stack.PadMicrobatches(stack.MicrobatchStates(per_stage))
+
+  def ExtendStep(self, theta, ids, time_step, states):
+    """Token ids [b] at position time_step -> (logits [b, vocab], states).
+
+    The stack runs pipelined, every stage extending its own caches of the
+    microbatches it works on.
+    """
+    x = self.emb.EmbLookup(theta.emb, ids)
+    x += self.pos_emb.EmbLookup(theta.pos_emb, time_step[None])
+    y, states = self.stack.FPropFn(theta.stack, 'ExtendStep', x,
+                                   padded_per_stage_states=[states],
+                                   kwargs_no_batch={'time_step': time_step})
+    y = self.final_ln.FProp(theta.final_ln, y)
+    return self.softmax.Logits(theta.softmax, y), states
+
+  def Decode(self, input_batch):
+    """Greedy copies of the batch's prompts, decoded through the pipeline.
+
+    The prompt is the sequence to copy and SEP (the first L + 1 ids); the
+    targets are the L tokens after it.
+
+    Returns:
+      NestedMap(prompts [b, L + 1], decoded [b, L], targets [b, L]).
+    """
+    copy_length = py_utils.GetShape(input_batch.ids)[1] // 2
+    prompts = input_batch.ids[:, :copy_length + 1]
+    return py_utils.NestedMap(
+        prompts=prompts,
+        decoded=self.GreedyDecode(self.theta, prompts, copy_length),
+        targets=input_batch.labels[:, copy_length:])
+
+  def GreedyDecode(self, theta, prompt, num_tokens):
+    """prompt [b, P] -> the num_tokens greedy continuations [b, num_tokens].
+
+    One ExtendStep per position: the prompt's tokens are fed one by one
+    (their predictions ignored), then each argmax is fed back.
+    """
+    batch, prompt_len = py_utils.GetShape(prompt)
+    total = prompt_len + num_tokens
+    ids = tf.pad(prompt, [[0, 0], [0, num_tokens]])
+
+    def Step(t, ids, states):
+      logits, states = self.ExtendStep(theta, ids[:, t], t, states)
+      return t + 1, _WriteColumn(ids, t + 1, _Argmax(logits), prompt_len), states
+
+    _, ids, _ = tf.while_loop(
+        lambda t, *_: t < total - 1, Step,
+        (tf.constant(0), ids, self.InitDecodeStates(theta, batch)))
+    return ids[:, prompt_len:]
+
+  def FullSequenceGreedyCheck(self, theta, prompts, decoded):
+    """What full-sequence greedy decoding picks after each decoded prefix.
+
+    One causal FProp over prompts + decoded (no caches, no per-stage
+    states): position P - 1 + k sees exactly the prefix greedy decoding had
+    when it picked token k. The decoded tokens are the model's full-sequence
+    greedy decoding iff they equal this argmax at every k (by induction,
+    every prefix is then the same).
+
+    Returns:
+      (argmax [b, L], margin [b, L]: the top logit minus the runner-up, to
+      tell a disagreement from a tie).
+    """
+    prompt_len = py_utils.GetShape(prompts)[1]
+    num_tokens = py_utils.GetShape(decoded)[1]
+    ids = tf.concat([prompts, decoded[:, :-1]], axis=1)
+    logits = self.ComputePredictions(theta, py_utils.NestedMap(
+        ids=ids, paddings=tf.zeros(py_utils.GetShape(ids)))).logits
+    picks = logits[:, prompt_len - 1:prompt_len - 1 + num_tokens]
+    top2, _ = tf.math.top_k(picks, k=2)
+    return _Argmax(picks), top2[..., 0] - top2[..., 1]
+
   def ComputeLoss(self, theta, predictions, input_batch):
     weights = input_batch.weights * (1.0 - input_batch.paddings)
     xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
@@ -253,6 +363,21 @@ class PipelinedLMTask(base_model.BaseTask):
                  input_batch.labels), tf.float32)
     accuracy = tf.reduce_sum(correct * weights) / num_scored
     return {'loss': (loss, num_scored), 'accuracy': (accuracy, num_scored)}, {}
+
+
+def _Argmax(logits):
+  return tf.argmax(logits, -1, output_type=tf.int32)
+
+
+def _WriteColumn(ids, column, values, first_writable):
+  """ids [b, n] with column `column` set to values [b], if >= first_writable.
+
+  Columns before first_writable (the prompt) are never written.
+  """
+  width = py_utils.GetShape(ids)[1]
+  write = tf.logical_and(
+      tf.equal(tf.range(width), column), column >= first_writable)[None]
+  return tf.compat.v2.where(write, values[:, None], ids)
 
 
 def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
