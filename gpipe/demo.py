@@ -11,6 +11,8 @@
 3. Trains to global step --steps with a progress bar (loss, accuracy, step
    time) and saves a checkpoint in --logdir (a new temporary directory by
    default); rerunning with the same --logdir and more --steps resumes.
+   TensorBoard events go to --logdir too: loss, accuracy, step time, the
+   pipeline's per-stage summaries and the schedule as an image.
 4. Greedily decodes held-out copy prompts through the pipeline, one
    position per step with per-stage caches (unroll='never'); prints the
    copy accuracy and checks the tokens equal full-sequence greedy decoding.
@@ -30,9 +32,7 @@ import tempfile
 import time
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
-from gpipe import microbatch
 from gpipe import quiet
-from gpipe import schedule as schedule_lib
 from gpipe import schedule_plot
 from gpipe import stage_call
 from gpipe import trainer
@@ -100,15 +100,6 @@ def ModelParams(name, dataset='Train'):
   return cfg
 
 
-def StackSchedule(cfg):
-  """The schedule of the task's pipelined stack for one training batch."""
-  sp = cfg.task.stack
-  num_microbatches, _ = microbatch.ResolveNumMicrobatches(
-      cfg.input.batch_size, sp.num_microbatches, sp.microbatch_size)
-  return schedule_lib.Schedule(sp.num_stages, num_microbatches,
-                               sp.circular_repeat)
-
-
 def main(argv=None):
   parser, args = _Args(argv)
   try:
@@ -117,7 +108,7 @@ def main(argv=None):
     parser.error(str(e))
   logdir = args.logdir or tempfile.mkdtemp(prefix='gpipe_demo_')
   out = args.out or f'{logdir}/schedule.png'
-  sched = StackSchedule(cfg)
+  sched = trainer.StackSchedule(cfg)
   sp = cfg.task.stack
   print(f'{args.model}: {sp.num_stages} stages x {sp.circular_repeat} '
         f'repeat(s) of {sp.single_stage_body.num_blocks} Transformer '
@@ -174,6 +165,8 @@ def main(argv=None):
   print(sched.Render())
   schedule_plot.Draw(sched, out)
   print(f'wrote {out}')
+  print(f'loss, accuracy, step time, per-stage summaries and the schedule: '
+        f'tensorboard --logdir {logdir}')
   return 0
 
 

@@ -11,6 +11,8 @@ in, the same arithmetic the layer runs (this module does not import it:
 gpipe.schedule's command imports this one).
 """
 
+import io
+
 
 def CellLabels(schedule):
   """[S][T] labels: 'm' (linear) or 'm/r' (circular), None on bubbles."""
@@ -30,8 +32,32 @@ def CellLabels(schedule):
   return labels
 
 
+def PngBytes(schedule):
+  """The schedule diagram as PNG bytes (e.g. for an image summary)."""
+  buffer = io.BytesIO()
+  Draw(schedule, buffer)
+  return buffer.getvalue()
+
+
+def ImageSummary(schedule, tag='pipeline_schedule'):
+  """The diagram as a TensorBoard image summary (a tf.compat.v1.Summary)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  png = PngBytes(schedule)
+  height, width = _PngSize(png)
+  image = tf.compat.v1.Summary.Image(height=height, width=width, colorspace=4,
+                                     encoded_image_string=png)
+  return tf.compat.v1.Summary(
+      value=[tf.compat.v1.Summary.Value(tag=tag, image=image)])
+
+
+def _PngSize(png):
+  """(height, width) from a PNG's header chunk."""
+  return (int.from_bytes(png[20:24], 'big'), int.from_bytes(png[16:20], 'big'))
+
+
 def Draw(schedule, path):
-  """Writes the schedule diagram to `path` (PNG); returns CellLabels."""
+  """Writes the schedule diagram to `path` (PNG; or a binary file object);
+  returns CellLabels."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   from matplotlib import pyplot  # pylint: disable=g-import-not-at-top

@@ -21,6 +21,9 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from gpipe import microbatch
+from gpipe import schedule as schedule_lib
+from gpipe import schedule_plot
 from gpipe import stage_call
 
 _CHECKPOINT_NAME = 'ckpt'
@@ -36,6 +39,7 @@ class TrainGraph:
   train_op: tf.Operation
   global_step: tf.Variable
   saver: tf.compat.v1.train.Saver
+  metrics: dict  # {name: value} of every scalar the task reports
 
 
 def BuildTrainGraph(cfg, graph_seed=1):
@@ -53,7 +57,8 @@ def BuildTrainGraph(cfg, graph_seed=1):
     saver = tf.compat.v1.train.Saver(max_to_keep=3)
     return TrainGraph(graph=graph, task=task, loss=task.loss,
                       accuracy=accuracy, train_op=task.train_op,
-                      global_step=model.global_step, saver=saver)
+                      global_step=model.global_step, saver=saver,
+                      metrics={k: v for k, (v, _) in metrics.items()})
 
 
 @dataclasses.dataclass
@@ -65,18 +70,23 @@ class StepResult:
 
 
 def Train(cfg, steps, logdir=None, progress=None, on_start=None,
-          save_every=None):
+          save_every=None, summary_every=10):
   """Trains until global step `steps`; returns the StepResults of this run.
 
   Args:
     cfg: SingleTaskModel params (e.g. from model_registry.GetParams).
     steps: the global step to stop at.
-    logdir: checkpoint directory; the latest checkpoint there is restored
-      first, and one is written at the end (and every `save_every` steps).
+    logdir: checkpoint and TensorBoard directory; the latest checkpoint
+      there is restored first, and one is written at the end (and every
+      `save_every` steps).
     progress: a Progress to report to, or None for none.
     on_start: called as on_start(session, train_graph) after initialization
       or restore, before the first step.
     save_every: steps between checkpoints (default: only at the end).
+    summary_every: steps between TensorBoard scalars in logdir (every
+      metric the task reports, e.g. the pipeline's `<name>/stage_<i>`, and
+      `step_time_seconds`); the run also writes its pipeline schedule as
+      an image (see ScheduleImage).
 
   Returns:
     A list of StepResult, one per step taken.
@@ -85,25 +95,62 @@ def Train(cfg, steps, logdir=None, progress=None, on_start=None,
   history = []
   with tg.graph.as_default(), tf.compat.v1.Session(graph=tg.graph) as sess:
     start_step = _InitOrRestore(sess, tg, logdir)
+    events = _Events(logdir) if logdir else None
+    if events:
+      events.writer.add_summary(ScheduleImage(cfg), start_step)
     if on_start:
       on_start(sess, tg)
     if progress:
       progress.Start(start_step, steps)
     for step in range(start_step, steps):
       began = time.time()
-      loss, accuracy, _ = sess.run([tg.loss, tg.accuracy, tg.train_op])
+      loss, accuracy, metrics, _ = sess.run(
+          [tg.loss, tg.accuracy, tg.metrics, tg.train_op])
       result = StepResult(step, float(loss), float(accuracy),
                           time.time() - began)
       history.append(result)
       if progress:
         progress.Update(result)
+      if events and (step == start_step or (step + 1) % summary_every == 0 or
+                     step + 1 == steps):
+        events.Write(step, metrics, result.seconds)
       if logdir and save_every and (step + 1) % save_every == 0:
         _Save(sess, tg, logdir)
     if progress:
       progress.Finish()
+    if events:
+      events.writer.close()
     if logdir and history:
       _Save(sess, tg, logdir)
   return history
+
+
+class _Events:
+  """Writes a training run's TensorBoard scalars into its logdir."""
+
+  def __init__(self, logdir):
+    self.writer = tf.compat.v1.summary.FileWriter(logdir)
+
+  def Write(self, step, metrics, step_seconds):
+    values = dict(metrics, step_time_seconds=step_seconds)
+    self.writer.add_summary(tf.compat.v1.Summary(value=[
+        tf.compat.v1.Summary.Value(tag=k, simple_value=float(v))
+        for k, v in sorted(values.items())]), step)
+    self.writer.flush()
+
+
+def StackSchedule(cfg):
+  """The schedule of the task's pipelined stack for one training batch."""
+  sp = cfg.task.stack
+  num_microbatches, _ = microbatch.ResolveNumMicrobatches(
+      cfg.input.batch_size, sp.num_microbatches, sp.microbatch_size)
+  return schedule_lib.Schedule(sp.num_stages, num_microbatches,
+                               sp.circular_repeat)
+
+
+def ScheduleImage(cfg):
+  """The stack's schedule diagram as a TensorBoard image summary."""
+  return schedule_plot.ImageSummary(StackSchedule(cfg))
 
 
 @dataclasses.dataclass
@@ -129,7 +176,8 @@ class DecodeResult:
 
 
 def DecodeHeldOut(cfg, logdir):
-  """Decodes the held-out batch (cfg.input) with the checkpoint in logdir.
+  """Decodes the held-out set (cfg.input: every one of its held_out_batches)
+  with the checkpoint in logdir.
 
   Incremental decoding (the task's Decode: one ExtendStep per position
   through the pipelined stack, per-stage caches) and, as its check, greedy
@@ -150,9 +198,11 @@ def DecodeHeldOut(cfg, logdir):
     saver = tf.compat.v1.train.Saver()  # weights and global step
     with tf.compat.v1.Session(graph=graph) as sess:
       saver.restore(sess, latest)
+      sess.run(tf.compat.v1.local_variables_initializer())  # held-out reader
       began = time.time()
-      decoded, targets, full, margin = sess.run(
-          [out.decoded, out.targets, full, margin])
+      runs = [sess.run([out.decoded, out.targets, full, margin])
+              for _ in range(max(1, cfg.input.held_out_batches))]
+  decoded, targets, full, margin = (np.concatenate(x) for x in zip(*runs))
   correct = decoded == targets
   differ = decoded != full
   return DecodeResult(

@@ -32,6 +32,7 @@ from lingvo.core import base_model
 from lingvo.core import base_model_params
 from lingvo.core import layers
 from lingvo.core import layers_with_attention
+from lingvo.core import metrics as metrics_lib
 from lingvo.core import optimizer
 from lingvo.core import py_utils
 from lingvo.core import schedule
@@ -55,6 +56,10 @@ class CopyTaskInput(base_input_generator.BaseInputGenerator):
     p.Define('vocab_size', 16, 'Vocabulary, including PAD and SEP.')
     p.Define('copy_length', 8, 'L: tokens to copy; sequences are 2L long.')
     p.Define('data_seed', 1234, 'Seed of the stateless random tokens.')
+    p.Define('held_out_batches', 0,
+             '0: training data, batch b of global step s (see the class '
+             'doc). N > 0: a fixed held-out set of N batches (Dev, Test), '
+             'read in turn from the first each time a session starts.')
     p.batch_size = 32
     return p
 
@@ -74,13 +79,28 @@ class CopyTaskInput(base_input_generator.BaseInputGenerator):
     if p.batch_size < 1:
       raise ValueError(f'CopyTaskInput: batch_size={p.batch_size} must be '
                        'at least 1.')
+    if p.held_out_batches < 0:
+      raise ValueError(f'CopyTaskInput: held_out_batches='
+                       f'{p.held_out_batches} must be 0 (training data) or '
+                       'the number of held-out batches.')
 
   def _InputBatch(self):
     p = self.params
-    step = _GlobalStepOrZero()
-    seed = tf.stack([tf.constant(p.data_seed, tf.int64), tf.cast(step,
-                                                                  tf.int64)])
+    if p.held_out_batches:
+      index = self._NextHeldOutIndex()
+    else:
+      index = tf.cast(_GlobalStepOrZero(), tf.int64)
+    seed = tf.stack([tf.constant(p.data_seed, tf.int64), index])
     return MakeCopyBatch(seed, p.batch_size, p.copy_length, p.vocab_size)
+
+  def _NextHeldOutIndex(self):
+    """0, 1, ..., N - 1, 0, ... per session run; a local variable, so every
+    session (each evaluated checkpoint) starts again from batch 0."""
+    counter = tf.Variable(
+        tf.constant(0, tf.int64), trainable=False, name='held_out_batch',
+        collections=[tf.GraphKeys.LOCAL_VARIABLES])
+    taken = tf.assign_add(counter, 1, use_locking=True) - 1
+    return tf.math.floormod(taken, self.params.held_out_batches)
 
 
 def MakeCopyBatch(seed, batch_size, copy_length, vocab_size):
@@ -135,6 +155,9 @@ class StageBlocks(base_layer.BaseLayer):
     time_major_paddings = tf.transpose(paddings)
     for block, block_theta in zip(self.blocks, theta.blocks):
       x, _ = block.FProp(block_theta, x, time_major_paddings)
+    # The pipeline reports it per stage: activation_rms/stage_<i>.
+    py_utils.AddTpuSummaryTensor('activation_rms',
+                                 tf.sqrt(tf.reduce_mean(tf.square(x))))
     return tf.transpose(x, [1, 0, 2]), paddings
 
   def InitStates(self, theta, batch_size, max_len):
@@ -362,7 +385,34 @@ class PipelinedLMTask(base_model.BaseTask):
         tf.equal(tf.argmax(predictions.logits, -1, output_type=tf.int32),
                  input_batch.labels), tf.float32)
     accuracy = tf.reduce_sum(correct * weights) / num_scored
-    return {'loss': (loss, num_scored), 'accuracy': (accuracy, num_scored)}, {}
+    metrics = {'loss': (loss, num_scored), 'accuracy': (accuracy, num_scored)}
+    # The pipelined stack's per-stage summaries (<name>/stage_<i>).
+    metrics.update(py_utils.GetTpuSummaryTensors())
+    return metrics, {}
+
+  # -- Lingvo's decoder job (--job=decoder_dev). -------------------------------
+
+  def CreateDecoderMetrics(self):
+    return {
+        'num_samples_in_batch': metrics_lib.AverageMetric(),
+        'token_accuracy': metrics_lib.AverageMetric(),
+        'exact_copy_accuracy': metrics_lib.AverageMetric(),
+    }
+
+  def PostProcessDecodeOut(self, decode_out_dict, decode_metrics_dict):
+    """Scores the greedy copies; returns (key, 'prompt -> decoded') lines."""
+    decoded = decode_out_dict['decoded']
+    targets = decode_out_dict['targets']
+    correct = decoded == targets
+    batch = len(decoded)
+    decode_metrics_dict['num_samples_in_batch'].Update(batch)
+    decode_metrics_dict['token_accuracy'].Update(correct.mean(), correct.size)
+    decode_metrics_dict['exact_copy_accuracy'].Update(
+        correct.all(axis=1).mean(), batch)
+    return [(f'{i}', f'{" ".join(map(str, prompt))} -> '
+                     f'{" ".join(map(str, tokens))}')
+            for i, (prompt, tokens) in enumerate(
+                zip(decode_out_dict['prompts'], decoded))]
 
 
 def _Argmax(logits):
@@ -383,7 +433,7 @@ def _WriteColumn(ids, column, values, first_writable):
 def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
                  hidden_dim, blocks_per_stage, num_stages, circular_repeat,
                  num_microbatches, dropout_prob, shard_stages_1d,
-                 learning_rate, max_seq_len=64):
+                 learning_rate, max_steps, max_seq_len=64):
   """Task params of the pipelined copy LM (without input params)."""
   if model_dim % num_heads:
     raise ValueError(f'CopyLMParams: model_dim={model_dim} is not divisible '
@@ -399,6 +449,7 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
       name=name, vocab_size=vocab_size, model_dim=model_dim, stack=stack,
       max_seq_len=max_seq_len, input_dropout_prob=dropout_prob)
   tp = p.train
+  tp.max_steps = max_steps  # Lingvo's trainer stops here.
   tp.learning_rate = learning_rate
   tp.optimizer = optimizer.Adam.Params().Set(beta1=0.9, beta2=0.98)
   tp.lr_schedule = schedule.LinearRampupExponentialDecay.Params().Set(
@@ -423,15 +474,18 @@ class CopyLMSmall(base_model_params.SingleTaskModelParams):
         vocab_size=self.VOCAB_SIZE, copy_length=self.COPY_LENGTH,
         batch_size=32, data_seed=1234)
 
+  def Dev(self):
+    return _HeldOut(self.Train(), data_seed=4321, num_batches=2)
+
   def Test(self):
-    return self.Train().Set(data_seed=4321)
+    return _HeldOut(self.Train(), data_seed=8765, num_batches=2)
 
   def Task(self):
     return CopyLMParams(
         vocab_size=self.VOCAB_SIZE, model_dim=64, num_heads=4, hidden_dim=128,
         blocks_per_stage=1, num_stages=4, circular_repeat=1,
         num_microbatches=4, dropout_prob=0.0, shard_stages_1d=False,
-        learning_rate=3e-3, max_seq_len=2 * self.COPY_LENGTH)
+        learning_rate=3e-3, max_steps=300, max_seq_len=2 * self.COPY_LENGTH)
 
 
 @model_registry.RegisterSingleTaskModel
@@ -454,15 +508,26 @@ class CopyLMPod8x2(base_model_params.SingleTaskModelParams):
         vocab_size=self.VOCAB_SIZE, copy_length=self.COPY_LENGTH,
         batch_size=256)
 
+  def Dev(self):
+    return _HeldOut(self.Train(), data_seed=4321, num_batches=4)
+
   def Test(self):
-    return self.Train().Set(data_seed=4321)
+    return _HeldOut(self.Train(), data_seed=8765, num_batches=4)
 
   def Task(self):
     return CopyLMParams(
         vocab_size=self.VOCAB_SIZE, model_dim=4096, num_heads=32,
         hidden_dim=16384, blocks_per_stage=2, num_stages=8, circular_repeat=2,
         num_microbatches=32, dropout_prob=0.1, shard_stages_1d=True,
-        learning_rate=1e-4, max_seq_len=2 * self.COPY_LENGTH)
+        learning_rate=1e-4, max_steps=100000,
+        max_seq_len=2 * self.COPY_LENGTH)
+
+
+def _HeldOut(train_p, data_seed, num_batches):
+  """Held-out copy data: num_batches fixed batches; the evaler and decoder
+  read all of them for every checkpoint (num_samples)."""
+  return train_p.Set(data_seed=data_seed, held_out_batches=num_batches,
+                     num_samples=num_batches * train_p.batch_size)
 
 
 def ParameterBytes(task):

@@ -20,13 +20,14 @@ stage_call.EnsureFlagsParsed()
 
 def _TinyCfg(*, num_stages=2, circular_repeat=1, num_microbatches=3,
              batch_size=6, dropout_prob=0.0, copy_length=3, vocab_size=8,
-             learning_rate=3e-3, model_dim=16):
+             learning_rate=3e-3, model_dim=16, max_steps=100):
   task = lm.CopyLMParams(
       vocab_size=vocab_size, model_dim=model_dim, num_heads=2, hidden_dim=32,
       blocks_per_stage=1, num_stages=num_stages,
       circular_repeat=circular_repeat, num_microbatches=num_microbatches,
       dropout_prob=dropout_prob, shard_stages_1d=False,
-      learning_rate=learning_rate, max_seq_len=2 * copy_length)
+      learning_rate=learning_rate, max_steps=max_steps,
+      max_seq_len=2 * copy_length)
   cfg = base_model.SingleTaskModel.Params(task)
   cfg.input = lm.CopyTaskInput.Params().Set(
       vocab_size=vocab_size, copy_length=copy_length, batch_size=batch_size)
@@ -129,7 +130,8 @@ def test_heads_must_divide_the_width():
     lm.CopyLMParams(vocab_size=8, model_dim=16, num_heads=3, hidden_dim=8,
                     blocks_per_stage=1, num_stages=2, circular_repeat=1,
                     num_microbatches=2, dropout_prob=0.0,
-                    shard_stages_1d=False, learning_rate=1e-3)
+                    shard_stages_1d=False, learning_rate=1e-3,
+                    max_steps=10)
 
 
 def test_demo_rejects_an_unknown_model_and_negative_steps(capsys):
@@ -301,7 +303,7 @@ def test_demo_trains_checks_and_draws_the_schedule(tmp_path, capsys):
   assert 'trained steps 0..2' in text
   # The resume hint trains further than the checkpoint.
   assert f'continue with --logdir {tmp_path / "run"} --steps 6' in text
-  assert re.search(r'decoded 32 held-out copies through the pipeline: token '
+  assert re.search(r'decoded 64 held-out copies through the pipeline: token '
                    r'accuracy [0-9.]+, exact copies [0-9.]+; equal to '
                    r'full-sequence greedy decoding: 1.000 of tokens', text)
   assert 'bubble fraction 0.429' in text  # 4 stages, 4 microbatches: 3/7

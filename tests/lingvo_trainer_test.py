@@ -1,0 +1,110 @@
+"""Lingvo's own trainer, evaler and decoder jobs on the project's models.
+
+Run as a user runs them: `python -m gpipe.lingvo_trainer` in a fresh
+process per job, all on one logdir. What each job wrote is read back from
+its TensorBoard events and checkpoints, not from its logs.
+"""
+
+import collections
+import pathlib
+import subprocess
+import sys
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import stage_call
+from gpipe import trainer
+from lingvo import model_registry
+import params.lm  # pylint: disable=unused-import
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
+_MODEL = 'lm.CopyLMSmall'
+
+
+def _Job(logdir, *flags):
+  return subprocess.run(
+      [sys.executable, '-m', 'gpipe.lingvo_trainer', f'--model={_MODEL}',
+       '--run_locally=cpu', '--mode=sync', f'--logdir={logdir}', *flags],
+      cwd=_ROOT, capture_output=True, text=True, timeout=600, check=False)
+
+
+def _Events(directory):
+  """{tag: {step: value}} (images: the encoded bytes), per events file."""
+  files = []
+  for path in sorted(pathlib.Path(directory).glob('events.out.tfevents.*')):
+    tags = collections.defaultdict(dict)
+    for event in tf.compat.v1.train.summary_iterator(str(path)):
+      for value in event.summary.value:
+        if value.HasField('simple_value'):
+          tags[value.tag][event.step] = value.simple_value
+        elif value.HasField('image'):
+          tags[value.tag][event.step] = value.image.encoded_image_string
+    files.append(tags)
+  return files
+
+
+def _Merged(files):
+  merged = collections.defaultdict(dict)
+  for tags in files:
+    for tag, values in tags.items():
+      merged[tag].update(values)
+  return merged
+
+
+def _Tagged(tags, prefix):
+  return sorted(t for t in tags if t.startswith(prefix))
+
+
+def test_trainer_evaler_and_decoder_jobs_then_resume(tmp_path):
+  logdir = tmp_path / 'copy_lm'
+  steps = 120
+  # Every job of a run sees the same params: the evaler and decoder stop
+  # after the checkpoint at train.max_steps.
+  max_steps = f'--model_params_override=train.max_steps: {steps}'
+  run = _Job(logdir, max_steps)
+  assert run.returncode == 0, run.stderr[-4000:]
+  assert tf.train.latest_checkpoint(str(logdir / 'train')).endswith(
+      f'ckpt-{steps:08d}')
+
+  train = _Merged(_Events(logdir / 'train'))
+  assert steps in train['loss'] and steps in train['accuracy']
+  assert steps in train['global_step/sec']
+  # The pipelined stack's per-stage summaries, one per stage (S = 4).
+  per_stage = [_Tagged(train, f'activation_rms/stage_{i}/') for i in range(4)]
+  assert all(len(tags) == 1 for tags in per_stage), per_stage
+  assert not _Tagged(train, 'activation_rms/stage_4/')
+  png = train['pipeline_schedule'][0]
+  assert png[:8] == b'\x89PNG\r\n\x1a\n'
+
+  run = _Job(logdir, max_steps, '--job=evaler_dev')
+  assert run.returncode == 0, run.stderr[-4000:]
+  dev = _Merged(_Events(logdir / 'eval_dev'))
+  assert steps in dev['loss']
+  assert 0.0 <= dev['accuracy'][steps] <= 1.0
+  assert dev['total_samples'][steps] == 64  # both held-out batches
+  assert len(_Tagged(dev, 'activation_rms/stage_')) == 4
+
+  run = _Job(logdir, max_steps, '--job=decoder_dev')
+  assert run.returncode == 0, run.stderr[-4000:]
+  decoder = _Merged(_Events(logdir / 'decoder_dev'))
+  exact = decoder['exact_copy_accuracy'][steps]
+  assert decoder['total_samples'][steps] == 64
+  # The job's metric is the exact-copy rate of greedy decoding through the
+  # pipeline, which itself equals full-sequence greedy decoding.
+  stage_call.EnsureFlagsParsed()
+  held_out = trainer.DecodeHeldOut(model_registry.GetParams(_MODEL, 'Dev'),
+                                   str(logdir / 'train'))
+  assert held_out.Agrees(), held_out.Describe()
+  assert held_out.num_sequences == 64
+  assert abs(exact - held_out.exact_copies) < 1e-6, (exact, held_out)
+  assert abs(decoder['token_accuracy'][steps] -
+             held_out.token_accuracy) < 1e-6
+  assert exact > 0.5, held_out.Describe()  # it learned to copy
+
+  # Resume: a larger max_steps continues from the checkpoint, not step 0.
+  run = _Job(logdir, '--model_params_override=train.max_steps: 130')
+  assert run.returncode == 0, run.stderr[-4000:]
+  assert tf.train.latest_checkpoint(str(logdir / 'train')).endswith(
+      'ckpt-00000130')
+  newest = _Events(logdir / 'train')[-1]
+  assert min(newest['loss']) > steps, sorted(newest['loss'])
