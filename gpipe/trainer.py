@@ -180,8 +180,10 @@ def DecodeHeldOut(cfg, logdir):
   with the checkpoint in logdir.
 
   Incremental decoding (the task's Decode: one ExtendStep per position
-  through the pipelined stack, per-stage caches) and, as its check, greedy
-  decoding by full-sequence FProps of the same weights.
+  through the pipelined stack, per-stage caches) and, as its check, the
+  argmax of one causal full-sequence FProp over the decoded tokens (the
+  task's FullSequenceGreedyCheck): equal at every position iff the tokens
+  are the model's full-sequence greedy decoding.
   """
   stage_call.EnsureFlagsParsed()
   latest = tf.train.latest_checkpoint(logdir)
