@@ -80,6 +80,14 @@ def PlainStack(layer, theta, x):
   return x
 
 
+def PlainStackPerMicrobatch(layer, theta, x):
+  """The plain stack on one microbatch after the other (gradient
+  accumulation): the pipeline's matmul sizes, without its schedule."""
+  m = layer.params.num_microbatches
+  parts = tf.split(x, m, axis=0)
+  return tf.concat([PlainStack(layer, theta, part) for part in parts], axis=0)
+
+
 
 
 def NaiveWhileLoopPipeline(layer, theta, x):

@@ -45,14 +45,37 @@ class MemoryRow:
   value: int
   buffer_bytes: int  # [S, rows, dim] float32
   iterations: int
-  naive: int
-  ours: int
-  stored: int
+  temp: dict  # 'naive' and each remat policy -> XLA temporary bytes
 
 
+# The forward runs twice per step under 'recompute' (forward 1, backward 2,
+# recomputed forward 1); the other policies store the matmul outputs.
+RECOMPUTE_FACTOR = {'recompute': 4.0 / 3.0, 'save_dots': 1.0, 'save_all': 1.0}
 
-def Markdown(cfg, overhead, failures, memory, compile_rows, partitioned,
-             seconds):
+
+@dataclasses.dataclass
+class RematRow:
+  mode: str
+  what: str
+  value: int
+  s: int
+  m: int
+  r: int
+  hidden: int
+  iterations: int
+  plain_ms: float  # the plain stack, microbatch by microbatch
+  ms: dict  # policy -> step ms
+  temp: dict  # policy (and 'plain') -> XLA temporary bytes (jit)
+
+  def Ideal(self, policy):
+    return self.iterations / (self.m * self.r) * RECOMPUTE_FACTOR[policy]
+
+  def VsIdeal(self, policy):
+    return self.ms[policy] / self.plain_ms / self.Ideal(policy)
+
+
+def Markdown(cfg, overhead, failures, memory, remat_rows, compile_rows,
+             partitioned, seconds):
   lines = ['# Benchmarks', '']
   lines += [
       f'Measured {datetime.date.today()} on {platform.machine()}, '
@@ -68,6 +91,7 @@ def Markdown(cfg, overhead, failures, memory, compile_rows, partitioned,
   lines += _OverheadTable(overhead)
   lines += _LingvoTable(overhead, failures)
   lines += _MemoryTable(cfg, memory)
+  lines += _RematTable(cfg, remat_rows)
   lines += _CompileTable(compile_rows)
   lines += _PartitionedTable(partitioned)
   return '\n'.join(lines) + '\n'
@@ -116,31 +140,70 @@ def _LingvoTable(rows, failures):
   return out + ['']
 
 
+_POLICIES = ('recompute', 'save_dots', 'save_all')
+
+
 def _MemoryTable(cfg, rows):
   out = ['## 3. Activation memory', '',
          'XLA temporary bytes of a jit training step (buffer assignment, one '
-         'device): naive = a tf.while_loop pipeline differentiated by '
-         'TensorFlow; ours = recompute (default); stored = '
-         f'store_body_intermediates. S = {cfg.memory_stages}, microbatches of '
-         f'{cfg.memory_rows} rows; the body (WideBody) has internal '
-         'activations [rows, expansion, dim] and fixed [dim, dim] weights. '
-         'buffer x T = one [S, rows, dim] buffer per iteration. Varying M: '
-         'expansion 4; varying the expansion: M = 8.', '',
-         '| varied | value | T | buffer x T KiB | naive KiB | ours KiB | '
-         'stored KiB | ours / (buffer x T) |',
-         '|---|---|---|---|---|---|---|---|']
+         'device), per remat_policy; naive = a tf.while_loop pipeline '
+         'differentiated by TensorFlow (which stores every intermediate, '
+         'per-iteration weight slices included). '
+         f'S = {cfg.memory_stages}, microbatches of {cfg.memory_rows} rows; '
+         'the body (WideBody) has internal activations [rows, expansion, '
+         'dim] and fixed [dim, dim] weights. buffer x T = one [S, rows, dim] '
+         'buffer per iteration. Varying M: expansion 4; varying the '
+         'expansion: M = 8.', '',
+         '| varied | value | T | buffer x T KiB | naive KiB | ' +
+         ' | '.join(f'{p} KiB' for p in _POLICIES) +
+         ' | save_all / naive | recompute / (buffer x T) |',
+         '|---|---|---|---|---|' + '---|' * len(_POLICIES) + '---|---|']
   for r in rows:
     bt = r.buffer_bytes * r.iterations
     out.append(f'| {r.what} | {r.value} | {r.iterations} | {bt / 1024:.0f} '
-               f'| {r.naive / 1024:.0f} | {r.ours / 1024:.0f} | '
-               f'{r.stored / 1024:.0f} | {r.ours / bt:.2f} |')
+               f'| {r.temp["naive"] / 1024:.0f} | ' +
+               ' | '.join(f'{r.temp[p] / 1024:.0f}' for p in _POLICIES) +
+               f' | {r.temp["save_all"] / r.temp["naive"]:.2f} | '
+               f'{r.temp["recompute"] / bt:.2f} |')
   wide = [r for r in rows if r.what == 'expansion']
   if len(wide) > 1:
     first, last = wide[0], wide[-1]
-    out += ['', f'Body internals x{last.value // first.value}: ours '
-            f'x{last.ours / first.ours:.2f}, naive '
-            f'x{last.naive / first.naive:.2f}, stored '
-            f'x{last.stored / first.stored:.2f}.']
+    growth = ', '.join(
+        f'{k} x{last.temp[k] / first.temp[k]:.2f}'
+        for k in ('naive',) + _POLICIES)
+    out += ['', f'Body internals x{last.value // first.value}: {growth}.']
+  return out + ['']
+
+
+def _RematTable(cfg, rows):
+  out = ['## 3b. Remat policies on a compute-heavy body', '',
+         'Training step of a residual MLP (width '
+         f'{cfg.remat_dim}, hidden as listed), S = {cfg.remat_stages}, '
+         f'microbatches of {cfg.remat_rows} rows. Baseline: the plain stack '
+         'run microbatch by microbatch (gradient accumulation: the same '
+         'matmul sizes as the pipeline). x ideal = (policy / baseline) / '
+         '(T / (M R) x f), f = 4/3 for recompute (the forward runs again), 1 '
+         'for save_dots and save_all (the matmuls run once; save_dots redoes '
+         'the tanh). Temporary bytes: XLA buffer assignment of the jit step, '
+         'one device (plain = the baseline).', '',
+         '| mode | varied | M | R | hidden | T | plain ms | ' +
+         ' | '.join(f'{p} ms (x ideal)' for p in _POLICIES) + ' | ' +
+         ' | '.join(f'{p} MiB' for p in ('plain',) + _POLICIES) + ' |',
+         '|---|---|---|---|---|---|---|' + '---|' * (2 * len(_POLICIES) + 1)]
+  for r in rows:
+    out.append(
+        f'| {r.mode} | {r.what} | {r.m} | {r.r} | {r.hidden} | '
+        f'{r.iterations} | {r.plain_ms:.1f} | ' +
+        ' | '.join(f'{r.ms[p]:.1f} ({r.VsIdeal(p):.2f})' for p in _POLICIES) +
+        ' | ' + ' | '.join(f'{r.temp[p] / 2**20:.1f}'
+                           for p in ('plain',) + _POLICIES) + ' |')
+  for mode in sorted({r.mode for r in rows}):
+    line = []
+    for p in _POLICIES:
+      vals = [r.VsIdeal(p) for r in rows if r.mode == mode]
+      line.append(f'{p} {statistics.median(vals):.2f} '
+                  f'({min(vals):.2f}-{max(vals):.2f})')
+    out += ['', f'{mode}: median x ideal: ' + '; '.join(line) + '.']
   return out + ['']
 
 

@@ -15,8 +15,12 @@ times are medians of several repetitions after warm-up. Sections:
    where it runs on CPU (R = 1), and the configurations only we run.
 3. Memory: XLA's buffer assignment for a training step (temporary bytes,
    i.e. activations and workspace), as M grows and as the body's hidden
-   width grows with the buffer fixed; against a plain tf.while_loop
-   pipeline differentiated by TensorFlow, and store_body_intermediates.
+   width grows with the buffer fixed, per remat policy; against a plain
+   tf.while_loop pipeline differentiated by TensorFlow.
+3b. Remat policies on a compute-heavy body: step time per policy against
+   the plain stack run microbatch by microbatch (the same matmul sizes), over
+   the ideal T / (M R) (x 4/3 when the forward is recomputed), and temporary
+   bytes, as M, the body's hidden width and R grow.
 4. Compile time: tracing plus XLA compilation of a training step vs M, for
    the pipeline and for unroll='always'.
 5. Partitioned: XLA's SPMD partitioner on virtual CPU devices: weight bytes
@@ -127,24 +131,60 @@ def Memory(cfg):
   return rows
 
 
+_POLICIES = ('recompute', 'save_dots', 'save_all')
+
+
 def _MemoryRow(cfg, what, value, m, expansion):
   s, rows_per_mb = cfg.memory_stages, cfg.memory_rows
   batch = m * rows_per_mb
   body = bodies.WideBody.Params().Set(dim=cfg.dim, expansion=expansion)
-  results = {}
-  for name, forward, extra in (
-      ('naive', bodies.NaiveWhileLoopPipeline, {}),
-      ('ours', measure.Pipelined, {}),
-      ('stored', measure.Pipelined, dict(store_body_intermediates=True))):
-    results[name] = measure.TempBytes(
-        _Maker(s, m, 1, cfg.dim, 0, body=body, **extra), forward, batch,
-        cfg.dim)
+  results = {'naive': measure.TempBytes(
+      _Maker(s, m, 1, cfg.dim, 0, body=body), bodies.NaiveWhileLoopPipeline,
+      batch, cfg.dim)}
+  for policy in _POLICIES:
+    results[policy] = measure.TempBytes(
+        _Maker(s, m, 1, cfg.dim, 0, body=body, remat_policy=policy),
+        measure.Pipelined, batch, cfg.dim)
   row = report.MemoryRow(what, value, s * rows_per_mb * cfg.dim * 4,
-                         schedule.Schedule(s, m, 1).num_iterations,
-                         results['naive'], results['ours'], results['stored'])
-  print(f'  memory {what}={value}: naive {row.naive}, ours {row.ours}, '
-        f'stored {row.stored}', flush=True)
+                         schedule.Schedule(s, m, 1).num_iterations, results)
+  print(f'  memory {what}={value}: ' +
+        ', '.join(f'{k} {v}' for k, v in results.items()), flush=True)
   return row
+
+
+# -----------------------------------------------------------------------------
+# 3b. Remat policies on a compute-heavy body.
+
+
+def RematPolicies(cfg):
+  """Step time and memory per policy vs the plain stack per microbatch."""
+  rows = []
+  cases = [('M', m, m, 1, cfg.remat_hidden) for m in cfg.remat_microbatches]
+  cases += [('hidden', h, cfg.remat_m, 1, h) for h in cfg.remat_hiddens]
+  cases += [('R', r, cfg.remat_m, r, cfg.remat_hidden)
+            for r in cfg.remat_repeats]
+  s, dim = cfg.remat_stages, cfg.remat_dim
+  for what, value, m, r, hidden in cases:
+    batch = m * cfg.remat_rows
+    make = lambda policy, m=m, r=r, hidden=hidden: _Maker(
+        s, m, r, dim, hidden, remat_policy=policy)
+    temp = {p: measure.TempBytes(make(p), measure.Pipelined, batch, dim)
+            for p in _POLICIES}
+    temp['plain'] = measure.TempBytes(make('recompute'),
+                                      bodies.PlainStackPerMicrobatch, batch,
+                                      dim)
+    for mode in cfg.modes:
+      timed = lambda mk, fwd, mode=mode, batch=batch: measure.Step(  # pylint: disable=g-long-lambda
+          mode, mk, fwd, batch, dim).Time(cfg.warmup, cfg.reps) * 1e3
+      plain = timed(make('recompute'), bodies.PlainStackPerMicrobatch)
+      times = {p: timed(make(p), measure.Pipelined) for p in _POLICIES}
+      row = report.RematRow(mode, what, value, s, m, r, hidden,
+                            schedule.Schedule(s, m, r).num_iterations, plain,
+                            times, temp)
+      rows.append(row)
+      print(f'  remat {mode} {what}={value}: ' + ', '.join(
+          f'{p} {row.VsIdeal(p):.2f}x ideal' for p in _POLICIES), flush=True)
+  return rows
 
 
 # -----------------------------------------------------------------------------
@@ -211,6 +251,14 @@ class Config:
   memory_rows: int = 32  # per microbatch
   memory_microbatches: tuple = (4, 8, 16, 32)
   memory_expansions: tuple = (1, 4, 16)
+  remat_stages: int = 4
+  remat_dim: int = 256
+  remat_hidden: int = 1024
+  remat_rows: int = 64  # per microbatch
+  remat_m: int = 8
+  remat_microbatches: tuple = (4, 8, 16)
+  remat_hiddens: tuple = (256, 2048)
+  remat_repeats: tuple = (2,)
   compile_stages: tuple = (2, 4, 8)
   compile_microbatches: tuple = (4, 16, 64)
   partition_cases: tuple = ((2, 1), (4, 1), (4, 2), (8, 1))
@@ -219,6 +267,8 @@ class Config:
 def QuickConfig():
   return Config(flag=' --quick', modes=('jit',), stages=(2,), reps=2,
                 warmup=1, memory_microbatches=(4, 8), memory_expansions=(1, 4),
+                remat_dim=64, remat_hidden=128, remat_rows=16,
+                remat_microbatches=(4,), remat_hiddens=(), remat_repeats=(2,),
                 compile_stages=(2,), compile_microbatches=(4, 16),
                 partition_cases=((2, 1),))
 
@@ -237,12 +287,15 @@ def main(argv=None):
   failures = _LingvoOnlyFailures(cfg)
   print('3. memory', flush=True)
   memory = Memory(cfg)
+  print('3b. remat policies', flush=True)
+  remat_rows = RematPolicies(cfg)
   print('4. compile time', flush=True)
   compile_rows = CompileTimes(cfg)
   print('5. partitioned', flush=True)
   partitioned = Partitioned(cfg)
-  text = report.Markdown(cfg, overhead, failures, memory, compile_rows,
-                         partitioned, time.perf_counter() - began)
+  text = report.Markdown(cfg, overhead, failures, memory, remat_rows,
+                         compile_rows, partitioned,
+                         time.perf_counter() - began)
   with open(args.out, 'w') as f:
     f.write(text)
   print(text)

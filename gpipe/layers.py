@@ -106,11 +106,16 @@ class PipelinedLayer(base_layer.BaseLayer):
              'mean | sum: how aux losses added by the body combine over '
              'microbatches.')
     p.Define(
+        'remat_policy', 'recompute',
+        'What the forward pass stores per iteration for the backward pass '
+        '(gpipe.remat): recompute (only the buffer: activation memory = '
+        'buffer x iterations, the forward runs twice), save_dots (also the '
+        'body\'s matmul/einsum outputs; the elementwise rest is recomputed) '
+        'or save_all (every activation the gradient reads; nothing is '
+        'recomputed). Weights are never stored per iteration.')
+    p.Define(
         'store_body_intermediates', False,
-        'If True, the backward pass uses the body activations stored by the '
-        'forward pass (faster, more memory). If False, it recomputes each '
-        'iteration from the saved buffer (activation memory = buffer x '
-        'iterations).')
+        'True is remat_policy=\'save_all\' (the older name).')
     return p
 
   def __init__(self, params):
@@ -439,13 +444,15 @@ class PipelinedLayer(base_layer.BaseLayer):
         schedule=sched, body=self._body, fn_name=fn_name,
         run_stages=stage_runners.For(self._layout.stage_parallel,
                                      self._placement),
+        manual_mesh=stage_runners.ManualMesh(self._layout.stage_parallel,
+                                             self._placement),
         repeats=self._layout.repeats, placement=self._placement,
         args=args, states=states, mb_kwargs=mb_kwargs,
         kwargs_no_batch=kwargs_no_batch,
         base_seed=stage_call.NextStepSeed(),
         global_step=stage_call.CallersGlobalStep(),
         var_names=tuple(self._layout.NonTrainableNames(self)),
-        store_intermediates=self.params.store_body_intermediates)
+        remat_policy=self.params.remat_policy)
 
   def _LoopTheta(self, theta):
     """The stage-stacked weights the loop carries, placed on the devices."""

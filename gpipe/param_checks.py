@@ -5,6 +5,7 @@ before anything is built."""
 import numpy as np
 
 from gpipe import microbatch
+from gpipe import remat
 from gpipe import schedule as schedule_lib
 
 _UNROLL_VALUES = ('never', 'eval_only', 'always')
@@ -36,6 +37,15 @@ def Check(p):
   if p.unroll not in _UNROLL_VALUES:
     raise ValueError(f'unroll must be one of {_UNROLL_VALUES}, got '
                      f'{p.unroll!r}.')
+  if p.remat_policy not in remat.POLICIES:
+    raise ValueError(f'remat_policy must be one of {tuple(remat.POLICIES)}, '
+                     f'got {p.remat_policy!r}.')
+  if p.store_body_intermediates and p.remat_policy not in ('recompute',
+                                                          'save_all'):
+    raise ValueError(
+        'store_body_intermediates=True means remat_policy=\'save_all\'; it '
+        f'contradicts remat_policy={p.remat_policy!r}. Set only '
+        'remat_policy.')
   if p.aux_loss_microbatch_accumulation not in _AUX_LOSS_ACCUMULATIONS:
     raise ValueError(
         'aux_loss_microbatch_accumulation must be one of '
@@ -81,6 +91,8 @@ def Normalize(p):
       p.Set(**{name: int(p.Get(name))})
   for name in _BOOL_PARAMS:
     p.Set(**{name: bool(p.Get(name))})
+  if p.store_body_intermediates:
+    p.Set(remat_policy='save_all')
 
 
 def CheckIndex(name, value, bound):

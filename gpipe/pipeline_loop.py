@@ -33,6 +33,7 @@ from gpipe import microbatch
 from gpipe import nest
 from gpipe import recurrent
 from gpipe import schedule as schedule_lib
+from gpipe import sharding
 from gpipe import stage_call
 from gpipe import stage_runners
 from lingvo.core import py_utils
@@ -50,6 +51,8 @@ class LoopSpec:
     fn_name: the body method each stage runs.
     run_stages: (spec, theta, IterationStages) -> StagesResult, one of
       gpipe.stage_runners.
+    manual_mesh: (device_mesh, mesh_dim) of the manual region run_stages
+      runs the body in, or None.
     repeats: the circular-repeat selector (gpipe.repeats).
     placement: the sharding placement (gpipe.sharding.StagePlacement).
     args: the structure of the microbatched positional inputs.
@@ -62,12 +65,14 @@ class LoopSpec:
       backward pass recomputes the body outside the caller's context), or
       None.
     var_names: the body's non-trainable variables the loop carries.
-    store_intermediates: differentiate with TensorFlow's while-loop gradient.
+    remat_policy: what the forward pass stores for the backward pass (the
+      name of a gpipe.remat policy).
   """
   schedule: schedule_lib.Schedule
   body: stage_call.Body
   fn_name: str
   run_stages: Callable[..., stage_runners.StagesResult]
+  manual_mesh: Any
   repeats: Any
   placement: Any
   args: nest.TensorLeaves
@@ -77,7 +82,7 @@ class LoopSpec:
   base_seed: tf.Tensor
   global_step: Optional[tf.Tensor]
   var_names: Tuple[str, ...]
-  store_intermediates: bool
+  remat_policy: str
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -127,7 +132,8 @@ def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
   history, final, extras = recurrent.Recurrent(
       theta, state0, inputs,
       lambda th, st, inp: _Iteration(spec, th, st, inp),
-      store_intermediates=spec.store_intermediates)
+      remat_policy=spec.remat_policy,
+      manual_boundary=sharding.ManualBoundary.For(spec.manual_mesh))
   outputs = [
       place.ReplicateLoopDim(
           microbatch.LastStageOutputs(place.SplitStages(h, 1), sched))

@@ -1,11 +1,13 @@
 """Will it fit? Per-chip memory, FLOPs and collectives of your training step.
 
     python -m gpipe.plan --model lm.CopyLMPod8x2 --num_devices 8 \\
-        --num_microbatches 16,32 --circular_repeat 1,2 [--json]
+        --num_microbatches 16,32 --circular_repeat 1,2 \\
+        [--remat_policy recompute,save_all] [--json]
     python -m gpipe.plan --params my_module.PipelineParams \\
         --input_shape 64,1024 --num_devices 4
 
-For each candidate (num_microbatches, circular_repeat) the planner lowers
+For each candidate (num_microbatches, circular_repeat, remat_policy) the
+planner lowers
 the whole training step (forward, loss, backward, the optimizer update with
 its slots) from shapes alone, so no weight is ever allocated; XLA's SPMD
 partitioner splits it for N virtual CPU devices and XLA compiles it without
@@ -51,6 +53,7 @@ from gpipe import check_partitioning
 from gpipe import layers as gpipe_layers
 from gpipe import partitioning
 from gpipe import quiet
+from gpipe import remat
 from gpipe import roofline
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
@@ -69,6 +72,11 @@ class PlanError(ValueError):
 class Candidate:
   num_microbatches: int
   circular_repeat: int
+  remat_policy: str = 'recompute'
+
+  def Describe(self):
+    return (f'M={self.num_microbatches} R={self.circular_repeat} '
+            f'{self.remat_policy}')
 
 
 # -----------------------------------------------------------------------------
@@ -174,7 +182,8 @@ def _Reshape(stack, candidate, depth_param):
           f'repeats) do not split into {r} repeats.')
     body.Set(**{depth_param: depth // r})
   stack.Set(num_microbatches=candidate.num_microbatches, microbatch_size=None,
-            circular_repeat=r)
+            circular_repeat=r, remat_policy=candidate.remat_policy,
+            store_body_intermediates=False)
 
 
 # -----------------------------------------------------------------------------
@@ -301,6 +310,7 @@ class CandidateReport:
     return {
         'num_microbatches': self.candidate.num_microbatches,
         'circular_repeat': self.candidate.circular_repeat,
+        'remat_policy': self.candidate.remat_policy,
         'iterations': self.schedule.num_iterations,
         'bubble_fraction': self.schedule.bubble_fraction,
         'per_device_bytes': self.per_device_bytes,
@@ -409,6 +419,7 @@ class Plan:
         'skipped': [{
             'num_microbatches': c.num_microbatches,
             'circular_repeat': c.circular_repeat,
+            'remat_policy': c.remat_policy,
             'reason': reason
         } for c, reason in self.skipped],
         'recommended': self.recommended,
@@ -432,7 +443,7 @@ class Plan:
     lines.append('')
     unit, scale = _ByteUnit(
         max([r.per_device_bytes['peak'] for r in self.reports] or [0]))
-    header = (f'{"M":>4} {"R":>3} {"iters":>5} {"bubble":>6} | '
+    header = (f'{"M":>4} {"R":>3} {"remat":>9} {"iters":>5} {"bubble":>6} | '
               f'{"weights":>8} {"optim":>8} {"temp":>8} {"peak":>8} '
               f'{"fits":>4} | {"FLOP/dev":>9} {"/(unp/N)":>8} '
               f'{"permute/it":>10} | {"pred step":>9}')
@@ -443,6 +454,7 @@ class Plan:
       mark = ' <- recommended' if i == self.recommended else ''
       lines.append(
           f'{r.candidate.num_microbatches:>4} {r.candidate.circular_repeat:>3}'
+          f' {r.candidate.remat_policy:>9}'
           f' {r.schedule.num_iterations:>5} {r.schedule.bubble_fraction:>6.3f}'
           f' | {b["weights"]} {b["optimizer"]} {b["temp"]} {b["peak"]} '
           f'{"yes" if r.fits else "NO":>4} | {r.flops_per_device:>9.3g} '
@@ -453,12 +465,10 @@ class Plan:
                  'collective-permutes per forward iteration; /(unp/N): FLOPs '
                  'per device over the unpartitioned step\'s FLOPs / N)')
     for c, reason in self.skipped:
-      lines.append(f'skipped M={c.num_microbatches} R={c.circular_repeat}: '
-                   f'{reason}')
+      lines.append(f'skipped {c.Describe()}: {reason}')
     for r in self.reports:
       lines.append('')
-      lines.append(f'M={r.candidate.num_microbatches} '
-                   f'R={r.candidate.circular_repeat} (compiled in '
+      lines.append(f'{r.candidate.Describe()} (compiled in '
                    f'{r.seconds:.0f} s):')
       for i, loop in enumerate(r.LoopSummaries()):
         kinds = ', '.join(
@@ -494,7 +504,8 @@ class Plan:
     else:
       c = self.reports[rec].candidate
       lines.append(f'Recommendation: num_microbatches={c.num_microbatches}, '
-                   f'circular_repeat={c.circular_repeat}.')
+                   f'circular_repeat={c.circular_repeat}, '
+                   f'remat_policy={c.remat_policy!r}.')
     return '\n'.join(lines)
 
 
@@ -520,8 +531,7 @@ def MakePlan(target, candidates, num_devices, chip, hbm_bytes,
   reports, skipped = [], []
   for candidate in candidates:
     if log:
-      log(f'Compiling M={candidate.num_microbatches} '
-          f'R={candidate.circular_repeat} for {num_devices} devices...')
+      log(f'Compiling {candidate.Describe()} for {num_devices} devices...')
     try:
       reports.append(PlanCandidate(target, candidate, num_devices, chip,
                                    hbm_bytes, depth_param))
@@ -551,6 +561,15 @@ def _Shape(text):
   return tuple(_IntList(text))
 
 
+def _PolicyList(text):
+  values = [v for v in text.split(',') if v]
+  unknown = [v for v in values if v not in remat.POLICIES]
+  if not values or unknown:
+    raise argparse.ArgumentTypeError(
+        f'expected names from {", ".join(remat.POLICIES)}, got {text!r}')
+  return values
+
+
 def _Args(argv):
   parser = argparse.ArgumentParser(
       prog='python -m gpipe.plan',
@@ -575,6 +594,9 @@ def _Args(argv):
                       help='candidates, e.g. 8,16,32 (default: the model\'s)')
   parser.add_argument('--circular_repeat', type=_IntList, default=None,
                       help='candidates, e.g. 1,2,4 (default: the model\'s)')
+  parser.add_argument('--remat_policy', type=_PolicyList, default=None,
+                      help='candidates, e.g. recompute,save_all (default: '
+                      'the model\'s); see gpipe.remat')
   parser.add_argument('--depth_param', default='num_blocks',
                       help='stage-body param holding its depth, scaled to '
                       'keep S x R x depth fixed as circular_repeat varies')
@@ -622,8 +644,11 @@ def main(argv=None):
       if not args.num_microbatches:
         raise PlanError('The layer sets no num_microbatches; pass '
                         '--num_microbatches.')
+    policy0 = 'save_all' if stack.store_body_intermediates else (
+        stack.remat_policy)
     candidates = [
-        Candidate(m, r)
+        Candidate(m, r, policy)
+        for policy in (args.remat_policy or [policy0])
         for r in (args.circular_repeat or [stack.circular_repeat])
         for m in (args.num_microbatches or [m0])
     ]

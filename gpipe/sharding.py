@@ -214,6 +214,32 @@ def BroadcastToManualStage(x, device_mesh, mesh_dim):
   return ToManualStage(stacked, device_mesh, mesh_dim)
 
 
+class ManualBoundary:
+  """Moves a manual region's per-device values out of it and back.
+
+  A value computed inside the region (one stage's, per device) that must
+  live outside it, e.g. an activation the loop stores for its backward
+  pass, leaves as [S, ...] with the stage dim split and comes back as each
+  device's own slice. (Left manual, the partitioner would carry the manual
+  sharding into the loop's stacks, which it cannot.)
+  """
+
+  def __init__(self, device_mesh, mesh_dim):
+    self._mesh = (device_mesh, mesh_dim)
+    self.num_stages = device_mesh.shape[mesh_dim]
+
+  @classmethod
+  def For(cls, mesh):
+    """The boundary of a region over mesh = (device_mesh, mesh_dim), or None."""
+    return None if mesh is None else cls(*mesh)
+
+  def Out(self, x):
+    return FromManualStage(x, *self._mesh)
+
+  def In(self, x):
+    return ToManualStage(x, *self._mesh)
+
+
 @contextlib.contextmanager
 def ManualStageRegion(mesh_dim):
   """Inside the body of a manual region: annotations are sub-grouped.

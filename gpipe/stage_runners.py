@@ -61,13 +61,23 @@ class StagesResult:
   vars: List[tf.Tensor]
 
 
+def ManualMesh(stage_parallel, placement):
+  """(device_mesh, mesh_dim) of the manual region the stages run in, or None.
+
+  Only a partitioned single-stage body runs in one (RunInManualRegion).
+  """
+  if stage_parallel or placement.mesh is None:
+    return None
+  return placement.mesh if sharding.IsSpmdPartitioning() else None
+
+
 def For(stage_parallel, placement):
   """The runner for a layout (stage-parallel or not) and a placement."""
   if stage_parallel:
     return RunTogether
-  if placement.mesh is not None and sharding.IsSpmdPartitioning():
-    return lambda spec, theta, it: RunInManualRegion(spec, theta, it,
-                                                     placement.mesh)
+  mesh = ManualMesh(stage_parallel, placement)
+  if mesh is not None:
+    return lambda spec, theta, it: RunInManualRegion(spec, theta, it, mesh)
   return RunOneByOne
 
 

@@ -71,6 +71,12 @@ def _FProp(p, batch=4, **kwargs):
      r'shard_stages_1d must be True or False, got 1 \(int\)'),
     (dict(store_body_intermediates=None),
      r'store_body_intermediates must be True or False, got None'),
+    (dict(remat_policy='dots'),
+     r"remat_policy must be one of \('recompute', 'save_dots', 'save_all'\), "
+     r"got 'dots'"),
+    (dict(store_body_intermediates=True, remat_policy='save_dots'),
+     r"store_body_intermediates=True means remat_policy='save_all'; it "
+     r"contradicts remat_policy='save_dots'"),
     (dict(num_stages=True), r'num_stages must be an integer >= 1, got True '
      r'\(bool\)'),
     (dict(circular_repeat=2.0),

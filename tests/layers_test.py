@@ -193,16 +193,24 @@ def test_premicrobatched_inputs_unrolled_need_a_shared_leading_dim():
 
 
 @pytest.mark.parametrize('mode', MODES)
-@pytest.mark.parametrize('body', ['dense', 'stage_parallel'])
-def test_store_body_intermediates(body, mode):
+@pytest.mark.parametrize('body', ['dense', 'multi', 'stage_parallel'])
+@pytest.mark.parametrize('policy', ['save_dots', 'save_all'])
+@pytest.mark.parametrize('s,m,r', [(3, 4, 2), (4, 6, 1), (2, 5, 1)])
+def test_remat_policies(policy, body, s, m, r, mode):
   harness.CheckCase(
-      Case(
-          body=body,
-          num_stages=3,
-          num_microbatches=4,
-          circular_repeat=2,
-          batch=8,
-          store_body_intermediates=True), mode)
+      Case(body=body, num_stages=s, num_microbatches=m, circular_repeat=r,
+           batch=2 * m, remat_policy=policy), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+def test_store_body_intermediates_is_save_all(mode):
+  p = Case(num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
+           store_body_intermediates=True).Params()
+  with tf.Graph().as_default():
+    assert p.Instantiate().params.remat_policy == 'save_all'
+  harness.CheckCase(
+      Case(num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
+           store_body_intermediates=True), mode)
 
 
 @pytest.mark.parametrize('mode', MODES)

@@ -49,6 +49,7 @@ class Case:
   # in a non-trainable variable, carried through the loop)
   body: str = 'dense'
   num_microbatches: int = 8
+  remat_policy: str = 'recompute'
 
   @property
   def num_devices(self):
@@ -81,6 +82,7 @@ class Case:
         circular_repeat=self.circular_repeat,
         per_stage_vars=self.per_stage_vars,
         single_stage_body=body,
+        remat_policy=self.remat_policy,
         random_seed=7)
     if self.mesh:
       p.Set(pipeline_stage_mesh_dim=0, device_mesh=self.device_mesh)
@@ -108,6 +110,8 @@ def _CaseId(case):
     parts.append('mesh4x2' if case.num_stages == 4 else 'mesh')
   if case.body != 'dense':
     parts.append(case.body)
+  if case.remat_policy != 'recompute':
+    parts.append(case.remat_policy)
   return '-'.join(parts)
 
 
@@ -123,6 +127,12 @@ CASES = [
     Case(num_stages=2, body='multi'),
     Case(num_stages=4, circular_repeat=2, body='training'),
     Case(num_stages=4, circular_repeat=2, body='stateful'),
+    # Activations stored per iteration leave the manual region split over
+    # the stages and come back per device: no extra communication.
+    Case(num_stages=4, circular_repeat=2, remat_policy='save_all'),
+    Case(num_stages=4, mesh=True, remat_policy='save_dots'),
+    Case(num_stages=4, circular_repeat=2, body='training',
+         remat_policy='save_all'),
 ]
 
 

@@ -52,6 +52,7 @@ class Case:
   kwargs: bool = False  # per-example `scale` kwarg.
   kwargs_no_batch: bool = False  # an unsliced `shift` via FPropFn.
   premicrobatched: bool = False  # inputs already [M, mb, ...]
+  remat_policy: str = 'recompute'
   store_body_intermediates: bool = False
   unroll: str = 'never'
   seed: int = 0
@@ -82,6 +83,7 @@ class Case:
         pipeline_stage_mesh_dim=0 if self.pipeline_stage_mesh_dim else None,
         device_mesh=(np.arange(2 * self.num_stages).reshape(
             self.num_stages, 2) if self.pipeline_stage_mesh_dim else None),
+        remat_policy=self.remat_policy,
         store_body_intermediates=self.store_body_intermediates,
         unroll=self.unroll,
         random_seed=1234 + self.seed,

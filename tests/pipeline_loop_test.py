@@ -34,20 +34,21 @@ def _FakeRunner(spec, theta, it):
       vars=[])
 
 
-def _Spec(sched, x_mb, store_intermediates=False):
+def _Spec(sched, x_mb, remat_policy='recompute'):
   return pipeline_loop.LoopSpec(
       schedule=sched, body=None, fn_name='FProp', run_stages=_FakeRunner,
+      manual_mesh=None,
       repeats=repeats.For(sched.circular_repeat),
       placement=sharding.StagePlacement(sched.num_stages),
       args=nest.TensorLeaves((x_mb,)), states=[], mb_kwargs={},
       kwargs_no_batch={}, base_seed=tf.constant(0, tf.int64),
       global_step=None, var_names=(),
-      store_intermediates=store_intermediates)
+      remat_policy=remat_policy)
 
 
 @pytest.mark.parametrize('s,m,r,store', [
-    (1, 1, 1, False), (2, 3, 1, False), (3, 4, 2, False), (2, 5, 3, True),
-    (4, 2, 2, False), (4, 6, 1, True)])
+    (1, 1, 1, 'recompute'), (2, 3, 1, 'save_dots'), (3, 4, 2, 'recompute'),
+    (2, 5, 3, 'save_all'), (4, 2, 2, 'save_dots'), (4, 6, 1, 'save_all')])
 def test_loop_runs_every_layer_on_every_microbatch_in_order(s, m, r, store):
   sched = schedule_lib.Schedule(s, m, r)
   x_np = np.random.RandomState(0).uniform(-1, 1, [m, ROWS, DIM])

@@ -166,6 +166,34 @@ def test_collectives_per_iteration(reports):
     assert not report.Gathered()
 
 
+def test_remat_policies_trade_memory_for_flops():
+  """save_all stores each stage's tanh output per iteration and runs no
+  forward again: one matmul less per iteration (of 4, see the FLOPs test
+  above), at most one more [rows, DIM] float32 per device per iteration,
+  split as intended."""
+  target = plan.LayerTarget(LayerParams(), [(BATCH, DIM)])
+  rec, saved = plan.MakePlan(
+      target, [plan.Candidate(8, 1, 'recompute'),
+               plan.Candidate(8, 1, 'save_all')],
+      NUM_STAGES, roofline.CHIPS['v5e'], 16 * 2**30).reports
+  assert saved.candidate.remat_policy == 'save_all'
+  assert saved.ToJson()['remat_policy'] == 'save_all'
+  iterations = rec.schedule.num_iterations
+  matmul = 2 * _Rows(rec) * DIM * DIM
+  # The difference is the recomputed forward: a matmul per iteration (its
+  # bias add and tanh are few FLOPs: 2 x rows x DIM of 2 x rows x DIM^2),
+  # less what storing adds (a select per stored element).
+  saved_flops = rec.flops_per_device - saved.flops_per_device
+  assert 0.95 <= saved_flops / (iterations * matmul) < 1.05, saved_flops
+  # Memory: at most one [rows, DIM] activation more per device and
+  # iteration (XLA may reuse other buffers, so it may be less); a stored
+  # copy of the [DIM, DIM] weights per iteration would be 21 times that.
+  stored = iterations * _Rows(rec) * DIM * 4
+  extra = saved.per_device_bytes['temp'] - rec.per_device_bytes['temp']
+  assert extra <= stored, (extra, stored)
+  assert not saved.Problems(), saved.Problems()
+
+
 def test_recommends_the_fastest_fitting_candidate(linear_plan):
   reports = linear_plan.reports
   assert all(r.fits for r in reports)

@@ -403,7 +403,7 @@ def _WhileLoopReference(theta, state0, inputs, cell_fn):
   return states, final, extras
 
 
-def _BuildLoss(impl, case, tensors, weights, loss_kind, store_intermediates):
+def _BuildLoss(impl, case, tensors, weights, loss_kind, remat_policy):
   theta, state0, inputs, _ = tensors
   cell_fn = case.make_cell(_TF, tensors)
   if impl == 'recurrent':
@@ -412,7 +412,7 @@ def _BuildLoss(impl, case, tensors, weights, loss_kind, store_intermediates):
         state0,
         inputs,
         cell_fn,
-        store_intermediates=store_intermediates)
+        remat_policy=remat_policy)
   else:
     outputs = _WhileLoopReference(theta, state0, inputs, cell_fn)
   terms = _LossTerms(_TF, outputs, loss_kind)
@@ -431,7 +431,7 @@ def _ToTensors(case, theta_as_variables):
 _IMPLS = ('recurrent', 'reference')
 
 
-def _RunGraphMode(cell, loss_kind, store_intermediates, theta_as_variables):
+def _RunGraphMode(cell, loss_kind, remat_policy, theta_as_variables):
   """TF1: tf.Graph + tf.gradients + Session. Returns {impl: values}."""
   case = _MakeCase(cell)
   weights = _NumpyReference(cell, loss_kind)[-1]
@@ -442,7 +442,7 @@ def _RunGraphMode(cell, loss_kind, store_intermediates, theta_as_variables):
     fetches = {}
     for impl in _IMPLS:
       outputs, loss = _BuildLoss(impl, case, tensors, w, loss_kind,
-                                 store_intermediates)
+                                 remat_policy)
       grads = tf.gradients(
           loss, xs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
       fetches[impl] = (outputs, loss, [tf.convert_to_tensor(g) for g in grads])
@@ -451,7 +451,7 @@ def _RunGraphMode(cell, loss_kind, store_intermediates, theta_as_variables):
       return sess.run(fetches)
 
 
-def _RunJitImpl(impl, cell, loss_kind, store_intermediates,
+def _RunJitImpl(impl, cell, loss_kind, remat_policy,
                 theta_as_variables):
   """TF2: tf.function(jit_compile=True) + GradientTape. Returns values."""
   case = _MakeCase(cell)
@@ -467,7 +467,7 @@ def _RunJitImpl(impl, cell, loss_kind, store_intermediates,
         if not isinstance(x, tf.Variable):
           tape.watch(x)
       outputs, loss = _BuildLoss(impl, case, tensors, w, loss_kind,
-                                 store_intermediates)
+                                 remat_policy)
     grads = tape.gradient(
         loss, xs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
     return outputs, loss, [tf.convert_to_tensor(g) for g in grads]
@@ -475,15 +475,15 @@ def _RunJitImpl(impl, cell, loss_kind, store_intermediates,
   return tf.nest.map_structure(lambda t: t.numpy(), Fn(tensors, w))
 
 
-# The reference does not depend on store_intermediates: compile it once.
+# The reference does not depend on remat_policy: compile it once.
 _JitReference = functools.lru_cache(maxsize=None)(
-    functools.partial(_RunJitImpl, 'reference', store_intermediates=None))
+    functools.partial(_RunJitImpl, 'reference', remat_policy=None))
 
 
-def _RunJitMode(cell, loss_kind, store_intermediates, theta_as_variables):
+def _RunJitMode(cell, loss_kind, remat_policy, theta_as_variables):
   return {
       'recurrent':
-          _RunJitImpl('recurrent', cell, loss_kind, store_intermediates,
+          _RunJitImpl('recurrent', cell, loss_kind, remat_policy,
                       theta_as_variables),
       'reference':
           _JitReference(cell, loss_kind,
@@ -491,11 +491,11 @@ def _RunJitMode(cell, loss_kind, store_intermediates, theta_as_variables):
   }
 
 
-def _CheckAgainstReferences(mode, cell, store_intermediates, loss_kind,
+def _CheckAgainstReferences(mode, cell, remat_policy, loss_kind,
                             theta_as_variables=False):
   np_outputs, np_loss, np_grads, _ = _NumpyReference(cell, loss_kind)
   run = _RunGraphMode if mode == 'graph' else _RunJitMode
-  got = run(cell, loss_kind, store_intermediates, theta_as_variables)
+  got = run(cell, loss_kind, remat_policy, theta_as_variables)
   outputs, loss, grads = got['recurrent']
   ref_outputs, ref_loss, ref_grads = got['reference']
 
@@ -516,29 +516,29 @@ def _CheckAgainstReferences(mode, cell, store_intermediates, loss_kind,
     _AssertClose(g, np_g, f'grad[{i}]', 'vs_numpy')
 
 
-_STORE = pytest.mark.parametrize(
-    'store_intermediates', [False, True], ids=['recompute', 'store'])
+_POLICIES = ('recompute', 'save_dots', 'save_all')
+_POLICY = pytest.mark.parametrize('remat_policy', _POLICIES)
 
 
 @pytest.mark.parametrize('cell', _CELLS)
-@_STORE
+@_POLICY
 @pytest.mark.parametrize('mode', ['graph', 'jit'])
-def test_matches_while_loop_and_numpy(mode, store_intermediates, cell):
-  _CheckAgainstReferences(mode, cell, store_intermediates, 'all')
+def test_matches_while_loop_and_numpy(mode, remat_policy, cell):
+  _CheckAgainstReferences(mode, cell, remat_policy, 'all')
 
 
 @pytest.mark.parametrize('loss_kind', ['states', 'final', 'extras', 'gather'])
-@_STORE
-def test_loss_on_part_of_the_outputs(store_intermediates, loss_kind):
+@_POLICY
+def test_loss_on_part_of_the_outputs(remat_policy, loss_kind):
   # Outputs the loss does not use get None (or IndexedSlices) gradients.
-  _CheckAgainstReferences('graph', 'rnn', store_intermediates, loss_kind)
+  _CheckAgainstReferences('graph', 'rnn', remat_policy, loss_kind)
 
 
-@_STORE
+@_POLICY
 @pytest.mark.parametrize('mode', ['graph', 'jit'])
-def test_theta_as_variables(mode, store_intermediates):
+def test_theta_as_variables(mode, remat_policy):
   _CheckAgainstReferences(
-      mode, 'rnn', store_intermediates, 'all', theta_as_variables=True)
+      mode, 'rnn', remat_policy, 'all', theta_as_variables=True)
 
 
 # A cell may capture the very tensor it also gets as theta, state0 or inputs
@@ -546,20 +546,17 @@ def test_theta_as_variables(mode, store_intermediates):
 # the recompute path must count that tensor's gradient once per real use.
 
 
-@pytest.mark.parametrize('store_intermediates', [
-    pytest.param(False, id='recompute'),
-    pytest.param(True, id='store'),
-])
+@_POLICY
 @pytest.mark.parametrize('which', ['theta', 'state0', 'inputs'])
 def test_cell_capturing_its_own_theta_state0_or_inputs(which,
-                                                       store_intermediates):
+                                                       remat_policy):
   """The cell captures the same tensor that it also receives as an argument.
 
   E.g. w = 0.5, h0 = [1, 2], xs = [[0.1, 0.2]], cell (h, x) -> h * theta +
   x * w with w both theta and captured: d sum(final) / dw = sum(h0) +
   sum(xs[0]) = 3.3, each path once.
   """
-  _CheckAgainstReferences('graph', 'alias_' + which, store_intermediates,
+  _CheckAgainstReferences('graph', 'alias_' + which, remat_policy,
                           'all')
 
 
@@ -574,23 +571,35 @@ def _WhileOps(graph):
 
 
 def _BodyOpTypes(graph, while_op):
+  """The op types in a while loop's body, with repeats."""
   name = while_op.get_attr('body').name
   for fdef in graph.as_graph_def().library.function:
     if fdef.signature.name == name:
-      return {node.op for node in fdef.node_def}
+      return [node.op for node in fdef.node_def]
   raise AssertionError(f'no function {name}')
 
 
-@_STORE
-def test_recompute_keeps_only_the_state_per_iteration(store_intermediates):
-  """With recompute, differentiating leaves the forward loop untouched.
+# Per policy: (lists the forward loop fills besides the states, forward
+# MatMul ops in the backward loop, forward Tanh ops in the backward loop).
+# The new state tanh(...) is never recomputed nor stored twice: the loop
+# keeps it anyway, and TanhGrad reads it from there.
+_WHAT_EACH_POLICY_KEEPS = {
+    'recompute': (0, 1, 1),  # h @ w1 and tanh(h @ w1) run again.
+    'save_dots': (2, 0, 1),  # h @ w1 and wide @ w2 stored; one tanh again.
+    'save_all': (1, 0, 0),  # tanh(h @ w1) stored: nothing runs again.
+}
 
-  TF's while-loop gradient (store_intermediates=True) rewrites the forward
-  While op to also output accumulators of the cell's intermediates (here the
-  wide [B, 16] hidden activation). The recompute path's forward loop keeps the
-  outputs it was built with (the carried state and its per-iteration stack)
-  and the backward loop re-runs the cell (its body has the forward Tanh ops
-  again). The backward pass also runs after the forward has been fetched.
+
+@_POLICY
+def test_what_each_policy_stores_and_recomputes(remat_policy):
+  """The forward loop stores what the policy says; the backward recomputes
+  only the rest.
+
+  Cell: wide = tanh(h @ w1); h' = tanh(wide @ w2 + x). The backward loop
+  has the 4 gradient MatMuls and the 2 TanhGrads under every policy, and
+  the forward ops it recomputes. Differentiating leaves the forward loop
+  as it was built (no accumulators added), and the forward values do not
+  change.
   """
   with tf.Graph().as_default() as graph:
     rng = _Rng('memory')
@@ -603,12 +612,8 @@ def test_recompute_keeps_only_the_state_per_iteration(store_intermediates):
       wide = tf.tanh(h @ theta[0])
       return tf.tanh(wide @ theta[1] + x), {}
 
-    states, final, _ = recurrent.Recurrent((w1, w2),
-                                           h0,
-                                           xs,
-                                           Cell,
-                                           store_intermediates=(
-                                               store_intermediates))
+    states, final, _ = recurrent.Recurrent(
+        (w1, w2), h0, xs, Cell, remat_policy=remat_policy)
     (forward,) = _WhileOps(graph)
     num_forward_outputs = len(forward.outputs)
     loss = tf.reduce_sum(states * states) + tf.reduce_sum(final)
@@ -618,13 +623,13 @@ def test_recompute_keeps_only_the_state_per_iteration(store_intermediates):
     backward = [op for op in _WhileOps(graph) if op is not forward]
     assert len(backward) == 1
     backward_ops = _BodyOpTypes(graph, backward[0])
-    if store_intermediates:
-      assert len(forward.outputs) > num_forward_outputs
-      assert 'Tanh' not in backward_ops
-    else:
-      assert len(forward.outputs) == num_forward_outputs
-      assert 'Tanh' in backward_ops
-    assert 'TanhGrad' in backward_ops
+    stored, matmuls, tanhs = _WHAT_EACH_POLICY_KEEPS[remat_policy]
+    lists = [t for t in forward.outputs if t.dtype == tf.variant]
+    assert len(lists) == 1 + stored  # The states' list, the stored ones.
+    assert len(forward.outputs) == num_forward_outputs
+    assert backward_ops.count('MatMul') == 4 + matmuls
+    assert backward_ops.count('Tanh') == tanhs
+    assert backward_ops.count('TanhGrad') == 2
     with tf.compat.v1.Session() as sess:
       grad_values = sess.run(grads)
       np.testing.assert_array_equal(sess.run(states), forward_value)
@@ -681,9 +686,9 @@ def _BadStateArgs():
     'extra_key', 'missing_key', 'list_for_tuple', 'bare_tensor', 'float_dtype',
     'int_dtype', 'shape', 'rank'
 ])
-@_STORE
+@_POLICY
 @pytest.mark.parametrize('mode', ['graph', 'function'])
-def test_cell_changing_the_state_raises(mode, store_intermediates, kind):
+def test_cell_changing_the_state_raises(mode, remat_policy, kind):
 
   def Build():
     w, state0, xs = _BadStateArgs()
@@ -692,7 +697,7 @@ def test_cell_changing_the_state_raises(mode, store_intermediates, kind):
         state0,
         xs,
         _BadStateCell(kind),
-        store_intermediates=store_intermediates)
+        remat_policy=remat_policy)
 
   with pytest.raises(ValueError, match='state0'):
     _CallInMode(mode, Build)
