@@ -104,6 +104,7 @@ class CellGraph:
     self._flat_new = flat_new
     self._flat_extras = flat_extras
     self._grads = None
+    self._graph_def, self._graph_def_ops = None, None
     self._activations = _ActivationsOf(
         [flat_state[i] for i in self.differentiable['state']] +
         [flat_inputs[i] for i in self.differentiable['inputs']],
@@ -171,7 +172,7 @@ class CellGraph:
   def _GraphDef(self):
     """The graph as it is now (the gradient part may come later)."""
     num_ops = len(self._graph.get_operations())
-    if getattr(self, '_graph_def_ops', None) != num_ops:
+    if self._graph_def_ops != num_ops:
       self._graph_def = self._graph.as_graph_def()
       self._graph_def_ops = num_ops
     return self._graph_def
@@ -214,8 +215,8 @@ class CellGraph:
     """
     outputs = self._flat_new + self._flat_extras
     names = [t.name for t in outputs] + list(self.stored)
-    values = _Import(self._GraphDef(), self._InputMap(theta, state, inputs_t, captures),
-                     names, 'cell', self._SpecOf)
+    input_map = self._InputMap(theta, state, inputs_t, captures)
+    values = _Import(self._GraphDef(), input_map, names, 'cell', self._SpecOf)
     n_state, n_extras = len(self._flat_new), len(self._flat_extras)
     new_state = tf.nest.pack_sequence_as(self._structure[1],
                                          values[:n_state])
