@@ -71,23 +71,35 @@ def Params(num_stages, num_microbatches, circular_repeat, dim, hidden,
       single_stage_body=body).Set(**kwargs)
 
 
+def _LayerThetas(layer, theta):
+  """Every logical layer's weights, in order (sliced once)."""
+  p = layer.params
+  return [layer.layer_theta(theta, r, s)
+          for r in range(p.circular_repeat) for s in range(p.num_stages)]
+
+
 def PlainStack(layer, theta, x):
   """The unpipelined reference: every logical layer after the other."""
-  p = layer.params
-  for r in range(p.circular_repeat):
-    for s in range(p.num_stages):
-      x = layer.body.FProp(layer.layer_theta(theta, r, s), x)
+  for layer_theta in _LayerThetas(layer, theta):
+    x = layer.body.FProp(layer_theta, x)
   return x
 
 
 def PlainStackPerMicrobatch(layer, theta, x):
   """The plain stack on one microbatch after the other (gradient
-  accumulation): the pipeline's matmul sizes, without its schedule."""
-  m = layer.params.num_microbatches
-  parts = tf.split(x, m, axis=0)
-  return tf.concat([PlainStack(layer, theta, part) for part in parts], axis=0)
+  accumulation): the pipeline's matmul sizes, without its schedule.
 
-
+  Each layer's weights are sliced once for all microbatches: TensorFlow
+  then sums their gradients before writing them into the stacked
+  gradient, as a gradient-accumulation loop over one model would.
+  """
+  thetas = _LayerThetas(layer, theta)
+  outputs = []
+  for part in tf.split(x, layer.params.num_microbatches, axis=0):
+    for layer_theta in thetas:
+      part = layer.body.FProp(layer_theta, part)
+    outputs.append(part)
+  return tf.concat(outputs, axis=0)
 
 
 def NaiveWhileLoopPipeline(layer, theta, x):

@@ -46,6 +46,13 @@ class MemoryRow:
   buffer_bytes: int  # [S, rows, dim] float32
   iterations: int
   temp: dict  # 'naive' and each remat policy -> XLA temporary bytes
+  stored_bytes: int  # modelled: what save_all stores per iteration
+
+  @property
+  def extra_vs_model(self):
+    """(save_all - recompute) / (iterations x stored per iteration)."""
+    extra = self.temp['save_all'] - self.temp['recompute']
+    return extra / (self.iterations * self.stored_bytes)
 
 
 # The forward runs twice per step under 'recompute' (forward 1, backward 2,
@@ -153,18 +160,25 @@ def _MemoryTable(cfg, rows):
          'the body (WideBody) has internal activations [rows, expansion, '
          'dim] and fixed [dim, dim] weights. buffer x T = one [S, rows, dim] '
          'buffer per iteration. Varying M: expansion 4; varying the '
-         'expansion: M = 8.', '',
+         'expansion: M = 8. stored x T (modelled, not measured): what '
+         'save_all stores of this body, S x rows x dim x (expansion + 2) '
+         'floats per iteration (tanh(x w1), the sine\'s input, the mean); '
+         'extra / stored = (save_all - recompute) / (stored x T): at most 1 '
+         'when nothing but activations is stored.', '',
          '| varied | value | T | buffer x T KiB | naive KiB | ' +
          ' | '.join(f'{p} KiB' for p in _POLICIES) +
-         ' | save_all / naive | recompute / (buffer x T) |',
-         '|---|---|---|---|---|' + '---|' * len(_POLICIES) + '---|---|']
+         ' | save_all / naive | recompute / (buffer x T) | stored x T KiB '
+         '| extra / stored |',
+         '|---|---|---|---|---|' + '---|' * len(_POLICIES) + '---|---|---|---|']
   for r in rows:
     bt = r.buffer_bytes * r.iterations
     out.append(f'| {r.what} | {r.value} | {r.iterations} | {bt / 1024:.0f} '
                f'| {r.temp["naive"] / 1024:.0f} | ' +
                ' | '.join(f'{r.temp[p] / 1024:.0f}' for p in _POLICIES) +
                f' | {r.temp["save_all"] / r.temp["naive"]:.2f} | '
-               f'{r.temp["recompute"] / bt:.2f} |')
+               f'{r.temp["recompute"] / bt:.2f} | '
+               f'{r.stored_bytes * r.iterations / 1024:.0f} | '
+               f'{r.extra_vs_model:.2f} |')
   wide = [r for r in rows if r.what == 'expansion']
   if len(wide) > 1:
     first, last = wide[0], wide[-1]

@@ -145,8 +145,12 @@ def _MemoryRow(cfg, what, value, m, expansion):
     results[policy] = measure.TempBytes(
         _Maker(s, m, 1, cfg.dim, 0, body=body, remat_policy=policy),
         measure.Pipelined, batch, cfg.dim)
+  # What save_all stores of a WideBody per stage and iteration: tanh(x w1)
+  # and the mean ([rows, dim] each), the sine's input [rows, k, dim].
+  stored = s * rows_per_mb * cfg.dim * (expansion + 2) * 4
   row = report.MemoryRow(what, value, s * rows_per_mb * cfg.dim * 4,
-                         schedule.Schedule(s, m, 1).num_iterations, results)
+                         schedule.Schedule(s, m, 1).num_iterations, results,
+                         stored)
   print(f'  memory {what}={value}: ' +
         ', '.join(f'{k} {v}' for k, v in results.items()), flush=True)
   return row

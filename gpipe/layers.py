@@ -30,7 +30,8 @@ is:
 What varies is delegated: where the weights live (`gpipe.layouts`), which
 circular repeat is in use (`gpipe.repeats`), where tensors are placed
 (`gpipe.sharding`), the schedule's arithmetic (`gpipe.schedule`), the loop
-and its recomputing gradient (`gpipe.recurrent`).
+and its gradient loop (`gpipe.recurrent`), what that gradient stores or
+recomputes (`gpipe.remat`).
 """
 
 from absl import logging

@@ -20,8 +20,8 @@ feeds into its next repeat)::
 
 On a split stage dim the rotation is one collective-permute. Which stage
 works on which microbatch and repeat, and which slots are bubbles, comes
-from `gpipe.schedule.Schedule`; the loop and its recomputing gradient from
-`gpipe.recurrent`.
+from `gpipe.schedule.Schedule`; the loop and its gradient loop from
+`gpipe.recurrent` (what the gradient stores or recomputes: `gpipe.remat`).
 """
 
 import dataclasses
