@@ -91,8 +91,12 @@ def Normalize(p):
       p.Set(**{name: int(p.Get(name))})
   for name in _BOOL_PARAMS:
     p.Set(**{name: bool(p.Get(name))})
-  if p.store_body_intermediates:
-    p.Set(remat_policy='save_all')
+  p.Set(remat_policy=RematPolicy(p))
+
+
+def RematPolicy(p):
+  """The remat policy params ask for (store_body_intermediates: save_all)."""
+  return 'save_all' if p.store_body_intermediates else p.remat_policy
 
 
 def CheckIndex(name, value, bound):

@@ -51,6 +51,7 @@ import tensorflow as tf
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import check_partitioning
 from gpipe import layers as gpipe_layers
+from gpipe import param_checks
 from gpipe import partitioning
 from gpipe import quiet
 from gpipe import remat
@@ -644,8 +645,7 @@ def main(argv=None):
       if not args.num_microbatches:
         raise PlanError('The layer sets no num_microbatches; pass '
                         '--num_microbatches.')
-    policy0 = 'save_all' if stack.store_body_intermediates else (
-        stack.remat_policy)
+    policy0 = param_checks.RematPolicy(stack)
     candidates = [
         Candidate(m, r, policy)
         for policy in (args.remat_policy or [policy0])

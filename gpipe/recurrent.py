@@ -21,9 +21,9 @@ from theta alone. The cell is traced once, with its gradient
 (gpipe.cell_graph), and both loops import that graph.
 
 Gradients reach theta, state0, inputs and float tensors the cell captures
-from outside (found when the cell is traced). Weights
-must reach the cell through theta: a trainable variable read directly inside
-the cell would get no gradient, so that is an error.
+from outside (found when the cell is traced). Weights must reach the cell
+through theta: a trainable variable read directly inside the cell would get
+no gradient, so that is an error.
 
 Works in TF1 graph mode (tf.compat.v1.Session) and in tf.function, with or
 without jit_compile: the loops are while_v2 loops with TensorList stacks,
