@@ -53,6 +53,8 @@ from lingvo.core import base_layer
 from lingvo.core import gshard_utils
 from lingvo.core import py_utils
 
+_NotConvertedByAutograph = tf.autograph.experimental.do_not_convert
+
 NestedMap = py_utils.NestedMap
 
 
@@ -318,6 +320,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     return self.FPropFn(
         theta, 'FProp', *args, padded_per_stage_states=[], **kwargs)
 
+  @_NotConvertedByAutograph
   def FPropFn(self, theta, fn_name, *args, padded_per_stage_states,
               kwargs_no_batch=None, **kwargs):
     """Runs body method `fn_name` over the pipeline.
