@@ -12,10 +12,16 @@ flags work as they do there. What this adds: Lingvo made importable on this
 system (gpipe's import hook), and the models in `params/` registered, so
 `--model=lm.<Name>` finds them. The trainer stops at the model's
 `train.max_steps`; the evaler and decoder jobs evaluate each new checkpoint
-and stop after the one at `train.max_steps`.
+and stop after the one at `train.max_steps`. With `--run_locally`, the
+trainer starts at once: Lingvo's runners otherwise sleep a fixed 30 s
+before their first step, which is there for separate controller and trainer
+jobs; in one local process Lingvo's retry on the global step covers the
+start-up race.
 """
 
 import sys
+import threading
+import time
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 
@@ -35,10 +41,46 @@ def main(argv=None):
     tf.disable_v2_behavior()
   py_utils.SetEagerMode(flags.use_eager)
   model_imports.ImportParams(flags.model)
+  if flags.run_locally:
+    _SkipFixedStartUpWait()
   if _Trains(flags.job) and flags.logdir:
     _WriteScheduleImage(flags.model, flags.logdir)
   flags.unparse_flags()
   tf.app.run(trainer.main, argv=argv)
+
+
+class _ClockWithoutStartUpWait:
+  """Stands in for the `time` module in lingvo.base_runner: its sleeps
+  are skipped in the thread of a runner waiting for the model to be
+  initialized, and only there (other runners' polling sleeps stay)."""
+
+  def __init__(self):
+    self.waiting = threading.local()
+
+  def __getattr__(self, name):
+    return getattr(time, name)
+
+  def sleep(self, seconds):
+    if not getattr(self.waiting, 'active', False):
+      time.sleep(seconds)
+
+
+def _SkipFixedStartUpWait():
+  """BaseRunner._WaitUntilInit without its fixed sleep (see the module
+  docstring); its retry loop on the global step is unchanged."""
+  from lingvo import base_runner  # pylint: disable=g-import-not-at-top
+  clock = _ClockWithoutStartUpWait()
+  base_runner.time = clock
+  wait_until_init = base_runner.BaseRunner._WaitUntilInit  # pylint: disable=protected-access
+
+  def WaitUntilInit(runner, *args, **kwargs):
+    clock.waiting.active = True
+    try:
+      return wait_until_init(runner, *args, **kwargs)
+    finally:
+      clock.waiting.active = False
+
+  base_runner.BaseRunner._WaitUntilInit = WaitUntilInit  # pylint: disable=protected-access
 
 
 def _Trains(job):

@@ -9,9 +9,11 @@ import collections
 import pathlib
 import subprocess
 import sys
+import threading
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
+from gpipe import lingvo_trainer
 from gpipe import stage_call
 from gpipe import trainer
 from lingvo import model_registry
@@ -108,3 +110,22 @@ def test_trainer_evaler_and_decoder_jobs_then_resume(tmp_path):
       'ckpt-00000130')
   newest = _Events(logdir / 'train')[-1]
   assert min(newest['loss']) > steps, sorted(newest['loss'])
+
+
+def test_local_runs_skip_only_the_waiting_runners_sleep(monkeypatch):
+  """The clock lingvo.base_runner gets with --run_locally: a runner waiting
+  for the model to be initialized does not sleep; every other sleep, in
+  other threads (the evaler's checkpoint polling), still happens."""
+  slept = []
+  monkeypatch.setattr(lingvo_trainer.time, 'sleep', slept.append)
+  clock = lingvo_trainer._ClockWithoutStartUpWait()  # pylint: disable=protected-access
+  clock.sleep(10)
+  clock.waiting.active = True
+  clock.sleep(30)
+  other = threading.Thread(target=clock.sleep, args=(7,))
+  other.start()
+  other.join()
+  clock.waiting.active = False
+  clock.sleep(5)
+  assert slept == [10, 7, 5]
+  assert clock.time is lingvo_trainer.time.time  # the rest is `time`'s
