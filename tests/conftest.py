@@ -7,9 +7,26 @@ send them to the controller, which reports the largest of all.
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 _WORKER_ERRORS = []
+
+
+@pytest.fixture(autouse=True)
+def _eager_random_ops_start_afresh():
+  """Each test's eager random values depend on the test alone.
+
+  An eager random op with an op seed (Lingvo's weight initializers) also
+  counts how often that seed has run in the process, so without a reset a
+  test's initial weights would depend on which tests its xdist worker ran
+  before it.
+  """
+  tf = sys.modules.get('tensorflow')
+  if tf is not None:
+    tf.random.set_seed(0)
+  yield
 
 
 def _LocalErrors():
