@@ -53,38 +53,73 @@ def _Step(layer, x, paddings):
   return out, [tf.convert_to_tensor(g) for g in grads], variables
 
 
+def _Inputs(batch):
+  rng = np.random.RandomState(0)
+  x = rng.normal(size=[batch, TIME, DIM]).astype(np.float32)
+  paddings = np.zeros([batch, TIME], np.float32)
+  paddings[:, -1] = rng.randint(0, 2, [batch])
+  return x, paddings
+
+
+def _Layers(s, m, r, shard):
+  """gpipe's layer, built by Lingvo's client under the switch, and Lingvo's
+  own layer running the layers one after another (the reference)."""
+  with lingvo_compat.UseGpipeInLingvo():
+    ours = _Params(s, m, r, 'never', shard).Instantiate()
+  assert isinstance(ours.pipeline, layers.PipelinedLayer)
+  theirs = _Params(s, m, r, 'always').Set(name='reference').Instantiate()
+  assert not isinstance(theirs.pipeline, layers.PipelinedLayer)
+  # Same variables: Lingvo's names (under each layer's own name) and shapes.
+  names = [v.name.replace('pipelined', '<name>') for v in ours.vars.Flatten()]
+  assert names == [v.name.replace('reference', '<name>')
+                   for v in theirs.vars.Flatten()]
+  assert ([v.shape for v in ours.vars.Flatten()] ==
+          [v.shape for v in theirs.vars.Flatten()])
+  return ours, theirs, names
+
+
+def _AssertEqualSteps(got, want, names):
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  for name, g, w in zip(names + ['input'], got[1], want[1]):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert np.abs(w).max() > 0, name
+
+
 @pytest.mark.parametrize('s,m,r,shard', [
     (2, 2, 1, False), (2, 4, 2, False), (4, 2, 1, True), (2, 3, 2, True)])
 def test_pipelined_transformer_layers_equal_lingvos_unrolled(s, m, r, shard):
-  batch = 2 * m
-  rng = np.random.RandomState(0)
-  x_np = rng.normal(size=[batch, TIME, DIM]).astype(np.float32)
-  pad_np = np.zeros([batch, TIME], np.float32)
-  pad_np[:, -1] = rng.randint(0, 2, [batch])
+  x_np, pad_np = _Inputs(2 * m)
   with tf.Graph().as_default():
-    with lingvo_compat.UseGpipeInLingvo():
-      ours = _Params(s, m, r, 'never', shard).Instantiate()
-    assert isinstance(ours.pipeline, layers.PipelinedLayer)
-    # Lingvo's own layer, running the layers one after another.
-    theirs = _Params(s, m, r, 'always').Set(name='reference').Instantiate()
-    assert not isinstance(theirs.pipeline, layers.PipelinedLayer)
+    ours, theirs, names = _Layers(s, m, r, shard)
     x = tf.constant(x_np)
     paddings = tf.constant(pad_np)
     out, grads, variables = _Step(ours, x, paddings)
     ref_out, ref_grads, ref_vars = _Step(theirs, x, paddings)
-    # Same variables: Lingvo's names (under each layer's own name) and shapes.
-    names = [v.name.replace('pipelined', '<name>') for v in variables]
-    assert names == [v.name.replace('reference', '<name>') for v in ref_vars]
-    assert [v.shape for v in variables] == [v.shape for v in ref_vars]
     copy = [r.assign(v) for r, v in zip(ref_vars, variables)]
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       sess.run(copy)
       got, want = sess.run(((out, grads), (ref_out, ref_grads)))
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
-  for name, g, w in zip(names + ['input'], got[1], want[1]):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
-    assert np.abs(w).max() > 0, name
+  _AssertEqualSteps(got, want, names)
+
+
+def test_pipelined_transformer_layers_under_jit():
+  """The same comparison in TF2, tf.function(jit_compile=True): circular,
+  shard_stages_1d (Lingvo's own layer runs neither on one CPU device)."""
+  s, m, r = 2, 4, 2
+  x_np, pad_np = _Inputs(2 * m)
+  ours, theirs, names = _Layers(s, m, r, True)
+  for ref, v in zip(theirs.vars.Flatten(), ours.vars.Flatten()):
+    ref.assign(v)
+
+  @tf.function(jit_compile=True, autograph=False)
+  def Steps(x, paddings):
+    return [_Step(layer, x, paddings)[:2] for layer in (ours, theirs)]
+
+  got, want = tf.nest.map_structure(lambda t: t.numpy(),
+                                    Steps(tf.constant(x_np),
+                                          tf.constant(pad_np)))
+  _AssertEqualSteps(got, want, names)
 
 
 @pytest.mark.parametrize('s,m,r', [(2, 2, 1), (2, 4, 2)])
