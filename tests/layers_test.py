@@ -192,11 +192,26 @@ def test_premicrobatched_inputs_unrolled_need_a_shared_leading_dim():
       layer.FProp(layer.theta, tf.zeros([3, 2, 4]), scale=tf.zeros([2, 2, 4]))
 
 
-@pytest.mark.parametrize('mode', MODES)
-@pytest.mark.parametrize('body', ['dense', 'multi', 'stage_parallel'])
-@pytest.mark.parametrize('policy', ['save_dots', 'save_all'])
-@pytest.mark.parametrize('s,m,r', [(3, 4, 2), (4, 6, 1), (2, 5, 1)])
-def test_remat_policies(policy, body, s, m, r, mode):
+# Every storing policy x body x shape in graph mode; under jit each policy
+# with each body once, the shapes rotating (XLA compiles the stored stacks
+# per body, not per shape).
+_REMAT_BODIES = ('dense', 'multi', 'stage_parallel')
+_REMAT_SHAPES = ((3, 4, 2), (4, 6, 1), (2, 5, 1))
+_REMAT_CASES = (
+    [(policy, body, shape, 'graph')
+     for policy in ('save_dots', 'save_all')
+     for body in _REMAT_BODIES for shape in _REMAT_SHAPES] +
+    [(policy, body, _REMAT_SHAPES[(i + j) % len(_REMAT_SHAPES)], 'jit')
+     for i, policy in enumerate(('save_dots', 'save_all'))
+     for j, body in enumerate(_REMAT_BODIES)])
+
+
+@pytest.mark.parametrize(
+    'policy,body,shape,mode', _REMAT_CASES,
+    ids=['{}-{}-{}-{}-{}-{}'.format(p, b, *shape, mode)
+         for p, b, shape, mode in _REMAT_CASES])
+def test_remat_policies(policy, body, shape, mode):
+  s, m, r = shape
   harness.CheckCase(
       Case(body=body, num_stages=s, num_microbatches=m, circular_repeat=r,
            batch=2 * m, remat_policy=policy), mode)

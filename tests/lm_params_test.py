@@ -1,7 +1,10 @@
 """The Lingvo model params in params/lm.py, the trainer and the demo."""
 
 import os
+import pathlib
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +19,8 @@ from lingvo.core import base_model
 import params.lm as lm
 
 stage_call.EnsureFlagsParsed()
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def _TinyCfg(*, num_stages=2, circular_repeat=1, num_microbatches=3,
@@ -289,11 +294,21 @@ def test_resuming_from_a_checkpoint_continues_as_if_never_stopped(tmp_path):
   assert tf.train.latest_checkpoint(resumed_dir).endswith('b/ckpt-6')
 
 
-def test_demo_trains_checks_and_draws_the_schedule(tmp_path, capsys):
+def test_demo_trains_checks_and_draws_the_schedule(tmp_path):
+  """Run as a user runs it (python -m, a fresh process): it prints its own
+  lines only, none of TensorFlow's or Lingvo's logs."""
   out = tmp_path / 'schedule.png'
-  assert demo.main(['--steps', '3', '--logdir', str(tmp_path / 'run'),
-                    '--out', str(out)]) == 0
-  text = capsys.readouterr().out
+  env = dict(os.environ)
+  env.pop('TF_CPP_MIN_LOG_LEVEL', None)  # as in a user's shell
+  run = subprocess.run(
+      [sys.executable, '-m', 'gpipe.demo', '--steps', '3', '--logdir',
+       str(tmp_path / 'run'), '--out', str(out)],
+      cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600,
+      check=False)
+  assert run.returncode == 0, run.stderr
+  assert run.stderr == ''
+  text = run.stdout
+  assert 'model_imports' not in text
   assert 'pipelined vs unrolled at step 0' in text
   # The check ran on the training model's own weights and first batch: its
   # loss is the loss of training step 0.

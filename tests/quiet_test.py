@@ -1,7 +1,8 @@
 """The commands print their own lines only; --verbose brings the logs back.
 
 Run as a user runs them (python -m, a fresh process), since the noise comes
-from TensorFlow's C++ libraries loading and from Lingvo's model registry.
+from TensorFlow's C++ libraries loading and from Lingvo's model registry. (The demo's run is checked for the same in
+lm_params_test.test_demo_trains_checks_and_draws_the_schedule.)
 """
 
 import os
@@ -35,12 +36,3 @@ def test_check_partitioning_is_quiet_and_verbose_on_request():
   verbose = _Command(*_CHECK, '--verbose')
   assert verbose.returncode == 0, verbose.stderr
   assert verbose.stderr.strip()  # TensorFlow's own start-up lines
-
-
-def test_demo_prints_its_own_lines_only(tmp_path):
-  run = _Command('gpipe.demo', '--steps', '1', '--logdir',
-                 str(tmp_path / 'run'))
-  assert run.returncode == 0, run.stderr
-  assert run.stderr == ''
-  assert 'pipelined vs unrolled at step 0' in run.stdout
-  assert 'model_imports' not in run.stdout
