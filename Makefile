@@ -14,8 +14,10 @@ $(VENV)/.installed: pyproject.toml tools/install.py
 demo: $(VENV)/.installed
 	$(PY) -m gpipe.demo
 
+# worksteal: each worker starts on a contiguous half of the tests (module
+# fixtures built once) and takes over the other's tail when it runs dry.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadscope tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 clean:
 	rm -rf $(VENV)
