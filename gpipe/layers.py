@@ -53,6 +53,8 @@ from lingvo.core import base_layer
 from lingvo.core import gshard_utils
 from lingvo.core import py_utils
 
+# The layer's methods that run the body: under tf.function, autograph traces
+# them (and the body) as written, as a tf.Graph would (see README, TF2).
 _NotConvertedByAutograph = tf.autograph.experimental.do_not_convert
 
 NestedMap = py_utils.NestedMap
@@ -177,6 +179,7 @@ class PipelinedLayer(base_layer.BaseLayer):
   # ---------------------------------------------------------------------------
   # Per-stage states (incremental decoding).
 
+  @_NotConvertedByAutograph
   def BodyFPropNoMicrobatching(self, theta, fn_name, *args, **kwargs):
     """Runs body method `fn_name` for every stage on the whole batch.
 
@@ -199,6 +202,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     out = self._layout.RunEveryStage(self._body, fn_name, theta, args, kwargs)
     return self._placement.SplitStages(out, 0), tf.no_op()
 
+  @_NotConvertedByAutograph
   def BodyFProp(self, theta, fn_name, iteration, num_microbatches, *args,
                 kwargs_no_batch=None, **kwargs):
     """Every stage's body call of one pipeline iteration, as Lingvo's has it.
