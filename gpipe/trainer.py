@@ -25,6 +25,7 @@ from gpipe import microbatch
 from gpipe import schedule as schedule_lib
 from gpipe import schedule_plot
 from gpipe import stage_call
+from lingvo.core import cluster_factory
 
 _CHECKPOINT_NAME = 'ckpt'
 
@@ -111,9 +112,12 @@ def Train(cfg, steps, logdir=None, progress=None, on_start=None,
       history.append(result)
       if progress:
         progress.Update(result)
-      if events and (step == start_step or (step + 1) % summary_every == 0 or
-                     step + 1 == steps):
-        events.Write(step, metrics, result.seconds)
+      # Labelled, as Lingvo's trainer labels them, with the global step
+      # after the update (the step a checkpoint taken now would have).
+      done = step + 1
+      if events and (step == start_step or done % summary_every == 0 or
+                     done == steps):
+        events.Write(done, metrics, result.seconds)
       if logdir and save_every and (step + 1) % save_every == 0:
         _Save(sess, tg, logdir)
     if progress:
@@ -190,7 +194,9 @@ def DecodeHeldOut(cfg, logdir):
   if not latest:
     raise ValueError(f'No checkpoint in {logdir} to decode with.')
   graph = tf.Graph()
-  with graph.as_default():
+  # In eval mode, as Lingvo's decoder job builds it: no dropout, which would
+  # draw other masks in the incremental and the full-sequence decoding.
+  with graph.as_default(), cluster_factory.SetEval(True):
     model = cfg.Instantiate()
     task = model.GetTask()
     batch = task.input_generator.GetPreprocessedInputBatch()

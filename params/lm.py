@@ -59,13 +59,14 @@ class CopyTaskInput(base_input_generator.BaseInputGenerator):
     p.Define('held_out_batches', 0,
              '0: training data, batch b of global step s (see the class '
              'doc). N > 0: a fixed held-out set of N batches (Dev, Test), '
-             'read in turn from the first each time a session starts.')
+             'read in turn, cyclically.')
     p.batch_size = 32
     return p
 
   def __init__(self, params):
     super().__init__(params)
     self.ValidateParams(self.params)
+    self._held_out_counter = None  # see _NextHeldOutIndex
 
   @classmethod
   def ValidateParams(cls, p):
@@ -94,12 +95,18 @@ class CopyTaskInput(base_input_generator.BaseInputGenerator):
     return MakeCopyBatch(seed, p.batch_size, p.copy_length, p.vocab_size)
 
   def _NextHeldOutIndex(self):
-    """0, 1, ..., N - 1, 0, ... per session run; a local variable, so every
-    session (each evaluated checkpoint) starts again from batch 0."""
-    counter = tf.Variable(
-        tf.constant(0, tf.int64), trainable=False, name='held_out_batch',
-        collections=[tf.GraphKeys.LOCAL_VARIABLES])
-    taken = tf.assign_add(counter, 1, use_locking=True) - 1
+    """0, 1, ..., N - 1, 0, ... one per read (session run, or eager call).
+
+    Any N consecutive reads are the whole held-out set once, whichever batch
+    they start from: the evaler and decoder read num_samples = N batches
+    per checkpoint. The counter is a local variable (not checkpointed),
+    made once per input generator.
+    """
+    if self._held_out_counter is None:
+      self._held_out_counter = tf.Variable(
+          tf.constant(0, tf.int64), trainable=False, name='held_out_batch',
+          collections=[tf.GraphKeys.LOCAL_VARIABLES])
+    taken = self._held_out_counter.assign_add(1, use_locking=True) - 1
     return tf.math.floormod(taken, self.params.held_out_batches)
 
 
@@ -342,6 +349,14 @@ class PipelinedLMTask(base_model.BaseTask):
     """
     batch, prompt_len = py_utils.GetShape(prompt)
     total = prompt_len + num_tokens
+    # Positions 0 .. total - 2 are fed (the last token is only predicted).
+    max_len = self.params.max_seq_len
+    if isinstance(total, int) and total - 1 > max_len:
+      raise ValueError(
+          f'GreedyDecode: a prompt of {prompt_len} tokens and {num_tokens} '
+          f'tokens to decode feed {total - 1} positions, more than the '
+          f'model\'s max_seq_len={max_len}. Decode fewer tokens or raise '
+          'max_seq_len.')
     ids = tf.pad(prompt, [[0, 0], [0, num_tokens]])
 
     def Step(t, ids, states):
@@ -400,7 +415,7 @@ class PipelinedLMTask(base_model.BaseTask):
     }
 
   def PostProcessDecodeOut(self, decode_out_dict, decode_metrics_dict):
-    """Scores the greedy copies; returns (key, 'prompt -> decoded') lines."""
+    """Scores the greedy copies; returns (prompt, decoded) token lines."""
     decoded = decode_out_dict['decoded']
     targets = decode_out_dict['targets']
     correct = decoded == targets
@@ -409,10 +424,10 @@ class PipelinedLMTask(base_model.BaseTask):
     decode_metrics_dict['token_accuracy'].Update(correct.mean(), correct.size)
     decode_metrics_dict['exact_copy_accuracy'].Update(
         correct.all(axis=1).mean(), batch)
-    return [(f'{i}', f'{" ".join(map(str, prompt))} -> '
-                     f'{" ".join(map(str, tokens))}')
-            for i, (prompt, tokens) in enumerate(
-                zip(decode_out_dict['prompts'], decoded))]
+    # Keyed by the prompt (Lingvo keeps one value per key over all
+    # batches; equal prompts decode to equal tokens).
+    return [(' '.join(map(str, prompt)), ' '.join(map(str, tokens)))
+            for prompt, tokens in zip(decode_out_dict['prompts'], decoded)]
 
 
 def _Argmax(logits):

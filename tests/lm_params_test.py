@@ -1,5 +1,6 @@
 """The Lingvo model params in params/lm.py, the trainer and the demo."""
 
+import glob
 import os
 import pathlib
 import re
@@ -292,6 +293,69 @@ def test_resuming_from_a_checkpoint_continues_as_if_never_stopped(tmp_path):
   # The losses moved, so equality above is not trivial.
   assert len({round(r.loss, 6) for r in straight}) > 1
   assert tf.train.latest_checkpoint(resumed_dir).endswith('b/ckpt-6')
+
+
+def _EventScalars(logdir):
+  """{tag: {step: value}} of the scalars in logdir's event files."""
+  tags = {}
+  for path in sorted(glob.glob(os.path.join(logdir, 'events.out.tfevents.*'))):
+    for event in tf.compat.v1.train.summary_iterator(path):
+      for value in event.summary.value:
+        if value.HasField('simple_value'):
+          tags.setdefault(value.tag, {})[event.step] = value.simple_value
+        elif value.HasField('image'):
+          tags.setdefault(value.tag, {})[event.step] = 'image'
+  return tags
+
+
+def test_training_events_and_decoding_with_dropout(tmp_path):
+  """The events Train writes are labelled like Lingvo's trainer's (the
+  global step after the update); DecodeHeldOut decodes in eval mode, so a
+  model trained with dropout decodes without it, incrementally and in the
+  full-sequence check alike."""
+  logdir = str(tmp_path / 'run')
+  cfg = _TinyCfg(dropout_prob=0.3)
+  history = trainer.Train(cfg, steps=3, logdir=logdir, summary_every=2)
+  tags = _EventScalars(logdir)
+  assert sorted(tags['loss']) == [1, 2, 3]  # first, every 2nd, last
+  assert [tags['loss'][r.step + 1] for r in history] == pytest.approx(
+      [r.loss for r in history], rel=1e-6)
+  assert sorted(tags['step_time_seconds']) == [1, 2, 3]
+  assert sorted(tags['accuracy']) == [1, 2, 3]
+  stages = sorted(t for t in tags if t.startswith('activation_rms/stage_'))
+  assert [t.split('/')[1] for t in stages] == ['stage_0', 'stage_1'], stages
+  assert tags['pipeline_schedule'] == {0: 'image'}
+  assert trainer.CheckpointStep(logdir) == 3
+
+  held_out = _TinyCfg(dropout_prob=0.3)
+  held_out.input.Set(data_seed=99, held_out_batches=2,
+                     num_samples=2 * held_out.input.batch_size)
+  decoding = trainer.DecodeHeldOut(held_out, logdir)
+  assert decoding.num_sequences == 12
+  assert decoding.agreement == 1.0, decoding.Describe()
+  assert decoding.Agrees()
+
+
+def test_decoder_output_lines_and_metrics():
+  with tf.Graph().as_default():
+    task = _TinyCfg().Instantiate().GetTask()
+  metrics = task.CreateDecoderMetrics()
+  lines = task.PostProcessDecodeOut(
+      dict(prompts=np.array([[2, 3, 4, 1], [5, 6, 7, 1]]),
+           decoded=np.array([[2, 3, 4], [5, 7, 7]]),
+           targets=np.array([[2, 3, 4], [5, 6, 7]])), metrics)
+  assert lines == [('2 3 4 1', '2 3 4'), ('5 6 7 1', '5 7 7')]
+  assert metrics['exact_copy_accuracy'].value == pytest.approx(0.5)
+  assert metrics['token_accuracy'].value == pytest.approx(5 / 6)
+
+
+def test_greedy_decoding_longer_than_the_positions_is_refused():
+  with tf.Graph().as_default():
+    task = _TinyCfg().Instantiate().GetTask()  # max_seq_len 6
+    with pytest.raises(ValueError, match=r'GreedyDecode: a prompt of 4 '
+                       r'tokens and 4 tokens to decode feed 7 positions, '
+                       r"more than the model's max_seq_len=6"):
+      task.GreedyDecode(task.theta, tf.ones([6, 4], tf.int32), 4)
 
 
 def test_demo_trains_checks_and_draws_the_schedule(tmp_path):
