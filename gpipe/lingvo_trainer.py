@@ -32,14 +32,11 @@ def main(argv=None):
   from lingvo import trainer  # pylint: disable=g-import-not-at-top
   from lingvo import compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo import model_imports  # pylint: disable=g-import-not-at-top
-  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
 
   flags = tf.flags.FLAGS
   tf.flags.mark_flag_as_required('model')
   flags(argv, known_only=True)
-  if flags.disable_tf2:
-    tf.disable_v2_behavior()
-  py_utils.SetEagerMode(flags.use_eager)
+  _SetUpAsLingvosTrainerDoes(flags)
   model_imports.ImportParams(flags.model)
   if flags.run_locally:
     _SkipFixedStartUpWait()
@@ -47,6 +44,20 @@ def main(argv=None):
     _WriteScheduleImage(flags.model, flags.logdir)
   flags.unparse_flags()
   tf.app.run(trainer.main, argv=argv)
+
+
+def _SetUpAsLingvosTrainerDoes(flags):
+  """What Lingvo's trainer program does with its flags before its main,
+  in its order (TF1 behaviour, eager mode, eager functions, tf.data debug
+  mode)."""
+  from lingvo import compat as tf  # pylint: disable=g-import-not-at-top
+  from lingvo.core import py_utils  # pylint: disable=g-import-not-at-top
+  if flags.disable_tf2:
+    tf.disable_v2_behavior()
+  py_utils.SetEagerMode(flags.use_eager)
+  tf.config.run_functions_eagerly(flags.run_functions_eagerly)
+  if flags.enable_tf_data_debug_mode:
+    tf.data.experimental.enable_debug_mode()
 
 
 class _ClockWithoutStartUpWait:
@@ -95,7 +106,8 @@ def _WriteScheduleImage(model, logdir):
 
   Lingvo's controller writes the graph's image summaries on its own
   10-second cadence, which a short run never reaches; this is written once,
-  before training, from the params alone.
+  before training, from the params alone. Models whose task holds no
+  pipelined `stack` (a multi-task model, say) get none.
   """
   import os  # pylint: disable=g-import-not-at-top
   from gpipe import layers  # pylint: disable=g-import-not-at-top
@@ -103,7 +115,8 @@ def _WriteScheduleImage(model, logdir):
   from lingvo import model_registry  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   cfg = model_registry.GetParams(model, 'Train')
-  stack = cfg.task.Get('stack') if 'stack' in cfg.task else None
+  task = cfg.Get('task') if 'task' in cfg else None  # None: multi-task
+  stack = task.Get('stack') if task is not None and 'stack' in task else None
   if stack is None or not issubclass(stack.cls, layers.PipelinedLayer):
     return
   train_dir = os.path.join(logdir, 'train')

@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 import threading
+import types
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
@@ -17,6 +18,8 @@ from gpipe import lingvo_trainer
 from gpipe import stage_call
 from gpipe import trainer
 from lingvo import model_registry
+from lingvo.core import base_model
+from lingvo.core import base_model_params
 import params.lm  # pylint: disable=unused-import
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -129,3 +132,37 @@ def test_local_runs_skip_only_the_waiting_runners_sleep(monkeypatch):
   clock.sleep(5)
   assert slept == [10, 7, 5]
   assert clock.time is lingvo_trainer.time.time  # the rest is `time`'s
+
+
+def test_lingvos_start_up_flags_take_effect():
+  """As in Lingvo's trainer program: e.g. --run_functions_eagerly."""
+  flags = types.SimpleNamespace(
+      disable_tf2=False, use_eager=False, run_functions_eagerly=True,
+      enable_tf_data_debug_mode=False)
+  try:
+    lingvo_trainer._SetUpAsLingvosTrainerDoes(flags)  # pylint: disable=protected-access
+    assert tf.config.functions_run_eagerly()
+  finally:
+    tf.config.run_functions_eagerly(False)
+
+
+@model_registry.RegisterMultiTaskModel
+class _TwoTasks(base_model_params.MultiTaskModelParams):
+  """A multi-task model: its params have no single `task`."""
+
+  def Train(self):
+    return base_model_params.MultiTaskModelParams.Train(self)
+
+  def Model(self):
+    return base_model.MultiTaskModel.Params()
+
+
+def test_schedule_image_only_for_a_task_with_a_pipelined_stack(tmp_path):
+  stage_call.EnsureFlagsParsed()  # the model registry reads flags
+  name = next(k for k in model_registry.GetAllRegisteredClasses()
+              if k.endswith('_TwoTasks'))
+  lingvo_trainer._WriteScheduleImage(name, str(tmp_path / 'multi'))  # pylint: disable=protected-access
+  assert not (tmp_path / 'multi').exists()
+  lingvo_trainer._WriteScheduleImage(_MODEL, str(tmp_path / 'lm'))  # pylint: disable=protected-access
+  images = _Merged(_Events(tmp_path / 'lm' / 'train'))['pipeline_schedule']
+  assert images[0][:8] == b'\x89PNG\r\n\x1a\n'
