@@ -61,7 +61,8 @@ class CellGraph:
     captures: the outer tensors the cell reads (other than its arguments).
     differentiable: per group ('theta', 'state', 'inputs', 'captures'), the
       flat indices whose gradients Backward returns.
-    forward_ops, gradient_ops: the ops of the two parts (for policies; the
+    forward_ops, gradient_ops: the ops of the two parts (for policies; of
+      the gradient part only those the gradients need; the
       gradient part is built when first needed).
     stored: names of the activations the forward loop stores.
   """
@@ -89,16 +90,17 @@ class CellGraph:
           extras, [tf.TensorSpec(e.shape, e.dtype) for e in flat_extras])
       _CheckStaticShapes(flat_extras)
       self.forward_ops = list(graph.get_operations())
+      _CheckNoVariableWrites(self.forward_ops)
 
-      captured = [(ext, internal) for ext, internal in graph.captures]
-      self.captures = [ext for ext, _ in captured]
-      flat_caps = [internal for _, internal in captured]
-      groups = dict(theta=flat_theta, state=flat_state, inputs=flat_inputs,
-                    captures=flat_caps)
-      self.differentiable = {
-          k: [i for i, x in enumerate(v) if IsDifferentiable(x)]
-          for k, v in groups.items()
-      }
+    captured = _WithVariablesReadOutside(graph.captures)
+    self.captures = [ext for ext, _ in captured]
+    flat_caps = [internal for _, internal in captured]
+    groups = dict(theta=flat_theta, state=flat_state, inputs=flat_inputs,
+                  captures=flat_caps)
+    self.differentiable = {
+        k: [i for i, x in enumerate(v) if IsDifferentiable(x)]
+        for k, v in groups.items()
+    }
     self._graph = graph
     self._groups = groups
     self._flat_new = flat_new
@@ -167,7 +169,8 @@ class CellGraph:
       grads = tf.gradients(ys, xs, grad_ys=self._d_state + self._d_extras,
                            unconnected_gradients=tf.UnconnectedGradients.ZERO)
       self._grads = [tf.convert_to_tensor(g) for g in grads]
-    self._gradient_ops = self._graph.get_operations()[num_ops:]
+    self._gradient_ops = _OpsNeededBy(
+        self._grads, self._graph.get_operations()[num_ops:])
 
   def _GraphDef(self):
     """The graph as it is now (the gradient part may come later)."""
@@ -243,6 +246,7 @@ class CellGraph:
       The gradients of the differentiable theta, state, inputs and captures
       entries (see `differentiable`), flat, in that order.
     """
+    _CheckNoStatefulRandomOps(self.forward_ops)
     self._BuildGradient()
     input_map = self._InputMap(theta, state, inputs_t, captures)
     input_map.update(
@@ -262,12 +266,106 @@ class CellGraph:
     return t.dtype, t.shape
 
 
+# Stateful random ops draw anew each time they run. (Their stateless
+# counterparts, tf.random.stateless_*, compute from a seed tensor.)
+_STATEFUL_RANDOM_OPS = frozenset([
+    'RandomUniform', 'RandomUniformInt', 'RandomStandardNormal',
+    'TruncatedNormal', 'ParameterizedTruncatedNormal', 'Multinomial',
+    'RandomGamma', 'RandomPoisson', 'RandomPoissonV2', 'RandomShuffle',
+    'StatefulUniform', 'StatefulUniformInt', 'StatefulUniformFullInt',
+    'StatefulStandardNormal', 'StatefulStandardNormalV2',
+    'StatefulTruncatedNormal', 'StatefulRandomBinomial', 'RngSkip',
+    'RngReadAndSkip'
+])
+
+# Ops that read a variable without changing it.
+_VARIABLE_READS = frozenset([
+    'ReadVariableOp', 'ResourceGather', 'ResourceGatherNd', 'VariableShape',
+    'VarIsInitializedOp'
+])
+
+
+def _CheckNoStatefulRandomOps(ops):
+  """The backward pass recomputes the cell: it must draw what the forward
+  pass drew, which a stateful random op does not."""
+  found = sorted({op.type for op in ops if op.type in _STATEFUL_RANDOM_OPS})
+  if found:
+    raise ValueError(
+        'Recurrent cell_fn (for a PipelinedLayer: its body) draws random '
+        f'numbers with stateful ops ({", ".join(found)}: e.g. '
+        'tf.random.uniform, or dropout without a stateless seed). The '
+        'backward pass recomputes each iteration and would draw other '
+        'numbers than the forward pass did, so the gradients would be '
+        'wrong. Use stateless random ops seeded per step (in Lingvo: '
+        'layers.DeterministicDropoutLayer, attention\'s '
+        'atten_dropout_deterministic=True; the pipeline gives every stage '
+        'and microbatch its own step seed, see py_utils.GenerateStepSeedPair).')
+
+
+def _CheckNoVariableWrites(ops):
+  """Variables must not change inside the loops: the backward pass re-runs
+  the cell (writing again), and ops whose results nothing reads are pruned
+  (writing never)."""
+  writes = sorted({op.type for op in ops if _WritesAVariable(op)})
+  if writes:
+    raise ValueError(
+        'Recurrent cell_fn changes variables inside the loop '
+        f'({", ".join(writes)}). Carry the value in the state instead and '
+        'assign it after the loop (a PipelinedLayer does this for its '
+        'body\'s non-trainable variables).')
+
+
+def _WritesAVariable(op):
+  if op.type in _VARIABLE_READS:
+    return False
+  return (any(t.dtype == tf.resource for t in op.inputs) and
+          any(word in op.type for word in ('Assign', 'Scatter', 'Apply')))
+
+
+def _WithVariablesReadOutside(captures):
+  """(outer tensor, cell tensor) pairs the cell is fed with.
+
+  A captured variable that the cell only reads is read once, outside the
+  loops, and each read in the cell is fed that value: every iteration, and
+  the backward pass, see the value the forward pass started with (a later
+  assignment cannot reach the recomputation), and no resource handle needs
+  to enter the loop bodies (where XLA could not compile the stand-in an
+  imported handle needs).
+  """
+  pairs = []
+  for outer, inner in captures:
+    readers = inner.consumers()
+    if (inner.dtype == tf.resource and readers and
+        all(op.type == 'ReadVariableOp' for op in readers)):
+      pairs.extend(
+          (tf.raw_ops.ReadVariableOp(resource=outer, dtype=op.outputs[0].dtype),
+           op.outputs[0]) for op in readers)
+    else:
+      pairs.append((outer, inner))
+  return pairs
+
+
 def _CheckStaticShapes(flat_extras):
   for e in flat_extras:
     if not e.shape.is_fully_defined():
       raise ValueError(
           'Recurrent cell_fn extras must have static shapes; got '
           f'{tf.TensorSpec(e.shape, e.dtype)}.')
+
+
+def _OpsNeededBy(tensors, ops):
+  """Those of `ops` that computing `tensors` runs (tf.gradients also
+  builds ops whose results it then drops, e.g. towards a stop_gradient)."""
+  among = set(ops)
+  needed, work = set(), [t.op for t in tensors]
+  while work:
+    op = work.pop()
+    if op in needed or op not in among:
+      continue
+    needed.add(op)
+    work.extend(t.op for t in op.inputs)
+    work.extend(op.control_inputs)
+  return [op for op in ops if op in needed]
 
 
 def _ManualTensors(ops):

@@ -23,7 +23,10 @@ from theta alone. The cell is traced once, with its gradient
 Gradients reach theta, state0, inputs and float tensors the cell captures
 from outside (found when the cell is traced). Weights must reach the cell
 through theta: a trainable variable read directly inside the cell would get
-no gradient, so that is an error.
+no gradient, so that is an error. Other variables the cell reads are read
+once, before the loops; writing one inside the cell is an error, and so is
+differentiating a cell with stateful random ops (the recomputation would
+draw other numbers).
 
 Works in TF1 graph mode (tf.compat.v1.Session) and in tf.function, with or
 without jit_compile: the loops are while_v2 loops with TensorList stacks,
@@ -142,10 +145,6 @@ def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations):
   return states, final, extras, stacked[n_state + n_extras:]
 
 
-def _Accumulate(total, grad):
-  if isinstance(grad, tf.IndexedSlices):
-    grad = tf.convert_to_tensor(grad)
-  return total + grad
 
 
 def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
@@ -194,9 +193,9 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     for j, i in enumerate(diff['state']):
       direct = tf.where(t > 0, tf.gather(flat_d_states[i], prev),
                         tf.zeros_like(g_state[j]))
-      new_d_state.append(_Accumulate(direct, g_state[j]))
-    new_acc_theta = [_Accumulate(a, g) for a, g in zip(acc_theta, g_theta)]
-    new_acc_caps = [_Accumulate(a, g) for a, g in zip(acc_caps, g_caps)]
+      new_d_state.append(direct + g_state[j])
+    new_acc_theta = [a + g for a, g in zip(acc_theta, g_theta)]
+    new_acc_caps = [a + g for a, g in zip(acc_caps, g_caps)]
     new_lists = [
         list_ops.tensor_list_set_item(l, t, g)
         for l, g in zip(input_lists, g_inputs)

@@ -9,7 +9,11 @@ from what was stored, the carried buffer and the weights:
     recompute   the buffer (always stored)    the whole forward of the body
     save_dots   + matmul / einsum outputs     the elementwise rest
     save_all    + every activation the        nothing of the activations
-                  gradient reads
+                  gradient reads                (but control flow: below)
+
+A tf.cond or tf.while_loop inside the body is re-run by the backward pass
+under every policy: its gradient reads intermediate values of its own that
+exist only once the gradient is built.
 
 Weights are never stored per iteration: a tensor that depends only on the
 weights and on integer bookkeeping (a stage's slice of the stacked weights,

@@ -705,6 +705,29 @@ def test_pad_microbatches_returns_non_tensors_unchanged():
     assert padded[1].shape.as_list() == [3, 2, 5]
 
 
+class _StatefulDropoutBody(bodies.DenseBody):
+  """Dropout from a stateful random op (as Lingvo's plain DropoutLayer)."""
+
+  def FProp(self, theta, x):
+    return tf.nn.dropout(super().FProp(theta, x), rate=0.5)
+
+
+def test_a_body_with_stateful_dropout_cannot_be_trained():
+  """Its recomputation would draw other masks: the gradient would be wrong.
+  The forward pass alone (e.g. decoding) is allowed."""
+  p = _Params(single_stage_body=_StatefulDropoutBody.Params().Set(dim=4))
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    y = layer.FProp(layer.theta, tf.ones([4, 4]))
+    with pytest.raises(ValueError, match=r'its body\) draws random numbers '
+                       r'with stateful ops \(RandomUniform.*gradients would '
+                       r'be wrong.*DeterministicDropoutLayer'):
+      tf.gradients(tf.reduce_sum(y), layer.vars.Flatten())
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      assert sess.run(y).shape == (4, 4)
+
+
 # -- TF1 behaviour, as Lingvo's trainer runs. --------------------------------
 
 _TF1_SCRIPT = """

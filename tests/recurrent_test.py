@@ -784,5 +784,70 @@ def test_reading_a_trainable_variable_inside_the_cell_raises(mode):
     _CallInMode(mode, Build)
 
 
+
+@_POLICY
+@pytest.mark.parametrize('jit', [False, True])
+def test_a_variable_the_cell_reads_is_read_once_before_the_loop(jit,
+                                                              remat_policy):
+  """h' = h * v + x_t, v non-trainable. v is assigned between the forward
+  pass and the gradient (in program order, under tf.function): both use
+  the value the forward pass started with, d sum(h_T) / d h0 = 0.5 ** T,
+  as a tf.while_loop differentiated by TensorFlow gives. (Re-read in the
+  backward pass it would be 3 ** T.) Under XLA too."""
+  v = tf.Variable(0.5, trainable=False)
+  h0 = tf.zeros([_B, _H])
+  xs = tf.ones([_T, _B, _H])
+
+  @tf.function(jit_compile=jit, autograph=False)
+  def Grads():
+    with tf.GradientTape(persistent=True) as tape:
+      tape.watch(h0)
+      cell = lambda theta, h, x: (h * v.read_value() + x, {})
+      _, final, _ = recurrent.Recurrent({}, h0, xs, cell,
+                                        remat_policy=remat_policy)
+      _, ref_final, _ = _WhileLoopReference({}, h0, xs, cell)
+      losses = tf.reduce_sum(final), tf.reduce_sum(ref_final)
+    v.assign(3.0)
+    return [tape.gradient(loss, h0) for loss in losses]
+
+  got, want = Grads()
+  np.testing.assert_allclose(want.numpy(), 0.5**_T)
+  np.testing.assert_allclose(got.numpy(), want.numpy())
+
+
+def test_a_cell_writing_a_variable_raises():
+  """Re-run by the backward pass it would write twice (or, pruned, never)."""
+  with tf.Graph().as_default():
+    counter = tf.Variable(0, trainable=False)
+
+    def Cell(theta, h, x):
+      with tf.control_dependencies([counter.assign_add(1)]):
+        return tf.tanh(h * theta + x), ()
+
+    with pytest.raises(ValueError, match=r'changes variables inside the loop '
+                       r'\(AssignAddVariableOp\)\. Carry the value in the '
+                       r'state'):
+      recurrent.Recurrent(tf.ones([]), tf.zeros([_B, _H]),
+                          tf.zeros([_T, _B, _H]), Cell)
+
+
+@_POLICY
+def test_stateful_random_ops_raise_when_differentiated(remat_policy):
+  """The backward pass would draw other numbers; the forward alone runs."""
+  with tf.Graph().as_default():
+    h0 = tf.zeros([_B, _H])
+
+    def Cell(theta, h, x):
+      keep = tf.random.uniform([_B, _H]) < 0.5
+      return tf.where(keep, tf.tanh(h * theta + x), 0.0), ()
+
+    _, final, _ = recurrent.Recurrent(tf.ones([]), h0, tf.ones([_T, _B, _H]),
+                                      Cell, remat_policy=remat_policy)
+    with pytest.raises(ValueError, match=r'stateful ops \(RandomUniform.*'
+                       r'gradients would be wrong.*DeterministicDropoutLayer'):
+      tf.gradients(tf.reduce_sum(final), h0)
+    with tf.compat.v1.Session() as sess:
+      assert sess.run(final).shape == (_B, _H)
+
 if __name__ == '__main__':
   sys.exit(pytest.main([__file__]))
