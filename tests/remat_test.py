@@ -69,6 +69,22 @@ def test_save_all_stores_what_the_gradient_reads_of_the_data():
     assert not {tuple(s.shape) for s in cell.StoredSpecs()} & weight_shapes
 
 
+def test_save_all_stores_only_what_the_live_gradient_reads():
+  """x' = x + stop_gradient(tanh(x @ w)) * sin(x): tf.gradients also builds
+  the product's gradient towards the stop_gradient, which reads sin(x) and
+  is then dropped. Only tanh's output is read by what the gradient runs."""
+
+  def Cell(theta, state, inputs):
+    del inputs
+    wide = tf.tanh(tf.matmul(state, theta), name='wide')
+    return state + tf.stop_gradient(wide) * tf.sin(state, name='sin'), {}
+
+  with tf.Graph().as_default():
+    cell = cell_graph.CellGraph(Cell, tf.zeros([D, D]), tf.zeros([ROWS, D]),
+                                tf.zeros([4, 1]), remat.For('save_all'))
+    assert _OpNames(cell.stored) == ['wide']
+
+
 def test_unknown_policy_names_the_choices():
   with pytest.raises(ValueError, match=r"remat_policy must be one of "
                      r"\('recompute', 'save_dots', 'save_all'\), got 'all'"):
