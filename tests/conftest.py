@@ -29,6 +29,27 @@ def _eager_random_ops_start_afresh():
   yield
 
 
+@pytest.fixture(autouse=True)
+def _tf_state_is_left_as_found():
+  """Fails a test that leaves a graph or graph mode behind.
+
+  A test whose exception escapes a `with graph.as_default()` that is not a
+  `with` statement (or a Lingvo stack left pushed) would make the tests its
+  worker runs next share variables with it.
+  """
+  tf = sys.modules.get('tensorflow')
+  before = None
+  if tf is not None:
+    before = (tf.executing_eagerly(), tf.compat.v1.get_default_graph())
+  yield
+  tf = sys.modules.get('tensorflow')
+  if tf is not None and before is not None:
+    after = (tf.executing_eagerly(), tf.compat.v1.get_default_graph())
+    assert after == before, (
+        f'the test left TF in another state: (eager, default graph) '
+        f'{before} before, {after} after')
+
+
 def _LocalErrors():
   harness = sys.modules.get('tests.pipeline_harness')
   if harness is None:

@@ -10,7 +10,6 @@ import pathlib
 import subprocess
 import sys
 import threading
-import types
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
@@ -135,15 +134,22 @@ def test_local_runs_skip_only_the_waiting_runners_sleep(monkeypatch):
 
 
 def test_lingvos_start_up_flags_take_effect():
-  """As in Lingvo's trainer program: e.g. --run_functions_eagerly."""
-  flags = types.SimpleNamespace(
-      disable_tf2=False, use_eager=False, run_functions_eagerly=True,
-      enable_tf_data_debug_mode=False)
-  try:
-    lingvo_trainer._SetUpAsLingvosTrainerDoes(flags)  # pylint: disable=protected-access
-    assert tf.config.functions_run_eagerly()
-  finally:
-    tf.config.run_functions_eagerly(False)
+  """As in Lingvo's trainer program: --use_eager=false leaves graph mode,
+  --run_functions_eagerly=true runs tf.functions eagerly. In a process of
+  its own: the switches are process-wide."""
+  program = (
+      'import types\n'
+      'import tensorflow as tf\n'
+      'from gpipe import lingvo_trainer\n'
+      'lingvo_trainer._SetUpAsLingvosTrainerDoes(types.SimpleNamespace(\n'
+      '    disable_tf2=False, use_eager=False, run_functions_eagerly=True,\n'
+      '    enable_tf_data_debug_mode=False))\n'
+      'print(tf.executing_eagerly(), tf.config.functions_run_eagerly())\n')
+  done = subprocess.run([sys.executable, '-c', program], cwd=_ROOT,
+                        capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert done.returncode == 0, done.stderr
+  assert done.stdout.split() == ['False', 'True']
 
 
 @model_registry.RegisterMultiTaskModel
