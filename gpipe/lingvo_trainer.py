@@ -120,10 +120,11 @@ def _WriteScheduleImage(model, logdir):
   if stack is None or not issubclass(stack.cls, layers.PipelinedLayer):
     return
   train_dir = os.path.join(logdir, 'train')
-  writer = tf.compat.v1.summary.FileWriter(train_dir)
-  writer.add_summary(gpipe_trainer.ScheduleImage(cfg),
-                     gpipe_trainer.CheckpointStep(train_dir))
-  writer.close()
+  with tf.Graph().as_default():  # the writer needs one with --use_eager too
+    writer = tf.compat.v1.summary.FileWriter(train_dir)
+    writer.add_summary(gpipe_trainer.ScheduleImage(cfg),
+                       gpipe_trainer.CheckpointStep(train_dir))
+    writer.close()
 
 
 if __name__ == '__main__':

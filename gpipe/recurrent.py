@@ -145,8 +145,6 @@ def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations):
   return states, final, extras, stacked[n_state + n_extras:]
 
 
-
-
 def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
                   stacked_states, stored, d_states, d_final, d_extras):
   """The reverse loop: iteration t's gradient, from what t stored.

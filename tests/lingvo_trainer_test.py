@@ -164,6 +164,8 @@ class _TwoTasks(base_model_params.MultiTaskModelParams):
 
 
 def test_schedule_image_only_for_a_task_with_a_pipelined_stack(tmp_path):
+  """Written in eager mode too (the trainer with --use_eager)."""
+  assert tf.executing_eagerly()
   stage_call.EnsureFlagsParsed()  # the model registry reads flags
   name = next(k for k in model_registry.GetAllRegisteredClasses()
               if k.endswith('_TwoTasks'))
