@@ -1,7 +1,8 @@
 """The commands print their own lines only; --verbose brings the logs back.
 
 Run as a user runs them (python -m, a fresh process), since the noise comes
-from TensorFlow's C++ libraries loading and from Lingvo's model registry. (The demo's run is checked for the same in
+from TensorFlow's C++ libraries loading and from Lingvo's model registry.
+(The demo's run is checked for the same in
 lm_params_test.test_demo_trains_checks_and_draws_the_schedule.)
 """
 

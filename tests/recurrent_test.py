@@ -784,7 +784,6 @@ def test_reading_a_trainable_variable_inside_the_cell_raises(mode):
     _CallInMode(mode, Build)
 
 
-
 @_POLICY
 @pytest.mark.parametrize('jit', [False, True])
 def test_a_variable_the_cell_reads_is_read_once_before_the_loop(jit,
@@ -848,6 +847,7 @@ def test_stateful_random_ops_raise_when_differentiated(remat_policy):
       tf.gradients(tf.reduce_sum(final), h0)
     with tf.compat.v1.Session() as sess:
       assert sess.run(final).shape == (_B, _H)
+
 
 if __name__ == '__main__':
   sys.exit(pytest.main([__file__]))
