@@ -31,9 +31,9 @@ import gpipe  # pylint: disable=unused-import
 from gpipe import layers
 from gpipe import partitioning
 from gpipe import plan
-from gpipe import roofline
 from gpipe import sharding
-from gpipe import train_step
+from gpipe.plan import roofline
+from gpipe.plan import train_step
 from tests import bodies
 
 DIM = 64
