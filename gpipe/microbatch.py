@@ -1,10 +1,11 @@
 """Moving tensors between batch, microbatch and loop-iteration layouts.
 
     batch [B, ...]  --ToMicrobatches-->  [M, B/M, ...]
-        --PadForIterations-->  [T, B/M, ...]   (stage 0's input per iteration)
-    loop: buffer [S, B/M, ...] per iteration (rotated: slot 0 holds the
-          last stage's output), stacked to [T, S, B/M, ...]
-        --LastStageOutputs-->  [M, B/M, ...]  --ToBatch-->  [B, ...]
+    loop: StageZeroInput: row i of [M, B/M, ...] (stage 0's input at
+          iteration i); buffer [S, B/M, ...] (rotated: slot 0 holds the
+          last stage's output); LastStageSlot kept when it finishes a
+          microbatch: [M, 1, B/M, ...]
+        -->  [M, B/M, ...]  --ToBatch-->  [B, ...]
 
 Which iteration reads or finishes which microbatch comes from
 `gpipe.schedule.Schedule`; this module only turns those index tables into
@@ -111,22 +112,24 @@ def ToBatch(x):
   return tf.reshape(transposed, [batch] + rest)
 
 
-def PadForIterations(x, schedule: schedule_lib.Schedule):
-  """[M, ...] -> [T, ...]: row i is what stage 0 reads at iteration i.
+def StageZeroInput(x, schedule: schedule_lib.Schedule, iteration):
+  """[M, ...] -> [...]: what stage 0 reads at `iteration` (a scalar tensor).
 
-  Rows of iterations where stage 0 reads no fresh microbatch (bubbles, and
-  the rotations of a circular schedule) hold a copy of microbatch 0, cut from
-  the gradient: bubbles compute on real data and their results are dropped,
-  so a body that is only finite on real data stays finite (not zeros, on
-  which a body dividing by its input would make Inf and NaN gradients).
+  Read inside the loop, so that no [T, ...] copy of the inputs is ever
+  made. An iteration where stage 0 reads no fresh microbatch (bubbles, and
+  the rotations of a circular schedule) gets a copy of microbatch 0, cut
+  from the gradient: bubbles compute on real data and their results are
+  dropped, so a body that is only finite on real data stays finite (not
+  zeros, on which a body dividing by its input would make Inf and NaN
+  gradients).
   """
   if not nest.IsTensor(x):
     return x
-  index = np.asarray(schedule.InputIndexPerIteration(), np.int32)
-  is_filler = index == schedule.num_microbatches
-  rows = tf.gather(x, np.where(is_filler, 0, index))
-  mask = np.reshape(is_filler, [-1] + [1] * (x.shape.rank - 1))
-  return tf.where(mask, tf.stop_gradient(rows), rows)
+  index = schedule.InputIndexPerIteration()
+  row = tf.gather(tf.constant(index, tf.int32), iteration)
+  is_filler = tf.equal(row, schedule.num_microbatches)
+  value = tf.gather(x, tf.where(is_filler, 0, row))
+  return tf.where(is_filler, tf.stop_gradient(value), value)
 
 
 def BubbleFiller(x, num_stages):
@@ -134,24 +137,20 @@ def BubbleFiller(x, num_stages):
 
   What the stages work on before the first microbatch reaches them; their
   results are discarded, so any real data will do (zeros would not: see
-  PadForIterations).
+  StageZeroInput).
   """
   return tf.stop_gradient(
       tf.broadcast_to(x[:1], [num_stages] + _Shape(x)[1:]))
 
 
-def LastStageOutputs(stacked, schedule: schedule_lib.Schedule):
-  """[T, S, ...] buffer history -> [M, ...] final outputs, in microbatch order.
+def LastStageSlot(rotated):
+  """[S, ...] buffer after the rotation -> [1, ...]: the last stage's output.
 
-  Entry i of the history is the buffer after iteration i, which the loop
-  stores rotated by one stage: slot 0 holds what the last stage produced.
-  Microbatch m's result is slot 0 at OutputIteration(m).
+  The loop keeps it from the iterations that finish a microbatch
+  (Schedule.OutputIndexPerIteration); a [1, ...] slice of the stage dim
+  stays on the last stage's device (no communication in the loop).
   """
-  if not nest.IsTensor(stacked):
-    return stacked
-  last_stage = stacked[:, 0]
-  index = np.asarray(schedule.OutputIterations(), np.int32)
-  return tf.gather(last_stage, index)
+  return rotated[:1]
 
 
 def PadStates(x, schedule: schedule_lib.Schedule):

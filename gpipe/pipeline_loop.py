@@ -118,27 +118,35 @@ def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
   place = spec.placement
   sched = spec.schedule
   # Carried: the buffer and the body's non-trainable variables (see
-  # gpipe.stage_vars). The iteration index comes in as an input and each
-  # iteration's aux loss goes out as an extra, summed afterwards:
-  # loop-carried scalars are what the partitioner tends to mis-shard.
+  # gpipe.stage_vars). The microbatches are read inside the loop, row by
+  # row (no [T, ...] copy of them); the iteration index comes in as an
+  # input and each iteration's aux loss goes out as an extra, summed
+  # afterwards: loop-carried scalars are what the partitioner tends to
+  # mis-shard. The loop keeps the last stage's output only from the
+  # iteration that finishes each microbatch, [M, 1, ...] on the last
+  # stage's device, and returns no history of the buffer: the backward
+  # loop reads it, nothing else does, so no [T, S, ...] gradient of it is
+  # ever made.
   state0 = NestedMap(
       buffer=[place.SplitStages(microbatch.BubbleFiller(x, sched.num_stages))
               for x in mb_leaves],
       vars=[place.SplitStages(tf.stop_gradient(v)) for v in var_values])
+  loop_theta = NestedMap(
+      weights=theta,
+      microbatches=[place.ReplicateLoopDim(x) for x in mb_leaves])
   inputs = NestedMap(
-      stage0=[microbatch.PadForIterations(x, sched) for x in mb_leaves],
       iteration=tf.range(sched.num_iterations, dtype=tf.int32),
       states=[place.SplitStages(x, 1) for x in state_leaves])
-  history, final, extras = recurrent.Recurrent(
-      theta, state0, inputs,
+  _, final, extras = recurrent.Recurrent(
+      loop_theta, state0, inputs,
       lambda th, st, inp: _Iteration(spec, th, st, inp),
       remat_policy=spec.remat_policy,
-      manual_boundary=sharding.ManualBoundary.For(spec.manual_mesh))
-  outputs = [
-      place.ReplicateLoopDim(
-          microbatch.LastStageOutputs(place.SplitStages(h, 1), sched))
-      for h in history.buffer
-  ]
+      manual_boundary=sharding.ManualBoundary.For(spec.manual_mesh),
+      extras_rows={'outputs': recurrent.Rows(
+          tuple(sched.OutputIndexPerIteration()), sched.num_microbatches)},
+      return_states=False)
+  outputs = [place.ReplicateLoopDim(LastStageOutputs(x, place))
+             for x in extras.outputs]
   return LoopResult(
       outputs=outputs,
       states=[place.SplitStages(x, 1) for x in extras.states],
@@ -147,17 +155,19 @@ def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
       vars=final.vars)
 
 
-def _Iteration(spec: LoopSpec, theta, state, inp):
+def _Iteration(spec: LoopSpec, loop_theta, state, inp):
   """One loop iteration: every stage runs on its slot of the buffer."""
   sched = spec.schedule
   place = spec.placement
+  theta = loop_theta.weights
   per_stage = place.SplitStages  # [S] vectors live with their stages
   it = place.ReplicateBookkeeping(inp.iteration)
   stage_ids = tf.range(sched.num_stages, dtype=tf.int32)
   stage_in = [
       per_stage(StageInputs(sched, it, per_stage(buf),
-                            place.ReplicateLoopDim(x)))
-      for buf, x in zip(state.buffer, inp.stage0)
+                            place.ReplicateLoopDim(
+                                microbatch.StageZeroInput(x, sched, it))))
+      for buf, x in zip(state.buffer, loop_theta.microbatches)
   ]
   args = spec.args.Rebuild(stage_in)
   num_args = len(args)
@@ -181,6 +191,7 @@ def _Iteration(spec: LoopSpec, theta, state, inp):
       vars=[per_stage(SelectStages(valid, new, old))
             for new, old in zip(res.vars, state.vars)])
   extras = NestedMap(
+      outputs=new_buffer,
       aux_loss=place.ReplicateBookkeeping(aux),
       summaries={
           name: (per_stage(keep(value * weight)), per_stage(keep(weight)))
@@ -189,6 +200,31 @@ def _Iteration(spec: LoopSpec, theta, state, inp):
       states=[per_stage(SelectStages(valid, new, old))
               for new, old in zip(tf.nest.flatten(state_outs), inp.states)])
   return new_state, extras
+
+
+def LastStageOutputs(finished, place):
+  """[M, S, ...] buffers of the iterations that finish each microbatch ->
+  [M, ...]: slot 0, which the rotation gave the last stage's output.
+
+  The gradient is the slot's gradient placed in slot 0 of zeros, split
+  over the stages like the buffers: each device builds only its own
+  [M, 1, ...] part (a plain slice's gradient, a pad of the replicated
+  gradient, would be built whole, [M, S, ...], on every device).
+  """
+
+  @tf.custom_gradient
+  def Slot0(x):
+
+    def Grad(dy):
+      num_stages = x.shape.as_list()[1]
+      is_slot0 = tf.reshape(tf.equal(tf.range(num_stages), 0),
+                            [1, num_stages] + [1] * (x.shape.rank - 2))
+      return place.SplitStages(
+          tf.where(is_slot0, dy[:, None], tf.zeros([], dy.dtype)), 1)
+
+    return x[:, 0], Grad
+
+  return Slot0(place.SplitStages(finished, 1))
 
 
 def StagesAt(spec: LoopSpec, iteration, args, var_values):

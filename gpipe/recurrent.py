@@ -34,6 +34,8 @@ which XLA compiles to in-place buffers.
 """
 
 import contextlib
+import dataclasses
+from typing import Tuple
 
 import tensorflow as tf
 
@@ -106,18 +108,64 @@ def _Stack(tensor_list, spec, num_iterations):
       element_shape=spec.shape)
 
 
-def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations):
+@dataclasses.dataclass(frozen=True)
+class Rows:
+  """Where an extra of each iteration goes: row index[t] of num_rows.
+
+  By default the extras of iteration t are row t of a [T, ...] stack. An
+  extra that only some iterations produce for keeps (the pipeline's
+  outputs: one iteration per microbatch finishes it) goes to a stack of
+  num_rows instead, iteration t to row index[t], or nowhere when index[t]
+  is -1: the loop then holds num_rows of it, not T, and its gradient is
+  read back from the same row.
+  """
+  index: Tuple[int, ...]
+  num_rows: int
+
+  def __post_init__(self):
+    if any(not -1 <= r < self.num_rows for r in self.index):
+      raise ValueError(f'Rows: every index must be in [-1, {self.num_rows}); '
+                       f'got {list(self.index)}.')
+
+  def At(self, t):
+    """Row of iteration t (a scalar tensor): num_rows when not kept."""
+    table = [self.num_rows if r < 0 else r for r in self.index]
+    return tf.gather(tf.constant(table, tf.int32), t)
+
+
+def _FlatRows(extras_spec, extras_rows):
+  """Per flat extras leaf, its Rows, or None for one row per iteration."""
+  if not extras_rows:
+    return [None] * len(tf.nest.flatten(extras_spec))
+  unknown = set(extras_rows) - set(extras_spec)
+  if unknown:
+    raise ValueError(f'Recurrent extras_rows names {sorted(unknown)}, which '
+                     f'the cell\'s extras ({sorted(extras_spec)}) lack.')
+  marked = type(extras_spec)(
+      (k, tf.nest.map_structure(lambda _, r=extras_rows.get(k): r, v))
+      for k, v in extras_spec.items())
+  return tf.nest.flatten(marked)
+
+
+def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations,
+                 extras_rows):
   """Runs the forward loop.
 
   Returns:
     (states, final, extras, stored): the states after each iteration and
-    the extras, stacked [T, ...]; the final state; the stored activations,
-    a flat list of [T, ...] stacks (see CellGraph.stored).
+    the extras, stacked [T, ...] (an extra with Rows: [num_rows, ...]);
+    the final state; the stored activations, a flat list of [T, ...]
+    stacks (see CellGraph.stored).
   """
   flat_state0 = tf.nest.flatten(state0)
   specs = ([tf.TensorSpec(s.shape, s.dtype) for s in flat_state0] +
            tf.nest.flatten(cell.extras_spec) + cell.StoredSpecs())
   n_state = len(flat_state0)
+  n_extras = len(tf.nest.flatten(cell.extras_spec))
+  rows = [None] * n_state + extras_rows + [None] * (len(specs) - n_state -
+                                                     n_extras)
+  # A kept-nowhere iteration writes one extra row, dropped after the loop.
+  sizes = [num_iterations if r is None else r.num_rows + 1 for r in rows]
 
   def Body(t, *loop_vars):
     state = tf.nest.pack_sequence_as(state0, loop_vars[:n_state])
@@ -127,17 +175,17 @@ def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations):
     flat_new = tf.nest.flatten(new_state)
     values = flat_new + tf.nest.flatten(extras) + stored
     new_lists = [
-        list_ops.tensor_list_set_item(l, t, v) for l, v in zip(lists, values)
+        list_ops.tensor_list_set_item(l, t if r is None else r.At(t), v)
+        for l, v, r in zip(lists, values, rows)
     ]
     return [t + 1] + flat_new + new_lists
 
   results = _WhileLoop(
       Body, [tf.constant(0, tf.int32)] + flat_state0 +
-      [_Reserve(s, num_iterations) for s in specs], num_iterations)
+      [_Reserve(s, n) for s, n in zip(specs, sizes)], num_iterations)
   final_flat = results[1:1 + n_state]
-  stacked = [_Stack(l, s, num_iterations)
-             for l, s in zip(results[1 + n_state:], specs)]
-  n_extras = len(tf.nest.flatten(cell.extras_spec))
+  stacked = [_Stack(l, s, n) if r is None else _Stack(l, s, n)[:r.num_rows]
+             for l, s, n, r in zip(results[1 + n_state:], specs, sizes, rows)]
   states = tf.nest.pack_sequence_as(state0, stacked[:n_state])
   extras = tf.nest.pack_sequence_as(cell.extras_spec,
                                     stacked[n_state:n_state + n_extras])
@@ -146,8 +194,12 @@ def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations):
 
 
 def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
-                  stacked_states, stored, d_states, d_final, d_extras):
+                  stacked_states, stored, d_states, d_final, d_extras,
+                  extras_rows):
   """The reverse loop: iteration t's gradient, from what t stored.
+
+  d_states entries may be None (the caller reads no past state of that
+  entry): no [T, ...] gradient of the states is then made at all.
 
   Returns gradients for (theta, state0, inputs, captures), flat; None for
   the entries that are not differentiable.
@@ -179,7 +231,8 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     grads = cell.Backward(
         flat_theta, state_in, _SliceInputs(flat_inputs, t), captures,
         [tf.gather(h, t) for h in flat_stacked], d_state,
-        [tf.gather(flat_d_extras[i], t) for i in extras_idx],
+        [_ExtraGradientAt(flat_d_extras[i], extras_rows[i], t)
+         for i in extras_idx],
         [tf.gather(s, t) for s in stored])
     g_theta = grads[:n_th]
     g_state = grads[n_th:n_th + n_st]
@@ -189,6 +242,9 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     # d(loss)/d(state before t) also gets the direct gradient of states[t-1].
     new_d_state = []
     for j, i in enumerate(diff['state']):
+      if flat_d_states[i] is None:
+        new_d_state.append(g_state[j])
+        continue
       direct = tf.where(t > 0, tf.gather(flat_d_states[i], prev),
                         tf.zeros_like(g_state[j]))
       new_d_state.append(direct + g_state[j])
@@ -203,9 +259,11 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
   last = num_iterations - 1
   input_specs = [tf.TensorSpec(flat_inputs[i].shape[1:], flat_inputs[i].dtype)
                  for i in diff['inputs']]
+  flat_d_final = tf.nest.flatten(d_final)
   results = _WhileLoop(
       Body, [tf.constant(last, tf.int32)] + [
-          tf.gather(flat_d_states[i], last) + tf.nest.flatten(d_final)[i]
+          flat_d_final[i] if flat_d_states[i] is None else
+          tf.gather(flat_d_states[i], last) + flat_d_final[i]
           for i in diff['state']
       ] + [tf.zeros_like(flat_theta[i]) for i in diff['theta']] +
       [tf.zeros_like(captures[i]) for i in diff['captures']] +
@@ -229,6 +287,16 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
           Scatter('captures', len(captures)))
 
 
+def _ExtraGradientAt(d_extra, rows, t):
+  """The gradient of iteration t's extra: row t, or its Rows row (zeros
+  for an iteration whose extra was kept nowhere)."""
+  if rows is None:
+    return tf.gather(d_extra, t)
+  row = rows.At(t)
+  kept = tf.gather(d_extra, tf.minimum(row, rows.num_rows - 1))
+  return tf.where(row < rows.num_rows, kept, tf.zeros_like(kept))
+
+
 def _ZeroIfNone(g, like):
   return tf.zeros_like(like) if g is None else g
 
@@ -240,6 +308,8 @@ def Recurrent(theta,
               *,
               remat_policy='recompute',
               manual_boundary=None,
+              extras_rows=None,
+              return_states=True,
               name='recurrent'):
   """Runs `cell_fn` over the leading dim of `inputs`.
 
@@ -257,12 +327,17 @@ def Recurrent(theta,
     manual_boundary: a gpipe.sharding.ManualBoundary when the cell computes
       in a manual sharding region: activations stored from inside it leave
       and re-enter it through this.
+    extras_rows: {key of the extras (a dict): Rows}: those extras are kept
+      in Rows' rows rather than one row per iteration.
+    return_states: False: the states after each iteration are kept for the
+      backward loop only, and not returned (None instead), so that no
+      [T, ...] gradient of them is ever made.
     name: name scope.
 
   Returns:
     (states, final_state, extras): states and extras stacked over the T
-    iterations ([T, ...]; states[t] is the state after iteration t), and the
-    final state.
+    iterations ([T, ...]; states[t] is the state after iteration t; an
+    extra with Rows: [num_rows, ...]), and the final state.
   """
   if isinstance(remat_policy, str):
     remat_policy = remat.For(remat_policy)
@@ -275,6 +350,7 @@ def Recurrent(theta,
       cell = cell_graph.CellGraph(cell_fn, theta, state0, inputs,
                                   remat_policy, manual_boundary)
     read_variables = watcher.watched_variables()
+    flat_rows = _FlatRows(cell.extras_spec, extras_rows)
     # The custom gradient's arguments: theta, state0, inputs and the outer
     # float tensors the cell captures (their gradients are returned too).
     diff_caps = cell.differentiable['captures']
@@ -294,30 +370,15 @@ def Recurrent(theta,
       for i, c in zip(diff_caps, flat[end:]):
         caps[i] = c
       states, final, extras, stored = _ForwardLoop(cell, th, s0, inp, caps,
-                                                   num_iterations)
-      outputs = (states, final, extras)
+                                                   num_iterations, flat_rows)
+      outputs = (states if return_states else (), final, extras)
 
       def Grad(*dys, variables=None):
         _CheckNoTrainableVariables(read_variables)
-        flat_dys = list(dys)
-        n_s = n_state
-        d_states = tf.nest.pack_sequence_as(
-            state0, [
-                _ZeroIfNone(g, x) for g, x in zip(flat_dys[:n_s],
-                                                  tf.nest.flatten(states))
-            ])
-        d_final = tf.nest.pack_sequence_as(
-            state0, [
-                _ZeroIfNone(g, x) for g, x in zip(flat_dys[n_s:2 * n_s],
-                                                  tf.nest.flatten(final))
-            ])
-        d_extras = tf.nest.pack_sequence_as(
-            cell.extras_spec, [
-                _ZeroIfNone(g, x)
-                for g, x in zip(flat_dys[2 * n_s:], tf.nest.flatten(extras))
-            ])
+        d_states, d_final, d_extras = _IncomingGradients(
+            dys, outputs, state0, cell.extras_spec)
         grads = _BackwardLoop(cell, th, s0, inp, caps, num_iterations, states,
-                              stored, d_states, d_final, d_extras)
+                              stored, d_states, d_final, d_extras, flat_rows)
         grads = grads[:end] + [grads[end + i] for i in diff_caps]
         if variables is None:
           return grads
@@ -326,11 +387,40 @@ def Recurrent(theta,
       return tf.nest.flatten(outputs), Grad
 
     flat_out = _RecurrentWithStoredActivations(*flat_args)
-    states = tf.nest.pack_sequence_as(state0, flat_out[:n_state])
-    final = tf.nest.pack_sequence_as(state0, flat_out[n_state:2 * n_state])
+    n_states = n_state if return_states else 0
+    states = (tf.nest.pack_sequence_as(state0, flat_out[:n_state])
+              if return_states else None)
+    final = tf.nest.pack_sequence_as(
+        state0, flat_out[n_states:n_states + n_state])
     extras = tf.nest.pack_sequence_as(cell.extras_spec,
-                                      flat_out[2 * n_state:])
+                                      flat_out[n_states + n_state:])
     return states, final, extras
+
+
+def _IncomingGradients(dys, outputs, state0, extras_spec):
+  """(d_states, d_final, d_extras) from the custom gradient's flat dys.
+
+  d_states is None per entry when the states were not returned: the
+  backward loop then makes no [T, ...] gradient of them. Missing gradients
+  of the final state and the extras are zeros of their (small) shapes.
+  """
+  states, final, extras = outputs
+  flat_dys = list(dys)
+  n_states = len(tf.nest.flatten(states))
+  if n_states:
+    d_states = tf.nest.pack_sequence_as(state0, [
+        _ZeroIfNone(g, x)
+        for g, x in zip(flat_dys[:n_states], tf.nest.flatten(states))])
+  else:
+    d_states = tf.nest.map_structure(lambda _: None, state0)
+  flat_dys = flat_dys[n_states:]
+  flat_final = tf.nest.flatten(final)
+  d_final = tf.nest.pack_sequence_as(state0, [
+      _ZeroIfNone(g, x) for g, x in zip(flat_dys, flat_final)])
+  d_extras = tf.nest.pack_sequence_as(extras_spec, [
+      _ZeroIfNone(g, x) for g, x in zip(flat_dys[len(flat_final):],
+                                        tf.nest.flatten(extras))])
+  return d_states, d_final, d_extras
 
 
 def _CheckNoTrainableVariables(variables):

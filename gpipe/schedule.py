@@ -214,6 +214,13 @@ class Schedule:
     """For each microbatch, the iteration whose last-stage output is final."""
     return [self.OutputIteration(m) for m in range(self.num_microbatches)]
 
+  def OutputIndexPerIteration(self):
+    """For each iteration, the microbatch the last stage finishes, or -1."""
+    table = [-1] * self.num_iterations
+    for m in range(self.num_microbatches):
+      table[self.OutputIteration(m)] = m
+    return table
+
   def Table(self):
     """[T][S] of (microbatch, repeat) tuples, or None on bubbles."""
     rows = []

@@ -84,10 +84,18 @@ def IsSpmdPartitioning():
 
 
 def Split(x, dim, num_devices):
-  """Splits `x` along `dim` over `num_devices` devices (other dims whole)."""
+  """Splits `x` along `dim` over `num_devices` devices (other dims whole).
+
+  A dim shorter than num_devices is split too, padded (e.g. the last
+  stage's [1, ...] slot of a stage-split buffer stays on its device, the
+  others holding padding), where xla_sharding.split would refuse it.
+  """
   if not nest.IsTensor(x) or num_devices <= 1:
     return x
-  return xla_sharding.split(x, dim, num_devices, use_sharding_op=True)
+  tiles = [1] * x.shape.rank
+  tiles[dim] = num_devices
+  return xla_sharding.tile(x, np.arange(num_devices).reshape(tiles),
+                           use_sharding_op=True)
 
 
 def Replicate(x):

@@ -26,49 +26,39 @@ def test_to_microbatches_interleaves_rows_and_round_trips(batch, num_mb):
 def test_non_tensors_pass_through():
   assert microbatch.ToMicrobatches(None, 2) is None
   assert microbatch.ToBatch(None) is None
-  assert microbatch.PadForIterations(None, schedule_lib.Schedule(2, 2)) is None
+  assert microbatch.StageZeroInput(None, schedule_lib.Schedule(2, 2), 0) is None
+
+
+def _StageZeroInputs(x, sched):
+  """StageZeroInput at every iteration, stacked: [T, ...]."""
+  return tf.stack([microbatch.StageZeroInput(x, sched, tf.constant(i))
+                   for i in range(sched.num_iterations)])
 
 
 @pytest.mark.parametrize('s,m,r', [(1, 3, 1), (3, 4, 1), (3, 4, 2), (2, 5, 3)])
-def test_pad_for_iterations_places_each_microbatch_at_its_input_iteration(
-    s, m, r):
+def test_stage_zero_input_is_each_microbatch_at_its_input_iteration(s, m, r):
   sched = schedule_lib.Schedule(s, m, r)
   x = np.arange(1, m + 1, dtype=np.float32)[:, None] * np.ones([1, 2],
                                                                np.float32)
-  padded = microbatch.PadForIterations(tf.constant(x), sched).numpy()
-  assert padded.shape == (sched.num_iterations, 2)
+  read = _StageZeroInputs(tf.constant(x), sched).numpy()
+  assert read.shape == (sched.num_iterations, 2)
   # Iterations that read no fresh microbatch get a copy of microbatch 0.
   expected = np.tile(x[:1], [sched.num_iterations, 1])
   for mb in range(m):
     expected[sched.InputIteration(mb)] = x[mb]
-  np.testing.assert_array_equal(padded, expected)
+  np.testing.assert_array_equal(read, expected)
 
 
 @pytest.mark.parametrize('s,m,r', [(3, 4, 1), (3, 4, 2)])
-def test_pad_for_iterations_filler_rows_get_no_gradient(s, m, r):
+def test_stage_zero_input_filler_copies_get_no_gradient(s, m, r):
   sched = schedule_lib.Schedule(s, m, r)
   x = tf.constant(np.ones([m, 2], np.float32))
   with tf.GradientTape() as tape:
     tape.watch(x)
-    total = tf.reduce_sum(microbatch.PadForIterations(x, sched))
+    total = tf.reduce_sum(_StageZeroInputs(x, sched))
   # Each microbatch is read once; the copies of microbatch 0 count nothing.
   grad = tf.convert_to_tensor(tape.gradient(total, x))
   np.testing.assert_array_equal(grad, np.ones([m, 2]))
-
-
-@pytest.mark.parametrize('s,m,r', [(1, 3, 1), (3, 4, 1), (3, 4, 2), (2, 5, 3)])
-def test_last_stage_outputs_reads_each_microbatch_at_its_output_iteration(
-    s, m, r):
-  sched = schedule_lib.Schedule(s, m, r)
-  t_count = sched.num_iterations
-  # history[i, slot] = 1000 * i + slot, so the picked cell is identifiable.
-  # The loop stores the buffer rotated: the last stage's output is slot 0.
-  history = (1000 * np.arange(t_count)[:, None] + np.arange(s)[None, :])
-  history = history.astype(np.float32)[..., None]
-  out = microbatch.LastStageOutputs(tf.constant(history), sched).numpy()
-  assert out.shape == (m, 1)
-  for mb in range(m):
-    assert out[mb, 0] == 1000 * sched.OutputIteration(mb)
 
 
 @pytest.mark.parametrize('batch,num_mb,mb_size,expected', [

@@ -541,6 +541,83 @@ def test_theta_as_variables(mode, remat_policy):
       mode, 'rnn', remat_policy, 'all', theta_as_variables=True)
 
 
+# Extras kept in rows of their own, and no returned history of the states:
+# what the pipeline asks for so that a chip holds [M, ...] outputs and no
+# [T, ...] gradient of the buffer history.
+_ROWS = recurrent.Rows(index=(-1, 2, 0, -1, 1), num_rows=3)
+
+
+def _KeptRows(stacked_y):
+  """The reference's [T, ...] extra, in the rows _ROWS keeps it in."""
+  order = [_ROWS.index.index(r) for r in range(_ROWS.num_rows)]
+  return tf.gather(stacked_y, order)
+
+
+def _RowsLoss(impl, case, tensors, w):
+  theta, state0, inputs, _ = tensors
+  cell_fn = case.make_cell(_TF, tensors)
+  if impl == 'recurrent':
+    states, final, extras = recurrent.Recurrent(
+        theta, state0, inputs, cell_fn, extras_rows={'y': _ROWS},
+        return_states=False)
+    assert states is None
+    kept = extras['y']
+  else:
+    _, final, extras = _WhileLoopReference(theta, state0, inputs, cell_fn)
+    kept = _KeptRows(extras['y'])
+  loss = (tf.reduce_sum(w[0] * final) + tf.reduce_sum(w[1] * kept) +
+          tf.reduce_sum(w[2] * extras['n']))
+  return (final, kept, extras['n']), loss
+
+
+@pytest.mark.parametrize('jit', [False, True])
+def test_extras_in_rows_and_no_returned_states(jit):
+  case = _MakeCase('rnn')
+  rng = _Rng('rows')
+  weights = [_Normal(rng, _B, _H, scale=1.0),
+             _Normal(rng, _ROWS.num_rows, _B, _H, scale=1.0),
+             _Normal(rng, _T, _B, scale=1.0)]
+
+  def Run(impl, tensors):
+    xs = _FloatLeaves(tensors)
+    with tf.GradientTape() as tape:
+      tape.watch(xs)
+      outputs, loss = _RowsLoss(impl, case, tensors, weights)
+    return outputs, loss, tape.gradient(loss, xs)
+
+  got = {}
+  for impl in _IMPLS:
+    if jit:
+      fn = tf.function(functools.partial(Run, impl), jit_compile=True)
+      got[impl] = tf.nest.map_structure(
+          lambda t: t.numpy(), fn(_ToTensors(case, False)))
+    else:
+      with tf.Graph().as_default():
+        fetches = Run(impl, _ToTensors(case, False))
+        with tf.compat.v1.Session() as sess:
+          got[impl] = sess.run(fetches)
+  (outputs, loss, grads), (ref_outputs, ref_loss, ref_grads) = (
+      got['recurrent'], got['reference'])
+  assert outputs[1].shape == (_ROWS.num_rows, _B, _H)
+  _AssertStructClose(outputs, ref_outputs, 'outputs', 'vs_while_loop')
+  _AssertClose(loss, ref_loss, 'loss', 'vs_while_loop')
+  for i, (g, ref_g) in enumerate(zip(grads, ref_grads)):
+    assert np.any(g != 0), f'grad[{i}] is all zeros'
+    _AssertClose(g, ref_g, f'grad[{i}]', 'vs_while_loop')
+
+
+def test_rows_out_of_range_and_unknown_extras_raise():
+  with pytest.raises(ValueError, match=r'Rows: every index must be in '
+                     r'\[-1, 2\)'):
+    recurrent.Rows(index=(0, 2), num_rows=2)
+  case = _MakeCase('rnn')
+  with tf.Graph().as_default():
+    theta, state0, inputs, _ = tensors = _ToTensors(case, False)
+    with pytest.raises(ValueError, match=r"extras_rows names \['z'\]"):
+      recurrent.Recurrent(theta, state0, inputs, case.make_cell(_TF, tensors),
+                          extras_rows={'z': _ROWS})
+
+
 # A cell may capture the very tensor it also gets as theta, state0 or inputs
 # (e.g. attention over all the inputs, or a residual to the initial state);
 # the recompute path must count that tensor's gradient once per real use.

@@ -394,6 +394,11 @@ def test_per_microbatch_functions_match_simulator(s, m, r):
   # The last stage's output at OutputIteration is that microbatch's last layer.
   for mb, i in enumerate(sched.OutputIterations()):
     assert sim.table[i][s - 1] == (mb, r - 1)
+  # Per iteration: the microbatch whose last layer the last stage runs, if any.
+  finishes = [sim.table[i][s - 1][0]
+              if sim.table[i][s - 1] and sim.table[i][s - 1][1] == r - 1
+              else -1 for i in range(sim.num_iterations)]
+  assert sched.OutputIndexPerIteration() == finishes
 
 
 @pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)

@@ -1,0 +1,79 @@
+"""The pipeline's own per-device memory, as XLA's buffer assignment has it.
+
+A whole training step of a pipelined layer whose body is nearly free (a
+16-wide dense layer on microbatches of 32 rows: its weights are half a
+microbatch's activation) is planned for 4 devices (gpipe.plan: lowered
+from shapes, partitioned by XLA's SPMD partitioner, compiled). What is
+left is the pipeline's own footprint, against one microbatch's activation
+`mb` ([32, 16] float32) and the schedule's T iterations:
+
+  * the largest buffer on a device is at most T x mb: each device's share
+    of the stored history (its own stage's buffer slot per iteration, and
+    under save_all each stored activation alike); no buffer is
+    [T, S, ...] or [M, S, ...] whole on a device;
+  * all temporaries together are at most that history (once per stored
+    tensor) plus six batches' worth (the batch is M x mb: the layer's
+    input and output, the loss and their gradients).
+
+A loop that kept the inputs as a [T, ...] copy on every device, or built
+the gradient of its [T, S, ...] history whole (the output slice's
+gradient), exceeds both bounds (S x T x mb for the latter).
+"""
+
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+from gpipe import layers
+from gpipe import partitioning
+from gpipe import plan
+from gpipe.plan import roofline
+from tests import bodies
+
+NUM_STAGES = 4
+NUM_MICROBATCHES = 8
+BATCH = 256
+DIM = 16
+MB_BYTES = BATCH // NUM_MICROBATCHES * DIM * 4
+
+
+def _Report(circular_repeat, remat_policy):
+  if not partitioning.IsAvailable():
+    pytest.fail('jax and jaxlib are needed (they are in the test extra).')
+  p = layers.PipelinedLayer.Params().Set(
+      name='stack', num_stages=NUM_STAGES,
+      single_stage_body=bodies.DenseBody.Params().Set(dim=DIM),
+      num_microbatches=NUM_MICROBATCHES, shard_stages_1d=True,
+      circular_repeat=circular_repeat, unroll='never')
+  result = plan.MakePlan(
+      plan.LayerTarget(p, [(BATCH, DIM)]),
+      [plan.Candidate(NUM_MICROBATCHES, circular_repeat, remat_policy)],
+      NUM_STAGES, roofline.CHIPS['v5e'], 16 * 2**30)
+  assert not result.skipped, result.skipped
+  return result.reports[0]
+
+
+@pytest.mark.parametrize('circular_repeat,remat_policy,stored_per_iteration',
+                         [(1, 'recompute', 1), (2, 'save_all', 2)])
+def test_the_pipelines_own_buffers_are_bounded_per_device(
+    circular_repeat, remat_policy, stored_per_iteration):
+  report = _Report(circular_repeat, remat_policy)
+  iterations = report.schedule.num_iterations
+  buffers = partitioning.LargestBuffers(report.compiled.hlo, 1000)
+  largest, largest_type, largest_op = buffers[0]
+  assert largest <= iterations * MB_BYTES, (
+      f'{largest / MB_BYTES:.1f} microbatch activations in {largest_type} '
+      f'({largest_op}); at most T = {iterations}')
+  for _, hlo_type, op in buffers:
+    for shape in partitioning.ShapesOf(hlo_type):
+      whole_stage_dim = (len(shape) > 2 and shape[1] == NUM_STAGES and
+                         shape[0] in (iterations, NUM_MICROBATCHES))
+      assert not whole_stage_dim, (hlo_type, op)
+  temp = report.per_device_bytes['temp']
+  bound = (stored_per_iteration * iterations +
+           6 * NUM_MICROBATCHES) * MB_BYTES
+  assert temp <= bound, (temp / MB_BYTES, bound / MB_BYTES)
+  # The rotation is still one collective-permute per iteration each way.
+  forward, backward = report.LoopSummaries()
+  for loop in (forward, backward):
+    assert loop['collectives']['collective-permute']['count'] == 1, loop
+  assert 'all-to-all' not in forward['collectives'], forward
