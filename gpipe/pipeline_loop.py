@@ -144,7 +144,9 @@ def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
       manual_boundary=sharding.ManualBoundary.For(spec.manual_mesh),
       extras_rows={'outputs': recurrent.Rows(
           tuple(sched.OutputIndexPerIteration()), sched.num_microbatches)},
-      return_states=False)
+      return_states=False,
+      data_state=NestedMap(buffer=[True] * len(state0.buffer),
+                           vars=[False] * len(state0.vars)))
   outputs = [place.ReplicateLoopDim(LastStageOutputs(x, place))
              for x in extras.outputs]
   return LoopResult(

@@ -310,6 +310,7 @@ def Recurrent(theta,
               manual_boundary=None,
               extras_rows=None,
               return_states=True,
+              data_state=None,
               name='recurrent'):
   """Runs `cell_fn` over the leading dim of `inputs`.
 
@@ -332,6 +333,9 @@ def Recurrent(theta,
     return_states: False: the states after each iteration are kept for the
       backward loop only, and not returned (None instead), so that no
       [T, ...] gradient of them is ever made.
+    data_state: bools shaped like state0: which entries carry data whose
+      functions are activations the remat policy may store (default all;
+      see cell_graph.CellGraph).
     name: name scope.
 
   Returns:
@@ -348,7 +352,7 @@ def Recurrent(theta,
     num_iterations = _NumIterations(inputs)
     with record.VariableWatcher() as watcher:
       cell = cell_graph.CellGraph(cell_fn, theta, state0, inputs,
-                                  remat_policy, manual_boundary)
+                                  remat_policy, manual_boundary, data_state)
     read_variables = watcher.watched_variables()
     flat_rows = _FlatRows(cell.extras_spec, extras_rows)
     # The custom gradient's arguments: theta, state0, inputs and the outer

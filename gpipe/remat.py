@@ -120,8 +120,11 @@ def _Roots(cell, tensors: Iterable) -> List[str]:
   A reshape, identity, slice or select of activations is cheap to redo
   from its inputs; storing those instead keeps one copy of the data, and
   none when they are the loop's own state or inputs (which the loop keeps
-  anyway). Tensors of unknown shape or of non-numeric dtypes cannot be
-  stored per iteration and are left to the recomputation.
+  anyway). A move whose activation inputs are larger than its output (a
+  slice, a gather of some rows) is stored itself: its source would cost
+  more per iteration than what the gradient reads. Tensors of unknown
+  shape or of non-numeric dtypes cannot be stored per iteration and are
+  left to the recomputation.
   """
   names, seen = [], set()
   work = list(tensors)
@@ -136,8 +139,19 @@ def _Roots(cell, tensors: Iterable) -> List[str]:
     elif op.type == 'IdentityN':
       if cell.IsActivation(op.inputs[t.value_index]):
         work.append(op.inputs[t.value_index])
-    elif op.type in _MOVE_OPS:
+    elif op.type in _MOVE_OPS and not _Shrinks(cell, op):
       work.extend(x for x in op.inputs if cell.IsActivation(x))
     elif cell.Storable(t):
       names.append(t.name)
   return names
+
+
+def _Shrinks(cell, op):
+  """Whether the activations `op` reads hold more elements than all its
+  outputs (a slice or gather does; an unstack into pieces does not)."""
+  sources = [x for x in op.inputs if cell.IsActivation(x)]
+  tensors = sources + list(op.outputs)
+  if not sources or not all(x.shape.is_fully_defined() for x in tensors):
+    return False
+  return (sum(x.shape.num_elements() for x in sources) >
+          sum(x.shape.num_elements() for x in op.outputs))

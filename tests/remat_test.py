@@ -85,6 +85,48 @@ def test_save_all_stores_only_what_the_live_gradient_reads():
     assert _OpNames(cell.stored) == ['wide']
 
 
+def test_save_all_stores_a_slice_not_its_larger_source():
+  """x' = x + sin((x @ w)[:, :D]): sin's gradient reads the [ROWS, D]
+  slice; the matmul's gradient reads x and w. Storing the slice's source,
+  the [ROWS, 4D] product, would cost four times as much per iteration."""
+
+  def Cell(theta, state, inputs):
+    del inputs
+    wide = tf.matmul(state, theta, name='wide')
+    part = tf.identity(wide[:, :D], name='part')
+    return state + tf.sin(part), {}
+
+  with tf.Graph().as_default():
+    cell = cell_graph.CellGraph(
+        Cell, tf.zeros([D, 4 * D]), tf.zeros([ROWS, D]),
+        dict(iteration=tf.zeros([4], tf.int32)), remat.For('save_all'))
+    assert [tuple(s.shape) for s in cell.StoredSpecs()] == [(ROWS, D)]
+
+
+def test_a_product_of_weights_and_a_non_data_state_is_not_stored():
+  """x' = tanh(x @ (w * v)) with v a carried value (e.g. a moving
+  statistic), declared no data: w * v has the weights' shape and depends
+  only on weights and bookkeeping, so it is recomputed, not stored per
+  iteration; with v counted as data it would be stored."""
+
+  def Cell(theta, state, inputs):
+    del inputs
+    scaled = tf.multiply(theta, state['v'], name='scaled')
+    return dict(x=tf.tanh(tf.matmul(state['x'], scaled)), v=state['v']), {}
+
+  def StoredShapes(data_state):
+    with tf.Graph().as_default():
+      cell = cell_graph.CellGraph(
+          Cell, tf.zeros([D, D]), dict(x=tf.zeros([ROWS, D]),
+                                       v=tf.zeros([D, D])),
+          dict(iteration=tf.zeros([4], tf.int32)), remat.For('save_all'),
+          data_state=data_state)
+      return sorted(tuple(s.shape) for s in cell.StoredSpecs())
+
+  assert StoredShapes(None) == [(D, D)]
+  assert StoredShapes(dict(x=True, v=False)) == []
+
+
 def test_unknown_policy_names_the_choices():
   with pytest.raises(ValueError, match=r"remat_policy must be one of "
                      r"\('recompute', 'save_dots', 'save_all'\), got 'all'"):
