@@ -217,10 +217,8 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
                              len(diff['inputs']), len(diff['captures']))
 
   def Body(t, *loop_vars):
-    d_state = list(loop_vars[:n_st])
-    acc_theta = list(loop_vars[n_st:n_st + n_th])
-    acc_caps = list(loop_vars[n_st + n_th:n_st + n_th + n_cap])
-    input_lists = list(loop_vars[n_st + n_th + n_cap:])
+    d_state, acc_theta, acc_caps, input_lists = _SplitAt(loop_vars, n_st,
+                                                          n_th, n_cap)
 
     # The state before iteration t: state0 when t == 0, else states[t - 1].
     prev = tf.maximum(t - 1, 0)
@@ -234,20 +232,13 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
         [_ExtraGradientAt(flat_d_extras[i], extras_rows[i], t)
          for i in extras_idx],
         [tf.gather(s, t) for s in stored])
-    g_theta = grads[:n_th]
-    g_state = grads[n_th:n_th + n_st]
-    g_inputs = grads[n_th + n_st:n_th + n_st + n_in]
-    g_caps = grads[n_th + n_st + n_in:]
+    g_theta, g_state, g_inputs, g_caps = _SplitAt(grads, n_th, n_st, n_in)
 
     # d(loss)/d(state before t) also gets the direct gradient of states[t-1].
-    new_d_state = []
-    for j, i in enumerate(diff['state']):
-      if flat_d_states[i] is None:
-        new_d_state.append(g_state[j])
-        continue
-      direct = tf.where(t > 0, tf.gather(flat_d_states[i], prev),
-                        tf.zeros_like(g_state[j]))
-      new_d_state.append(direct + g_state[j])
+    new_d_state = [
+        g + _PastStateGradient(flat_d_states[i], t - 1, g)
+        for i, g in zip(diff['state'], g_state)
+    ]
     new_acc_theta = [a + g for a, g in zip(acc_theta, g_theta)]
     new_acc_caps = [a + g for a, g in zip(acc_caps, g_caps)]
     new_lists = [
@@ -262,8 +253,8 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
   flat_d_final = tf.nest.flatten(d_final)
   results = _WhileLoop(
       Body, [tf.constant(last, tf.int32)] + [
-          flat_d_final[i] if flat_d_states[i] is None else
-          tf.gather(flat_d_states[i], last) + flat_d_final[i]
+          flat_d_final[i] +
+          _PastStateGradient(flat_d_states[i], last, flat_d_final[i])
           for i in diff['state']
       ] + [tf.zeros_like(flat_theta[i]) for i in diff['theta']] +
       [tf.zeros_like(captures[i]) for i in diff['captures']] +
@@ -274,17 +265,35 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     parts[key], results = results[:n], results[n:]
   parts['inputs'] = [_Stack(l, s, num_iterations)
                      for l, s in zip(results, input_specs)]
+  sizes = dict(theta=len(flat_theta), state=len(flat_state0),
+               inputs=len(flat_inputs), captures=len(captures))
+  return [g for key in ('theta', 'state', 'inputs', 'captures')
+          for g in _Scatter(parts[key], diff[key], sizes[key])]
 
-  def Scatter(key, size):
-    flat = [None] * size
-    for j, i in enumerate(diff[key]):
-      flat[i] = parts[key][j]
-    return flat
 
-  return (Scatter('theta', len(flat_theta)) +
-          Scatter('state', len(flat_state0)) +
-          Scatter('inputs', len(flat_inputs)) +
-          Scatter('captures', len(captures)))
+def _SplitAt(seq, *sizes):
+  """Consecutive lists of the given sizes from seq, then the rest."""
+  parts, rest = [], list(seq)
+  for n in sizes:
+    parts.append(rest[:n])
+    rest = rest[n:]
+  return parts + [rest]
+
+
+def _Scatter(values, indices, size):
+  """A flat list of `size`: values at indices, None elsewhere."""
+  flat = [None] * size
+  for i, value in zip(indices, values):
+    flat[i] = value
+  return flat
+
+
+def _PastStateGradient(d_states_entry, t, like):
+  """The incoming gradient of states[t] (zeros for t < 0 or None)."""
+  if d_states_entry is None:
+    return tf.zeros_like(like)
+  return tf.where(t >= 0, tf.gather(d_states_entry, tf.maximum(t, 0)),
+                  tf.zeros_like(like))
 
 
 def _ExtraGradientAt(d_extra, rows, t):
@@ -353,36 +362,57 @@ def Recurrent(theta,
     with record.VariableWatcher() as watcher:
       cell = cell_graph.CellGraph(cell_fn, theta, state0, inputs,
                                   remat_policy, manual_boundary, data_state)
-    read_variables = watcher.watched_variables()
-    flat_rows = _FlatRows(cell.extras_spec, extras_rows)
-    # The custom gradient's arguments: theta, state0, inputs and the outer
-    # float tensors the cell captures (their gradients are returned too).
+    loops = _Loops(cell, (theta, state0, inputs), num_iterations,
+                   _FlatRows(cell.extras_spec, extras_rows),
+                   watcher.watched_variables())
+    return loops.Run(return_states)
+
+
+class _Loops:
+  """The forward loop as a custom gradient whose gradient is the backward
+  loop. Its arguments: theta, state0, inputs and the outer float tensors
+  the cell captures (their gradients are returned too)."""
+
+  def __init__(self, cell, structure, num_iterations, flat_rows,
+               read_variables):
+    self._cell = cell
+    self._structure = structure  # (theta, state0, inputs)
+    self._num_iterations = num_iterations
+    self._rows = flat_rows
+    self._read_variables = read_variables
+    self._sizes = [len(tf.nest.flatten(x)) for x in structure]
+
+  def _Unflatten(self, flat):
+    """(theta, state0, inputs, captures) from the flat arguments."""
+    parts, rest = [], list(flat)
+    for like, n in zip(self._structure, self._sizes):
+      parts.append(tf.nest.pack_sequence_as(like, rest[:n]))
+      rest = rest[n:]
+    caps = list(self._cell.captures)
+    for i, c in zip(self._cell.differentiable['captures'], rest):
+      caps[i] = c
+    return parts + [caps]
+
+  def Run(self, return_states):
+    """(states or None, final, extras) of the forward loop."""
+    cell = self._cell
     diff_caps = cell.differentiable['captures']
-    flat_args = (
-        tf.nest.flatten(theta) + tf.nest.flatten(state0) +
-        tf.nest.flatten(inputs) + [cell.captures[i] for i in diff_caps])
-    n_theta, n_state, n_inputs = (len(tf.nest.flatten(x))
-                                  for x in (theta, state0, inputs))
+    end = sum(self._sizes)
 
     @tf.custom_gradient
     def _RecurrentWithStoredActivations(*flat):
-      th = tf.nest.pack_sequence_as(theta, flat[:n_theta])
-      s0 = tf.nest.pack_sequence_as(state0, flat[n_theta:n_theta + n_state])
-      end = n_theta + n_state + n_inputs
-      inp = tf.nest.pack_sequence_as(inputs, flat[n_theta + n_state:end])
-      caps = list(cell.captures)
-      for i, c in zip(diff_caps, flat[end:]):
-        caps[i] = c
-      states, final, extras, stored = _ForwardLoop(cell, th, s0, inp, caps,
-                                                   num_iterations, flat_rows)
+      th, s0, inp, caps = self._Unflatten(flat)
+      states, final, extras, stored = _ForwardLoop(
+          cell, th, s0, inp, caps, self._num_iterations, self._rows)
       outputs = (states if return_states else (), final, extras)
 
       def Grad(*dys, variables=None):
-        _CheckNoTrainableVariables(read_variables)
+        _CheckNoTrainableVariables(self._read_variables)
         d_states, d_final, d_extras = _IncomingGradients(
-            dys, outputs, state0, cell.extras_spec)
-        grads = _BackwardLoop(cell, th, s0, inp, caps, num_iterations, states,
-                              stored, d_states, d_final, d_extras, flat_rows)
+            dys, outputs, s0, cell.extras_spec)
+        grads = _BackwardLoop(cell, th, s0, inp, caps, self._num_iterations,
+                              states, stored, d_states, d_final, d_extras,
+                              self._rows)
         grads = grads[:end] + [grads[end + i] for i in diff_caps]
         if variables is None:
           return grads
@@ -390,7 +420,11 @@ def Recurrent(theta,
 
       return tf.nest.flatten(outputs), Grad
 
-    flat_out = _RecurrentWithStoredActivations(*flat_args)
+    flat_args = [x for part in self._structure for x in tf.nest.flatten(part)]
+    flat_out = _RecurrentWithStoredActivations(
+        *flat_args, *[cell.captures[i] for i in diff_caps])
+    state0 = self._structure[1]
+    n_state = self._sizes[1]
     n_states = n_state if return_states else 0
     states = (tf.nest.pack_sequence_as(state0, flat_out[:n_state])
               if return_states else None)
