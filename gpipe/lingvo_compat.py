@@ -44,3 +44,19 @@ def LingvoBuildsGpipe():
 def LingvosOwnLayer():
   """Lingvo's own LayerwiseShardablePipelinedLayer, switched or not."""
   return _LINGVO_LAYER
+
+
+def AsLingvosOwnLayer(params):
+  """Lingvo's own layer's Params from gpipe PipelinedLayer Params.
+
+  Lingvo's layer has every Params name gpipe's has but the remat policy
+  (remat_policy, store_body_intermediates: it always recomputes), so the
+  same stack can be built with either layer, e.g. to plan both side by
+  side (python -m gpipe.plan --pipeline_layer lingvo).
+  """
+  lingvo_p = _LINGVO_LAYER.Params()
+  for name, value in params.IterParams():
+    if name in ('remat_policy', 'store_body_intermediates', 'cls'):
+      continue
+    lingvo_p.Set(**{name: value.Copy() if hasattr(value, 'Copy') else value})
+  return lingvo_p
