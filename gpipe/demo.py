@@ -20,36 +20,28 @@
    and draws it to --out (default: <logdir>/schedule.png).
 """
 
-# Before TensorFlow loads, so that the command prints its own lines only.
-if __name__ == '__main__':
-  from gpipe import quiet  # pylint: disable=g-import-not-at-top
-  quiet.UnlessVerbose()
-
 import argparse
 import os
 import sys
-import tempfile
-import time
-
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
-from gpipe import quiet
-from gpipe import schedule_plot
-from gpipe import stage_call
-from gpipe import trainer
-from lingvo import model_registry
-import params.lm  # pylint: disable=unused-import  (registers the models)
 
 
 def _Args(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  from gpipe import quiet  # pylint: disable=g-import-not-at-top
+  from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
+  parser = argparse.ArgumentParser(
+      prog='python -m gpipe.demo', description=__doc__.split('\n\n')[0],
+      epilog=__doc__.split('\n\n', 2)[2].rstrip(),
+      formatter_class=quiet.HelpFormatter)
   parser.add_argument('--model', default='lm.CopyLMSmall',
-                      help='registered model params, e.g. lm.CopyLMSmall')
+                      help='registered model params')
   parser.add_argument('--steps', type=int, default=200,
                       help='train until this global step')
   parser.add_argument('--logdir', default=None,
-                      help='checkpoint directory (resumes from it)')
+                      help='checkpoint and TensorBoard directory, resumed '
+                      'from (default: a new temporary directory)')
   parser.add_argument('--out', default=None,
-                      help='schedule PNG (default <logdir>/schedule.png)')
+                      help='schedule diagram, a .png path (default: '
+                      '<logdir>/schedule.png)')
   parser.add_argument('--verbose', action='store_true',
                       help='also show TensorFlow, XLA and Lingvo logs')
   parser.add_argument('--skip-check', action='store_true',
@@ -60,6 +52,9 @@ def _Args(argv=None):
   if args.steps < 1:
     parser.error(f'--steps must be >= 1 (the global step to train to), got '
                  f'{args.steps}.')
+  problem = args.out and schedule_plot.OutPathProblem(args.out)
+  if problem:
+    parser.error(f'--out {args.out}: {problem}')
   for flag, path in (('--logdir', args.logdir),
                      ('--out', args.out and os.path.dirname(
                          os.path.abspath(args.out)))):
@@ -78,6 +73,27 @@ def _NotWritable(directory):
   if not os.access(directory, os.W_OK):
     return 'is not writable.'
   return ''
+
+
+# The arguments are read before TensorFlow loads (--help and usage errors
+# answer at once), and the libraries are quieted before they load.
+if __name__ == '__main__':
+  _Args()
+  from gpipe import quiet  # pylint: disable=g-import-not-at-top
+  quiet.UnlessVerbose()
+
+# pylint: disable=g-import-not-at-top,g-bad-import-order
+import tempfile
+import time
+
+import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import quiet
+from gpipe import schedule_plot
+from gpipe import stage_call
+from gpipe import trainer
+from lingvo import model_registry
+import params.lm  # pylint: disable=unused-import  (registers the models)
+# pylint: enable=g-import-not-at-top,g-bad-import-order
 
 
 def ModelParams(name, dataset='Train'):
@@ -166,8 +182,18 @@ def main(argv=None):
   schedule_plot.Draw(sched, out)
   print(f'wrote {out}')
   print(f'loss, accuracy, step time, per-stage summaries and the schedule: '
-        f'tensorboard --logdir {logdir}')
+        f'{_TensorBoard()} --logdir {logdir}')
   return 0
+
+
+def _TensorBoard():
+  """The tensorboard command beside this Python (in its venv, which need
+  not be activated), relative to the working directory when inside it."""
+  beside = os.path.join(os.path.dirname(sys.executable), 'tensorboard')
+  if not os.path.exists(beside):
+    return 'tensorboard'
+  relative = os.path.relpath(beside)
+  return beside if relative.startswith('..') else relative
 
 
 if __name__ == '__main__':

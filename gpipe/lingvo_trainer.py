@@ -25,17 +25,33 @@ import time
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 
+# absl's help flags print and exit 1; these print the trainer's flags and
+# exit 0.
+_HELP_FLAGS = ('-h', '-help', '--help', '--helpshort', '--helpfull', '-?')
+
 
 def main(argv=None):
   argv = list(sys.argv if argv is None else argv)
+  wants_help = [a for a in argv[1:] if a in _HELP_FLAGS]
+  if wants_help:
+    from gpipe import quiet  # pylint: disable=g-import-not-at-top
+    quiet.UnlessVerbose(argv)
   import params.lm  # pylint: disable=g-import-not-at-top,unused-import
   from lingvo import trainer  # pylint: disable=g-import-not-at-top
   from lingvo import compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo import model_imports  # pylint: disable=g-import-not-at-top
 
   flags = tf.flags.FLAGS
+  if wants_help:
+    print(Help(flags, everything='--helpfull' in wants_help))
+    return 0
   tf.flags.mark_flag_as_required('model')
-  flags(argv, known_only=True)
+  try:
+    flags(argv, known_only=True)
+  except tf.flags.Error as e:
+    print(f'lingvo_trainer: error: {e} (--help lists the flags)',
+          file=sys.stderr)
+    return 2
   _SetUpAsLingvosTrainerDoes(flags)
   model_imports.ImportParams(flags.model)
   if flags.run_locally:
@@ -44,6 +60,25 @@ def main(argv=None):
     _WriteScheduleImage(flags.model, flags.logdir)
   flags.unparse_flags()
   tf.app.run(trainer.main, argv=argv)
+  return 0
+
+
+def Help(flags, everything=False):
+  """Usage, then the flags of Lingvo's modules with their defaults (with
+  `everything`, TensorFlow's and absl's flags too)."""
+  lines = ['usage: python -m gpipe.lingvo_trainer --model=lm.<Name> '
+           '[flags]', '', __doc__.strip(), '']
+  if everything:
+    lines.append(flags.get_help())
+  else:
+    modules = sorted((m != 'lingvo.trainer', m)
+                     for m in flags.flags_by_module_dict()
+                     if m.partition('.')[0] == 'lingvo')
+    lines.append("Lingvo's trainer flags (--helpfull: TensorFlow's and "
+                 "absl's too):")
+    lines += ['', '\n\n'.join(flags.module_help(m).strip()
+                                for _, m in modules)]
+  return '\n'.join(lines)
 
 
 def _SetUpAsLingvosTrainerDoes(flags):
@@ -128,4 +163,4 @@ def _WriteScheduleImage(model, logdir):
 
 
 if __name__ == '__main__':
-  main()
+  sys.exit(main())

@@ -271,13 +271,23 @@ class Schedule:
 
 
 def main(argv=None):
+  from gpipe import quiet  # pylint: disable=g-import-not-at-top
+  from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(
-      description='Print (and draw) a pipeline schedule.')
-  parser.add_argument('--stages', type=int, required=True)
-  parser.add_argument('--microbatches', type=int, required=True)
-  parser.add_argument('--circular-repeat', type=int, default=1)
+      prog='python -m gpipe.schedule',
+      description='Print (and draw) a pipeline schedule: which microbatch '
+      '(and\nrepeat) each stage works on at each loop iteration.',
+      formatter_class=quiet.HelpFormatter)
+  parser.add_argument('--stages', type=int, required=True,
+                      help='pipeline stages S (num_stages)')
+  parser.add_argument('--microbatches', type=int, required=True,
+                      help='microbatches M (num_microbatches)')
+  parser.add_argument('--circular-repeat', type=int, default=1,
+                      help='R: times each microbatch passes through the '
+                      'stages (circular_repeat)')
   parser.add_argument('--out', default=None,
-                      help='write a PNG diagram to this path')
+                      help='write the diagram to this .png path (default: '
+                      'text only)')
   args = parser.parse_args(argv)
   try:
     schedule = Schedule(args.stages, args.microbatches, args.circular_repeat)
@@ -286,6 +296,9 @@ def main(argv=None):
         'num_microbatches', '--microbatches').replace('circular_repeat',
                                                       '--circular-repeat'))
   if args.out:
+    problem = schedule_plot.OutPathProblem(args.out)
+    if problem:
+      parser.error(f'--out {args.out}: {problem}')
     directory = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
       parser.error(f'--out {args.out}: cannot write there (directory '
@@ -293,7 +306,6 @@ def main(argv=None):
   print(schedule.Summary())
   print(schedule.Render())
   if args.out:
-    from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
     schedule_plot.Draw(schedule, args.out)
     print(f'wrote {os.path.abspath(args.out)}')
   return 0

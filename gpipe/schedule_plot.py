@@ -12,6 +12,7 @@ gpipe.schedule's command imports this one).
 """
 
 import io
+import os
 
 
 def CellLabels(schedule):
@@ -30,6 +31,17 @@ def CellLabels(schedule):
         row.append(str(cell[0]))
     labels.append(row)
   return labels
+
+
+def OutPathProblem(path):
+  """Why a diagram asked for at `path` would not be what its name says, or
+  ''. Draw writes PNG only: a suffix other than .png (in any case) is
+  refused; a path without a suffix gets the PNG as it is."""
+  suffix = os.path.splitext(os.fspath(path))[1]
+  if suffix and suffix.lower() != '.png':
+    return (f'the diagram is written as PNG only, not {suffix}: give a path '
+            'ending in .png.')
+  return ''
 
 
 def PngBytes(schedule):

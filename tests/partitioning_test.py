@@ -287,7 +287,17 @@ def UnshardedCliParams():
      r'Batch size 25 is not divisible by num_microbatches=\d+'),
     (['--params', 'tests.partitioning_test.CliParams', '--input_shape',
       '24,5'],
-     r'the layer cannot run on inputs of shape \[24, 5\]: '),
+     r'input 0 has shape \[24, 5\]; the stage body takes 8 features in the '
+     r'last dim, not 5 \(the layer runs on \[24, 8\]\)$'),
+    (['--params', 'tests/partitioning_test.py'],
+     r'--params tests/partitioning_test.py names a file but no attribute: '
+     r'write tests/partitioning_test.py:<attribute>.'),
+    (['--params', 'tests/no_such_file.py:CliParams'],
+     r'--params tests/no_such_file.py:CliParams: no file .*no_such_file.py$'),
+    (['--params', 'tests/partitioning_test.py:CliParams', '--input_shape',
+      '24,8,3'],
+     r'input 0 has shape \[24, 8, 3\]; the stage body takes 8 features in '
+     r'the last dim, not 3'),
 ])
 def test_check_partitioning_command_rejects_in_one_line(capsys, argv,
                                                           message):
@@ -299,8 +309,37 @@ def test_check_partitioning_command_rejects_in_one_line(capsys, argv,
   err = captured.err.strip()
   assert len(err.splitlines()) == 1, err
   assert err.startswith('check_partitioning: error: ')
+  assert not err.endswith(':')
   assert re.search(message, err), err
   assert not captured.out
+
+
+def test_tensorflow_messages_are_made_one_whole_line():
+  with tf.Graph().as_default():
+    with pytest.raises(tf.errors.InvalidArgumentError) as failed:
+      tf.debugging.assert_equal(tf.constant(12), tf.constant(8))
+    with pytest.raises(ValueError) as mismatched:
+      tf.matmul(tf.zeros([3, 12]), tf.zeros([8, 8]))
+  assert str(failed.value).splitlines()[0].endswith(':')  # as TF says it
+  line = check_partitioning.TensorFlowMessage(failed.value)
+  assert re.fullmatch(r'Condition x == y did not hold element-wise \(x = 12, '
+                      r'y = 8 in \S+\)', line), line
+  line = check_partitioning.TensorFlowMessage(mismatched.value)
+  assert '\n' not in line and not line.endswith((':', '.'))
+  assert re.search(r'but are 12 and 8 in op \S+ \(its inputs have shapes '
+                   r'\[3,12\], \[8,8\]\)$', line), line
+
+
+def test_an_xla_abort_is_named_in_one_line():
+  log = ('Partitioning for 2 devices failed (exit code -6):\n'
+         'W1125 06:21:44.134759   18623 sharding_propagation.cc:3132] GSPMD '
+         'sharding propagation is going to be deprecated.\n'
+         'F1125 06:21:44.139553   18623 hlo_sharding.h:754] Check failed: '
+         'IsTiledLeaf() \n*** Check failure stack trace: ***\n'
+         '    @     0x7f7af0440634  absl::LogMessage::SendToLog()\n')
+  assert check_partitioning.PartitionerMessage(RuntimeError(log)) == (
+      'Partitioning for 2 devices failed (exit code -6): XLA stopped at '
+      'Check failed: IsTiledLeaf() (hlo_sharding.h:754)')
 
 
 _TOY_HLO = """\

@@ -150,6 +150,38 @@ def test_schedule_command_rejects_bad_configs(argv, message, capsys):
   assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize('name', ['s.txt', 's.svg', 's.png.pdf'])
+def test_out_refuses_a_suffix_it_would_not_write(tmp_path, capsys, name):
+  out = tmp_path / name
+  with pytest.raises(SystemExit) as exit_info:
+    schedule_lib.main(['--stages', '2', '--microbatches', '4', '--out',
+                       str(out)])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  suffix = out.suffix
+  assert (f'--out {out}: the diagram is written as PNG only, not {suffix}: '
+          'give a path ending in .png.') in err
+  assert not out.exists()
+
+
+def test_demo_refuses_the_suffix_before_any_work(tmp_path, capsys):
+  from gpipe import demo  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as exit_info:
+    demo.main(['--out', str(tmp_path / 'schedule.svg'), '--logdir',
+               str(tmp_path / 'run')])
+  assert exit_info.value.code == 2
+  assert 'written as PNG only, not .svg' in capsys.readouterr().err
+  assert not (tmp_path / 'run').exists()
+
+
+def test_upper_case_png_is_a_png(tmp_path, capsys):
+  out = tmp_path / 'S.PNG'
+  assert schedule_lib.main(['--stages', '2', '--microbatches', '3', '--out',
+                            str(out)]) == 0
+  assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert f'wrote {out}' in capsys.readouterr().out
+
+
 if __name__ == '__main__':
   import sys  # pylint: disable=g-import-not-at-top
   sys.exit(pytest.main([__file__]))

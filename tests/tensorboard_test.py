@@ -1,0 +1,145 @@
+"""TensorBoard, as the README has users run it, shows what training wrote.
+
+A tiny training run (gpipe.trainer.Train, the demo's driver, on a small copy
+LM whose stack has 2 stages) writes its events; the venv's `tensorboard
+--logdir` serves them as a real server and is asked over HTTP what its web
+page asks: the runs, the scalar tags and values, the image tags and the
+image itself. The server runs in a process group of its own, which is ended
+whether the test passes or not.
+"""
+
+import contextlib
+import json
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+import gpipe  # pylint: disable=unused-import
+from gpipe import trainer
+from lingvo.core import base_model
+from params import lm
+
+_NUM_STAGES = 2
+_PNG = b'\x89PNG\r\n\x1a\n'
+
+
+def _TinyCopyLM():
+  task = lm.CopyLMParams(
+      vocab_size=8, model_dim=16, num_heads=2, hidden_dim=32,
+      blocks_per_stage=1, num_stages=_NUM_STAGES, circular_repeat=1,
+      num_microbatches=2, dropout_prob=0.0, shard_stages_1d=False,
+      learning_rate=1e-3, max_steps=10, max_seq_len=6)
+  cfg = base_model.SingleTaskModel.Params(task)
+  cfg.input = lm.CopyTaskInput.Params().Set(vocab_size=8, copy_length=3,
+                                            batch_size=4)
+  return cfg
+
+
+@contextlib.contextmanager
+def _TensorBoard(logdir, log_path):
+  """A running `tensorboard --logdir logdir`; yields a function that waits
+  for the server to listen and returns its base URL."""
+  binary = pathlib.Path(sys.executable).parent / 'tensorboard'
+  assert binary.exists(), f'{binary} is not installed'
+  with open(log_path, 'wb') as log:
+    # --port 0: a free port the server picks and prints in its URL.
+    server = subprocess.Popen(
+        [str(binary), '--logdir', str(logdir), '--host', '127.0.0.1',
+         '--port', '0', '--reload_interval', '1'],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+  try:
+    yield lambda: _Url(server, log_path)
+  finally:
+    _Stop(server)
+
+
+def _Url(server, log_path, timeout=120):
+  """The URL the server prints once it listens."""
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    text = pathlib.Path(log_path).read_text(errors='replace')
+    found = re.search(r'(http://127\.0\.0\.1:\d+)/', text)
+    if found:
+      return found.group(1)
+    assert server.poll() is None, f'tensorboard exited:\n{text}'
+    time.sleep(0.2)
+  raise AssertionError(f'tensorboard printed no URL in {timeout} s:\n{text}')
+
+
+def _Stop(server):
+  """Ends the server's whole process group (it may have started helpers)."""
+  for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+    try:
+      os.killpg(server.pid, sig)
+    except ProcessLookupError:
+      break
+    try:
+      server.wait(timeout=wait)
+      break
+    except subprocess.TimeoutExpired:
+      continue
+  # Helpers of the group that outlive the server itself.
+  with contextlib.suppress(ProcessLookupError):
+    os.killpg(server.pid, signal.SIGKILL)
+
+
+def _Get(url, path, **query):
+  if query:
+    path += '?' + urllib.parse.urlencode(query)
+  with urllib.request.urlopen(url + path, timeout=30) as response:
+    return response.read()
+
+
+def _Json(url, path, **query):
+  return json.loads(_Get(url, path, **query))
+
+
+def _WhenLoaded(url, timeout=120):
+  """Polls the scalar tags until the server has read the whole run."""
+  deadline = time.time() + timeout
+  tags = {}
+  while time.time() < deadline:
+    with contextlib.suppress(urllib.error.URLError, ConnectionError):
+      tags = _Json(url, '/data/plugin/scalars/tags')
+      images = _Json(url, '/data/plugin/images/tags')
+      if any('loss' in t for t in tags.values()) and any(
+          'pipeline_schedule' in t for t in images.values()):
+        return tags, images
+    time.sleep(0.5)
+  raise AssertionError(f'tensorboard showed no loss and schedule in '
+                       f'{timeout} s; scalar tags: {tags}')
+
+
+def test_tensorboard_serves_the_training_runs_events(tmp_path):
+  logdir = tmp_path / 'run'
+  logdir.mkdir()
+  # The server starts (and imports TensorFlow) while the model trains.
+  with _TensorBoard(logdir, tmp_path / 'tensorboard.log') as listening:
+    history = trainer.Train(_TinyCopyLM(), steps=1, logdir=str(logdir))
+    url = listening()
+    scalars, images = _WhenLoaded(url)
+    assert _Json(url, '/data/runs') == ['.']
+    tags = scalars['.']
+    assert {'loss', 'accuracy', 'step_time_seconds'} <= set(tags)
+    for stage in range(_NUM_STAGES):
+      assert any(t.startswith(f'activation_rms/stage_{stage}/')
+                 for t in tags), (stage, sorted(tags))
+    assert not any(t.startswith(f'activation_rms/stage_{_NUM_STAGES}/')
+                   for t in tags)
+    # The loss the run computed, labelled with the step after the update.
+    [(_, step, loss)] = _Json(url, '/data/plugin/scalars/scalars', run='.',
+                              tag='loss')
+    assert step == 1
+    assert abs(loss - history[0].loss) <= 1e-6 * abs(history[0].loss)
+    assert list(images) == ['.'] and 'pipeline_schedule' in images['.']
+    [image] = _Json(url, '/data/plugin/images/images', run='.',
+                    tag='pipeline_schedule')
+    png = _Get(url, '/data/plugin/images/individualImage?' + image['query'])
+    assert png.startswith(_PNG)
