@@ -18,10 +18,20 @@ virtual devices and compiled without running (gpipe.plan). Checked:
   * negative controls: replicated weights, and replicated optimizer slots,
     are reported as not split;
   * the command line: JSON fields, the recommendation, a clear error for a
-    --num_devices that does not match the stages.
+    --num_devices that does not match the stages;
+  * what the forward loop stores for the backward loop (found in the
+    partitioned module) against the buffer history; each loop's FLOPs;
+  * the predicted parts against arithmetic on the shapes and the chip's
+    constants: compute, bubble, the fused step's memory traffic,
+    collectives, the step and the MFU; the text report's units; the
+    per-chip bytes plot;
+  * the planner's edges: every candidate skipped (non-zero exit, each
+    reason), nonsensical numbers and unwritable plot paths refused before
+    anything is built, the model's own error reported as an error.
 """
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -32,6 +42,9 @@ from gpipe import layers
 from gpipe import partitioning
 from gpipe import plan
 from gpipe import sharding
+from gpipe.plan import candidate as candidate_lib
+from gpipe.plan import plot
+from gpipe.plan import report as report_lib
 from gpipe.plan import roofline
 from gpipe.plan import train_step
 from tests import bodies
@@ -52,6 +65,31 @@ def LayerParams(shard=True, circular_repeat=1):
 
 def UnshardedLayerParams():
   return LayerParams(shard=False)
+
+
+class _TypeErrorBody(bodies.DenseBody):
+  """A body with a bug of its own."""
+
+  def FProp(self, theta, x):
+    raise TypeError('the body got a wrong argument')
+
+
+class _ShapeErrorBody(bodies.DenseBody):
+  """A body multiplying by a weight of the wrong height: TensorFlow's shape
+  error, a ValueError like the ones gpipe's param checks raise."""
+
+  def FProp(self, theta, x):
+    return tf.matmul(x, theta.w[:DIM // 2])
+
+
+def TypeErrorLayerParams():
+  return LayerParams().Set(
+      single_stage_body=_TypeErrorBody.Params().Set(dim=DIM))
+
+
+def ShapeErrorLayerParams():
+  return LayerParams().Set(
+      single_stage_body=_ShapeErrorBody.Params().Set(dim=DIM))
 
 
 def _Plan(params, candidates=((NUM_MICROBATCHES, 1),)):
@@ -166,6 +204,108 @@ def test_collectives_per_iteration(reports):
     assert not report.Gathered()
 
 
+def _Peak(report):
+  return report.chip.peak_flops
+
+
+def test_stored_activations_are_the_buffer_history(reports):
+  for report in reports:
+    # Under 'recompute' the forward loop stores one buffer slot (a
+    # microbatch's [rows, DIM] activations) per iteration, nothing else.
+    history = report.schedule.num_iterations * _Rows(report) * DIM * 4
+    assert report.stored_activation_bytes == history, (
+        report.stored_activations)
+    assert report.stored_activation_bytes <= report.per_device_bytes['temp']
+
+
+def test_loop_flops_split_the_step(reports):
+  for report in reports:
+    # Forward loop: one matmul per iteration; backward: the recomputed
+    # forward and two gradient matmuls (see the FLOPs test above).
+    matmul = 2 * _Rows(report) * DIM * DIM
+    iterations = report.schedule.num_iterations
+    margin = 0.1 if report.schedule.circular_repeat == 1 else 0.2
+    forward, backward = report.loop_flops
+    assert 1 <= forward / (iterations * matmul) < 1 + margin, forward
+    assert 1 <= backward / (3 * iterations * matmul) < 1 + margin, backward
+    assert forward + backward < report.flops_per_device
+
+
+def test_predicted_parts_against_arithmetic(reports):
+  v5e = roofline.CHIPS['v5e']
+  for report in reports:
+    p = report.prediction
+    sched = report.schedule
+    t, r = sched.num_iterations, sched.circular_repeat
+    slot = _Rows(report) * DIM * 4  # one microbatch's activations
+    weights = r * (DIM * DIM + DIM) * 4  # per device: R repeats of a stage
+    assert p.compute_seconds == report.flops_per_device / 197e12
+    # The bubbles: T - M R idle iterations of 4 matmuls (see above).
+    idle = 4 * (t - sched.num_microbatches * r) * 2 * _Rows(report) * DIM**2
+    margin = 0.1 if r == 1 else 0.2
+    assert 1 <= p.bubble_seconds * 197e12 / idle < 1 + margin
+    # Each iteration reads its repeat's weights 3 times (forward,
+    # recomputed forward, input gradient), reads and writes its gradient;
+    # Adam reads weights, gradients, m, v and writes weights, m, v; the
+    # stored history is written and read; the buffer slot is read and
+    # written per iteration, forward and backward; the input batch (on
+    # every device) is read once.
+    assert p.memory_traffic_bytes == {
+        'loop_weight_reads': 3 * t * weights / r,
+        'gradient_accumulation': 2 * t * weights / r,
+        'update': 3 * weights + 2 * 2 * weights,
+        'stored_activations': 2 * t * slot,
+        'buffer': 4 * t * slot,
+        'other_weights_and_inputs': BATCH * DIM * 4,
+    }
+    traffic = (5 * t * weights / r + 7 * weights + 6 * t * slot +
+               BATCH * DIM * 4)
+    assert p.memory_seconds == pytest.approx(traffic / 819e9)
+    # A permute of the slot per iteration, forward and backward; the
+    # outputs' all-reduce (a ring: twice its bytes) over 50 GB/s links.
+    collectives = 2 * t * slot + 2 * BATCH * DIM * 4
+    assert p.collective_seconds == pytest.approx(collectives / 50e9)
+    assert p.step_seconds == pytest.approx(
+        max(p.compute_seconds, p.memory_seconds) + p.collective_seconds)
+    assert p.memory_traffic_bytes['loop_weight_reads'] > 0
+    assert p.bound == 'memory'  # a toy: 3 rows per microbatch
+    # Model FLOPs: the stack's 3 matmuls per layer and row, plus the
+    # elementwise rest (tanh, bias, loss, Adam): at most a quarter more.
+    matmuls = 6 * NUM_STAGES * r * BATCH * DIM * DIM
+    assert 1 <= p.model_flops / matmuls < 1.25, p.model_flops / matmuls
+    assert p.mfu == pytest.approx(
+        p.model_flops / (NUM_STAGES * v5e.peak_flops * p.step_seconds))
+
+
+def test_prediction_step_and_mfu_by_hand():
+  chip = roofline.Chip('test', peak_flops=100.0, hbm_bytes=1.0,
+                       hbm_bandwidth=10.0, ici_bandwidth=16.0, ici_ports=4)
+  step_bytes = roofline.StepBytes(
+      loop_weights=8, loop_trainable=8, other_weights=2, other_trainable=1,
+      slots=18, inputs=5, stored=6, buffer=1, iterations=4,
+      circular_repeat=2, recomputes_forward=False, clips_gradients=True)
+  p = roofline.Predict(chip, flops=1000, loop_flops=800,
+                       bubble_fraction=0.25, step_bytes=step_bytes,
+                       collective_bytes={'all-reduce': 3,
+                                         'collective-permute': 4},
+                       model_flops=2000, num_devices=4)
+  # Loop weights: 4 iterations x 4 bytes (one repeat) x (1 + 1); gradient
+  # accumulators 4 x 2 x 4 + 1 written; update (4 with the clip norm) x 9
+  # + 2 x 18; stored 2 x 6; buffer 4 x 4 x 1; other 2 x 2 + 5.
+  assert p.memory_traffic_bytes == {
+      'loop_weight_reads': 32, 'gradient_accumulation': 33, 'update': 72,
+      'stored_activations': 12, 'buffer': 16, 'other_weights_and_inputs': 9}
+  assert p.compute_seconds == 10 and p.bubble_seconds == 2
+  assert p.memory_seconds == 17.4
+  assert p.collective_seconds == (2 * 3 + 4) / 2  # links: 16 / (2 x 4)
+  assert p.step_seconds == 17.4 + 5 and p.bound == 'memory'
+  assert p.mfu == pytest.approx(2000 / (4 * 100 * 22.4))
+  # Model FLOPs: counted once (min of 1200 and 4 x 350), less 4 x (bubbles
+  # 0.25 x 100 + the unbubbled recomputed forward 0.75 x 20).
+  assert roofline.ModelFlops(1200, 350, 4, 100, 0.25, 20) == 1200 - 4 * 40
+  assert roofline.ModelFlops(1600, 350, 4, 100, 0.25, 20) == 1400 - 4 * 40
+
+
 def test_remat_policies_trade_memory_for_flops():
   """save_all stores each stage's tanh output per iteration and runs no
   forward again: one matmul less per iteration (of 4, see the FLOPs test
@@ -192,6 +332,15 @@ def test_remat_policies_trade_memory_for_flops():
   extra = saved.per_device_bytes['temp'] - rec.per_device_bytes['temp']
   assert extra <= stored, (extra, stored)
   assert not saved.Problems(), saved.Problems()
+  # What the forward loop stores for the backward loop: the buffer history,
+  # and with save_all each iteration's tanh output as well.
+  assert rec.stored_activation_bytes == stored
+  assert saved.stored_activation_bytes == 2 * stored
+  # Nothing recomputed: the backward loop reads the weights once less.
+  assert saved.recomputed_flops == 0
+  assert rec.recomputed_flops == rec.loop_flops[0]
+  assert (rec.prediction.memory_traffic_bytes['loop_weight_reads'] ==
+          1.5 * saved.prediction.memory_traffic_bytes['loop_weight_reads'])
 
 
 def test_recommends_the_fastest_fitting_candidate(linear_plan):
@@ -200,6 +349,64 @@ def test_recommends_the_fastest_fitting_candidate(linear_plan):
   best = min(range(len(reports)),
              key=lambda i: reports[i].prediction.step_seconds)
   assert linear_plan.recommended == best
+
+
+def test_report_units_show_each_figure():
+  assert report_lib.Bytes(768) == '768 B'
+  assert report_lib.Bytes(1023) == '1023 B'
+  assert report_lib.Bytes(16640) == '16.2 KiB'
+  assert report_lib.Bytes(25 * 2**30) == '25.0 GiB'
+  assert report_lib.Bytes(3 * 2**20 + 2**19) == '3.50 MiB'
+  assert report_lib.Seconds(17.3) == '17.3 s'
+  assert report_lib.Seconds(2.85e-6) == '2.85 us'
+  assert report_lib.Seconds(5.92e-9) == '5.92 ns'
+  assert report_lib.Seconds(0.25) == '250 ms'
+  assert report_lib.Percent(0.52) == '52 %'
+  assert report_lib.Percent(0.0018) == '0.18 %'
+
+
+def test_text_report_labels_sources_and_units(linear_plan):
+  text = linear_plan.Render()
+  total = NUM_STAGES * (DIM * DIM + DIM) * 4  # 66560 B
+  assert f'Weights: {total / 1024:.1f} KiB in all.' in text
+  # No figure rounds away to zero in a unit too large for it.
+  assert not re.search(r'\b0\.0+ [KMGT]?i?B\b', text), text
+  groups = text.splitlines()[3]
+  for group in ('candidate', 'schedule', 'XLA: bytes per device',
+                'XLA: per device', 'predicted: v5e model'):
+    assert group in groups, groups
+  rows = text.splitlines()[6:8]
+  best = linear_plan.recommended
+  for i, (row, report) in enumerate(zip(rows, linear_plan.reports)):
+    slot = _Rows(report) * DIM * 4
+    cells = [c.strip() for c in row.split('|')]
+    assert cells[2].split()[:4] == ['16.2', 'KiB', '32.5', 'KiB'], cells
+    assert cells[3].endswith(report_lib.Bytes(slot)), cells
+    assert ('*' in cells[4]) == (i == best), cells
+  assert 'collective-permute (768 B)' in text  # M=8: 3 x 64 floats
+  assert 'memory traffic (fused step, per device)' in text
+  assert "XLA:CPU's unfused bytes accessed (not used)" in text
+  assert 'Predicted by a roofline model' in text
+
+
+def test_plot_segments_add_up_to_the_peak(linear_plan, tmp_path):
+  for report in linear_plan.reports:
+    segments = plot.Segments(report)
+    assert list(segments) == list(plot.SEGMENTS)
+    b = report.per_device_bytes
+    assert sum(segments.values()) == b['peak']
+    weights = (DIM * DIM + DIM) * 4
+    assert segments['weights'] == weights
+    assert segments['optimizer slots'] == 2 * weights
+    history = report.schedule.num_iterations * _Rows(report) * DIM * 4
+    assert segments['stored activations'] == history
+    assert segments['other temporaries'] == b['temp'] - history > 0
+    # The input batch (every device holds it), the scalars, the loss.
+    assert BATCH * DIM * 4 <= segments['inputs and outputs'] < (
+        BATCH * DIM * 4 + 1024)
+  path = tmp_path / 'plan.png'
+  plot.WritePlot(linear_plan, str(path))
+  assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
 def test_shapes_only_memory_equals_the_partitioned_run():
@@ -287,13 +494,15 @@ def test_a_loop_of_unknown_trip_count_leaves_memory_and_says_why_no_cost():
     compiled.Cost('flops')
 
 
-def test_plan_command_json(capsys):
+def test_plan_command_json(capsys, tmp_path):
   status = plan.main([
       '--params', 'tests.plan_test.LayerParams', '--input_shape',
       f'{BATCH},{DIM}', '--num_devices', str(NUM_STAGES), '--tpu', 'v5e',
-      '--hbm_gib', '16', '--num_microbatches', '8,5', '--json'
+      '--hbm_gib', '16', '--num_microbatches', '8,5', '--json', '--plot',
+      str(tmp_path / 'plan.png')
   ])
   assert status == 0
+  assert (tmp_path / 'plan.png').read_bytes()[:4] == b'\x89PNG'
   report = json.loads(capsys.readouterr().out)
   assert report['num_devices'] == NUM_STAGES
   assert report['total_weight_bytes'] == NUM_STAGES * (DIM * DIM + DIM) * 4
@@ -309,6 +518,16 @@ def test_plan_command_json(capsys):
   sizes = [b['bytes'] for b in candidate['largest_buffers']]
   assert sizes and sizes == sorted(sizes, reverse=True)
   assert report['recommended'] == 0
+  predicted = candidate['predicted']
+  for key in ('compute_seconds', 'bubble_seconds', 'memory_traffic_seconds',
+              'memory_traffic_bytes', 'collective_seconds', 'model_flops',
+              'mfu', 'overlap'):
+    assert key in predicted, key
+  assert predicted['step_seconds'] == candidate['predicted_step_seconds']
+  for key in ('xla_cpu_unfused_bytes_accessed_per_device',
+              'stored_activation_bytes', 'loop_flops_per_device'):
+    assert key in candidate and key in report['measured_by_xla'], key
+  assert 'predicted' in report['predicted_by_the_roofline_model']
   # M=5 does not divide the batch of 24: skipped, with the reason.
   (skipped,) = report['skipped']
   assert skipped['num_microbatches'] == 5
@@ -331,10 +550,79 @@ def test_plan_command_rejects_a_circular_repeat_that_changes_depth(capsys):
       '--params', 'tests.plan_test.LayerParams', '--input_shape',
       f'{BATCH},{DIM}', '--circular_repeat', '2', '--json'
   ])
-  assert status == 0
+  assert status == 2  # nothing could be planned
   report = json.loads(capsys.readouterr().out)
   assert report['candidates'] == [] and report['recommended'] is None
   assert 'num_blocks' in report['skipped'][0]['reason']
+
+
+def _Command(*extra):
+  return ['--params', 'tests.plan_test.LayerParams', '--input_shape',
+          f'{BATCH},{DIM}', *extra]
+
+
+@pytest.fixture
+def nothing_compiled(monkeypatch):
+  """Fails whatever tries to build and compile a candidate."""
+
+  def Refuse(*args, **kwargs):
+    raise AssertionError('a candidate was built')
+
+  monkeypatch.setattr(candidate_lib, 'PlanCandidate', Refuse)
+
+
+def test_plan_command_when_every_candidate_is_skipped(capsys,
+                                                      nothing_compiled):
+  status = plan.main(_Command('--num_microbatches', '5,7'))
+  err = capsys.readouterr().err
+  assert status == 2
+  assert 'every candidate was skipped' in err, err
+  for m in (5, 7):
+    assert re.search(rf'M={m} R=1 recompute: Batch size 24 .*'
+                     rf'num_microbatches={m}', err), err
+  assert 'none of the candidates fits' not in err
+
+
+@pytest.mark.parametrize('flag, value', [
+    ('--hbm_gib', '0'), ('--hbm_gib', '-16'), ('--hbm_gib', 'nan'),
+    ('--num_devices', '0'), ('--num_devices', '-4'),
+])
+def test_plan_command_refuses_nonsense_numbers(flag, value, capsys,
+                                               nothing_compiled):
+  with pytest.raises(SystemExit) as exit_info:
+    plan.main(_Command(flag, value))
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert f'argument {flag}: expected' in err and 'above 0' in err, err
+
+
+@pytest.mark.parametrize('name, why', [
+    ('missing/plan.png', 'does not exist'), ('plan.jpg', 'expected a .png'),
+])
+def test_plan_command_refuses_an_unwritable_plot(name, why, tmp_path, capsys,
+                                                 nothing_compiled):
+  with pytest.raises(SystemExit) as exit_info:
+    plan.main(_Command('--plot', str(tmp_path / name)))
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert 'argument --plot' in err and why in err, err
+
+
+@pytest.mark.parametrize('params, error', [
+    ('TypeErrorLayerParams', 'TypeError: the body got a wrong argument'),
+    ('ShapeErrorLayerParams', 'ValueError: Dimensions must be equal'),
+])
+def test_a_model_error_is_an_error_not_a_skipped_candidate(params, error,
+                                                           capsys):
+  status = plan.main([
+      '--params', f'tests.plan_test.{params}', '--input_shape',
+      f'{BATCH},{DIM}', '--json'
+  ])
+  captured = capsys.readouterr()
+  assert status == 1
+  assert 'M=8 R=1 recompute' in captured.err and error in captured.err, (
+      captured.err)
+  assert captured.out == ''  # no plan, and not a skipped candidate
 
 
 if __name__ == '__main__':

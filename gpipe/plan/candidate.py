@@ -5,18 +5,27 @@
     --> CandidateReport: bytes per device by kind, FLOPs, collectives per
         loop, problems (weights not split, gathered), the roofline's
         prediction
+
+Only a candidate gpipe's own checks refuse (an M that does not divide the
+batch, an R that cannot keep the depth, an unknown remat policy) is
+skipped; anything else that fails while building or compiling one is the
+model's or XLA's error, and MakePlan raises it as a CandidateError.
 """
 
 import contextlib
 import dataclasses
+import functools
+import re
 import time
 
 from absl import flags as absl_flags
 import numpy as np
 
+from gpipe import layers as gpipe_layers
 from gpipe import partitioning
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
+from gpipe import spmd_worker
 from gpipe import stage_call
 from gpipe.plan import roofline
 from gpipe.plan import targets
@@ -37,10 +46,15 @@ class CandidateReport:
 
   def Bytes(self, kind):
     """Bytes one device holds of the step arguments of `kind`."""
+    return self._ArgBytes(lambda i, arg: arg.kind == kind)
+
+  def _ArgBytes(self, keep):
+    """Bytes one device holds of the arguments with keep(index, arg)."""
     return sum(
         int(np.prod(shard, dtype=np.int64)) * arg.spec.dtype.size
-        for arg, shard in zip(self.step.args, self.compiled.param_shard_shapes)
-        if arg.kind == kind)
+        for i, (arg, shard) in enumerate(
+            zip(self.step.args, self.compiled.param_shard_shapes))
+        if keep(i, arg))
 
   def TotalBytes(self, kind):
     return sum(arg.spec.shape.num_elements() * arg.spec.dtype.size
@@ -133,11 +147,72 @@ class CandidateReport:
   def flops_unpartitioned(self):
     return self.compiled.reference_cost['flops']
 
+  @functools.cached_property
+  def loop_flops(self):
+    """Per loop (forward, backward): FLOPs per device, all iterations."""
+    return LoopFlops(self.compiled.hlo, self.compiled.loops)
+
+  @functools.cached_property
+  def stored_activations(self):
+    """[(bytes, HLO type)] per device the forward loop stores for the
+    backward loop (see StoredActivations)."""
+    if not self.compiled.loops:
+      return []
+    return StoredActivations(self.compiled.hlo, self.compiled.loops[0])
+
   @property
+  def stored_activation_bytes(self):
+    return sum(nbytes for nbytes, _ in self.stored_activations)
+
+  @property
+  def recomputed_flops(self):
+    """Per device: the forward loop's FLOPs, which the backward loop runs
+    again under remat_policy 'recompute' (none counted otherwise)."""
+    if self.candidate.remat_policy != 'recompute' or not self.loop_flops:
+      return 0.0
+    return self.loop_flops[0]
+
+  @property
+  def step_bytes(self):
+    """The per-device sizes that set the fused step's HBM traffic."""
+    # The step updates its trainable weights (and slots) in place.
+    trainable = {param for _, param in self.step.aliases}
+
+    def Weights(on_stages, only_trainable=False):
+      return self._ArgBytes(
+          lambda i, a: (a.kind == train_step.WEIGHT and
+                        a.on_stages == on_stages and
+                        (i in trainable or not only_trainable)))
+
+    return roofline.StepBytes(
+        loop_weights=Weights(on_stages=True),
+        loop_trainable=Weights(on_stages=True, only_trainable=True),
+        other_weights=Weights(on_stages=False),
+        other_trainable=Weights(on_stages=False, only_trainable=True),
+        slots=self.Bytes(train_step.SLOT),
+        inputs=self.Bytes(train_step.INPUT),
+        stored=self.stored_activation_bytes,
+        # One iteration's buffer slot: what the rotation sends on.
+        buffer=self.permute_bytes_per_iteration,
+        iterations=self.schedule.num_iterations,
+        circular_repeat=self.schedule.circular_repeat,
+        recomputes_forward=self.candidate.remat_policy == 'recompute',
+        clips_gradients=self.step.clip_norm > 0)
+
+  @property
+  def model_flops(self):
+    return roofline.ModelFlops(
+        self.flops_unpartitioned, self.flops_per_device,
+        self.compiled.num_devices, sum(self.loop_flops),
+        self.schedule.bubble_fraction, self.recomputed_flops)
+
+  @functools.cached_property
   def prediction(self):
-    return roofline.Predict(self.chip, self.flops_per_device,
-                            self.compiled.Cost('bytes accessed'),
-                            self.CollectiveBytesPerStep())
+    return roofline.Predict(
+        self.chip, self.flops_per_device, sum(self.loop_flops),
+        self.schedule.bubble_fraction, self.step_bytes,
+        self.CollectiveBytesPerStep(), self.model_flops,
+        self.compiled.num_devices)
 
   def ToJson(self):
     n = self.compiled.num_devices
@@ -153,12 +228,15 @@ class CandidateReport:
         'flops_per_device': self.flops_per_device,
         'flops_unpartitioned': self.flops_unpartitioned,
         'flops_ratio': self.flops_per_device / (self.flops_unpartitioned / n),
-        'bytes_accessed_per_device': self.compiled.Cost('bytes accessed'),
+        'loop_flops_per_device': self.loop_flops,
+        'xla_cpu_unfused_bytes_accessed_per_device':
+            self.compiled.Cost('bytes accessed'),
+        'stored_activation_bytes': self.stored_activation_bytes,
         'permute_bytes_per_iteration': self.permute_bytes_per_iteration,
         'loops': self.LoopSummaries(),
         'collective_bytes_per_step': self.CollectiveBytesPerStep(),
         'predicted_step_seconds': self.prediction.step_seconds,
-        'predicted': dataclasses.asdict(self.prediction),
+        'predicted': self.prediction.ToJson(),
         'largest_buffers': [{
             'bytes': b, 'type': t, 'op': op
         } for b, t, op in partitioning.LargestBuffers(self.compiled.hlo)],
@@ -219,18 +297,150 @@ def AsOnTpu():
     flags.xla_device, flags.enable_asserts = saved
 
 
+class CandidateError(RuntimeError):
+  """Building or compiling a candidate failed for another reason than its
+  M, R or remat policy: the model's own error (or XLA's), not a choice the
+  planner can skip."""
+
+  def __init__(self, candidate, error):
+    # The first line says what failed; a long message (e.g. the
+    # partitioner's log) ends with why.
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    summary = ' ... '.join(lines[:1] + lines[1:][-1:]) or '(no message)'
+    super().__init__(
+        f'{candidate.Describe()}: {type(error).__name__}: {summary}')
+    self.candidate = candidate
+    self.error = error
+
+
+def CheckCandidate(target, candidate):
+  """Raises targets.PlanError if gpipe's param checks refuse the candidate.
+
+  The same checks the target's Build runs (an M that does not divide the
+  batch, an unknown remat policy, ...), run first on a copy of the stack's
+  params, so that a ValueError raised later while building is known to be
+  the model's own.
+  """
+  p = target.stack_params.Copy()
+  p.Set(num_microbatches=candidate.num_microbatches, microbatch_size=None,
+        circular_repeat=candidate.circular_repeat,
+        remat_policy=candidate.remat_policy, store_body_intermediates=False)
+  try:
+    gpipe_layers.ValidateParams(p, target.batch_size)
+  except ValueError as e:
+    raise targets.PlanError(str(e).splitlines()[0]) from None
+
+
 def MakePlan(target, candidates, num_devices, chip, hbm_bytes,
              depth_param='num_blocks', log=None):
-  """Plans every candidate; invalid ones are skipped with their reason."""
+  """Plans every candidate; those gpipe refuses are skipped with the reason.
+
+  Raises:
+    CandidateError: building or compiling a valid candidate failed.
+  """
   reports, skipped = [], []
   for candidate in candidates:
-    if log:
-      log(f'Compiling {candidate.Describe()} for {num_devices} devices...')
     try:
+      CheckCandidate(target, candidate)
+      if log:
+        log(f'Compiling {candidate.Describe()} for {num_devices} devices...')
       reports.append(PlanCandidate(target, candidate, num_devices, chip,
                                    hbm_bytes, depth_param))
-    except (targets.PlanError, ValueError) as e:
+    except targets.PlanError as e:
       skipped.append((candidate, str(e).splitlines()[0]))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CandidateError(candidate, e) from e
   return Plan(num_devices=num_devices, chip=chip, hbm_bytes=hbm_bytes,
               reports=reports, skipped=skipped)
+
+
+@functools.lru_cache(maxsize=1)
+def _CostClient():
+  """jaxlib's CPU client: cost analysis of HLO text needs one device."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.devices('cpu')[0].client
+
+
+def LoopFlops(hlo_text, bodies):
+  """FLOPs of each while loop (by body computation), all iterations.
+
+  XLA's cost analysis of the loop's body as the module's entry (nested
+  loops counted per iteration, as for the whole module), times the loop's
+  trip count: the per-loop split of the module's FLOPs, which tells the
+  work the bubbles waste from the work outside the loops.
+  """
+  trips = partitioning.LoopTripCounts(hlo_text)
+  return [
+      trips[body] * spmd_worker.LoopAwareCost(
+          _CostClient(), _WithEntry(hlo_text, body))['flops']
+      for body in bodies
+  ]
+
+
+def _WithEntry(hlo_text, computation):
+  """The HLO module's text with `computation` as its entry."""
+  lines = []
+  for line in hlo_text.splitlines():
+    if line.startswith('ENTRY '):
+      line = line[len('ENTRY '):]
+    elif line.startswith((f'%{computation} ', f'{computation} ')):
+      line = 'ENTRY ' + line
+    lines.append(line)
+  return '\n'.join(lines)
+
+
+_NAME = r'%?([\w.\-]+)'
+_WHILE_RE = re.compile(rf'^\s*{_NAME}\s*=.*\swhile\({_NAME}\)')
+_BODY_RE = re.compile(rf'\bbody={_NAME}')
+_TUPLE_RE = re.compile(rf'^\s*{_NAME}\s*=.*\stuple\(([^)]*)\)')
+_GTE_RE = re.compile(
+    rf'^\s*{_NAME}\s*=\s*(\S+)\s+get-tuple-element\({_NAME}\),'
+    r'\s*index=(\d+)')
+
+
+def StoredActivations(hlo_text, forward_body):
+  """[(bytes, HLO type)]: what the forward loop stores for the backward loop.
+
+  Read off the partitioned per-device module: the results of the forward
+  while loop (body `forward_body`) that hold one slice per iteration
+  (leading dim = its trip count: the buffer history, and with a storing
+  remat policy the body's saved activations) and that another while loop
+  (the backward loop) takes in as is. The loop's other results (the
+  outputs' rows, the carried weights) are not stored activations; a stored
+  stack that reaches the backward loop through another instruction is not
+  found and stays among the other temporaries.
+  """
+  whiles, tuples, results = [], {}, {}
+  for line in hlo_text.splitlines():
+    loop = _WHILE_RE.match(line)
+    if loop and ' while(' in line:
+      whiles.append((loop.group(1), loop.group(2),
+                     _BODY_RE.search(line).group(1), line))
+      continue
+    gte = _GTE_RE.match(line)
+    if gte:
+      results[gte.group(1)] = (gte.group(3), int(gte.group(4)), gte.group(2))
+      continue
+    tup = _TUPLE_RE.match(line)
+    if tup:
+      tuples[tup.group(1)] = set(re.findall(r'%?([\w.\-]+)',
+                                            re.sub(r'/\*.*?\*/', '',
+                                                   tup.group(2))))
+  forward = [(name, line) for name, _, body, line in whiles
+             if body == forward_body]
+  if not forward:
+    return []
+  name, line = forward[0]
+  trips = spmd_worker.TripCount(line)
+  taken_in = set()
+  for other, init, _, _ in whiles:
+    if other != name:
+      taken_in |= tuples.get(init, set()) | {init}
+  stored = {}
+  for result, (source, index, hlo_type) in results.items():
+    shapes = partitioning.ShapesOf(hlo_type)
+    if (source == name and result in taken_in and len(shapes) == 1 and
+        shapes[0][:1] == (trips,)):
+      stored[index] = (partitioning.TypeBytes(hlo_type), hlo_type)
+  return [stored[i] for i in sorted(stored)]
 

@@ -1,9 +1,18 @@
-"""The planner's command line: python -m gpipe.plan (see gpipe.plan)."""
+"""The planner's command line: python -m gpipe.plan (see gpipe.plan).
+
+Exit status: 0 with a plan; 2 when what was asked cannot be planned (bad
+arguments, refused before anything is built; or every candidate skipped,
+each with its reason); 1 when building or compiling a candidate fails for
+another reason (the model's own error, said with its message).
+"""
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
+import traceback
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import plan as plan_package
@@ -13,6 +22,7 @@ from gpipe import partitioning
 from gpipe import remat
 from gpipe import stage_call
 from gpipe.plan import candidate as candidate_lib
+from gpipe.plan import plot
 from gpipe.plan import roofline
 from gpipe.plan import targets
 
@@ -29,6 +39,41 @@ def _IntList(text):
     raise argparse.ArgumentTypeError(
         f'expected positive integers, got {text!r}')
   return values
+
+
+def _Positive(convert, what, text):
+  """A finite number above 0: a size or count of 0 or less means nothing."""
+  try:
+    value = convert(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f'expected {what} above 0, got {text!r}') from None
+  if not value > 0 or math.isinf(value):
+    raise argparse.ArgumentTypeError(
+        f'expected {what} above 0, got {text!r}')
+  return value
+
+
+def _PositiveInt(text):
+  return _Positive(int, 'an integer', text)
+
+
+def _PositiveFloat(text):
+  return _Positive(float, 'a number', text)
+
+
+def _PlotPath(text):
+  """A .png path whose directory exists and is writable, checked before
+  anything is compiled."""
+  if not text.lower().endswith('.png'):
+    raise argparse.ArgumentTypeError(f'expected a .png file, got {text!r}')
+  directory = os.path.dirname(os.path.abspath(text))
+  if not os.path.isdir(directory):
+    raise argparse.ArgumentTypeError(
+        f'{text!r}: directory {directory!r} does not exist')
+  if os.path.isdir(text) or not os.access(directory, os.W_OK):
+    raise argparse.ArgumentTypeError(f'{text!r}: cannot write there')
+  return text
 
 
 def _Shape(text):
@@ -57,12 +102,12 @@ def _Args(argv):
   parser.add_argument('--input_shape', type=_Shape, action='append',
                       help='with --params: one input\'s shape, batch first; '
                       'repeat for several inputs')
-  parser.add_argument('--num_devices', type=int, default=None,
+  parser.add_argument('--num_devices', type=_PositiveInt, default=None,
                       help='devices of the slice (default: num_stages, or '
                       'the size of device_mesh)')
   parser.add_argument('--tpu', choices=sorted(roofline.CHIPS), default='v6e',
                       help='TPU generation of the roofline model')
-  parser.add_argument('--hbm_gib', type=float, default=None,
+  parser.add_argument('--hbm_gib', type=_PositiveFloat, default=None,
                       help='HBM per chip in GiB (default: the generation\'s)')
   parser.add_argument('--num_microbatches', type=_IntList, default=None,
                       help='candidates, e.g. 8,16,32 (default: the model\'s)')
@@ -78,6 +123,11 @@ def _Args(argv):
                       help='also show TensorFlow, XLA and Lingvo logs')
   parser.add_argument('--json', action='store_true',
                       help='print the report as JSON')
+  parser.add_argument('--plot', type=_PlotPath, default=None,
+                      metavar='FILE.png',
+                      help='also draw each candidate\'s bytes per chip '
+                      '(weights, optimizer slots, stored activations, other '
+                      'temporaries) against the HBM size')
   return parser, parser.parse_args(argv)
 
 
@@ -100,6 +150,32 @@ def _LoadParams(spec):
     raise targets.PlanError(str(e)) from None
 
 
+def _Candidates(parser, args):
+  """(target, num_devices, candidates) the arguments ask for.
+
+  Raises:
+    targets.PlanError: they cannot be planned (said in one line).
+  """
+  target = _Target(parser, args)
+  stack = target.stack_params
+  try:
+    num_devices = check_partitioning.CheckDevices(stack, args.num_devices)
+  except ValueError as e:
+    raise targets.PlanError(str(e)) from None
+  m0 = stack.num_microbatches
+  if m0 is None and not args.num_microbatches:
+    raise targets.PlanError('The layer sets no num_microbatches; pass '
+                            '--num_microbatches.')
+  policy0 = param_checks.RematPolicy(stack)
+  candidates = [
+      targets.Candidate(m, r, policy)
+      for policy in (args.remat_policy or [policy0])
+      for r in (args.circular_repeat or [stack.circular_repeat])
+      for m in (args.num_microbatches or [m0])
+  ]
+  return target, num_devices, candidates
+
+
 def main(argv=None):
   parser, args = _Args(argv)
   stage_call.EnsureFlagsParsed()
@@ -108,40 +184,38 @@ def main(argv=None):
           file=sys.stderr)
     return 2
   try:
-    target = _Target(parser, args)
-    stack = target.stack_params
-    try:
-      num_devices = check_partitioning.CheckDevices(stack, args.num_devices)
-    except ValueError as e:
-      raise targets.PlanError(str(e)) from None
-    m0 = stack.num_microbatches
-    if m0 is None:
-      if not args.num_microbatches:
-        raise targets.PlanError('The layer sets no num_microbatches; pass '
-                        '--num_microbatches.')
-    policy0 = param_checks.RematPolicy(stack)
-    candidates = [
-        targets.Candidate(m, r, policy)
-        for policy in (args.remat_policy or [policy0])
-        for r in (args.circular_repeat or [stack.circular_repeat])
-        for m in (args.num_microbatches or [m0])
-    ]
+    target, num_devices, candidates = _Candidates(parser, args)
   except targets.PlanError as e:
     print(f'error: {e}', file=sys.stderr)
     return 2
   chip = roofline.CHIPS[args.tpu]
   hbm_bytes = args.hbm_gib * GIB if args.hbm_gib else chip.hbm_bytes
   start = time.time()
-  plan = candidate_lib.MakePlan(
-      target, candidates, num_devices, chip, hbm_bytes, args.depth_param,
-      log=lambda m: print(m, file=sys.stderr, flush=True))
+  try:
+    plan = candidate_lib.MakePlan(
+        target, candidates, num_devices, chip, hbm_bytes, args.depth_param,
+        log=lambda m: print(m, file=sys.stderr, flush=True))
+  except candidate_lib.CandidateError as e:
+    print(f'error: building or compiling {e}', file=sys.stderr)
+    if args.verbose:
+      traceback.print_exception(e.error)
+    else:
+      print('(--verbose shows the traceback)', file=sys.stderr)
+    return 1
   if args.json:
     report = plan.ToJson()
     report['wall_seconds'] = time.time() - start
     print(json.dumps(report, indent=1))
-  else:
+  if not plan.reports:
+    print('error: every candidate was skipped:\n' + '\n'.join(
+        f'  {reason}' for reason in plan.SkippedReasons()), file=sys.stderr)
+    return 2
+  if not args.json:
     print(plan.Render())
     print(f'Planned in {time.time() - start:.0f} s.')
+  if args.plot:
+    plot.WritePlot(plan, args.plot)
+    print(f'Wrote {args.plot}.', file=sys.stderr)
   return 0
 
 

@@ -1,12 +1,48 @@
-"""The plan: every candidate's report as a table or JSON, and the pick."""
+"""The plan: every candidate's report as a table or JSON, and the pick.
+
+Every figure says where it comes from: measured by XLA (the compiled,
+partitioned module), from the schedule (gpipe.schedule), or predicted by
+the roofline model (gpipe.plan.roofline) — in the table's group headers,
+the JSON's `measured_by_xla` / `from_the_schedule` /
+`predicted_by_the_roofline_model` lists, and the text's closing lines.
+"""
 
 import dataclasses
+import textwrap
 
 from gpipe import partitioning
 from gpipe.plan import roofline
 from gpipe.plan import train_step
 
 GIB = 2**30
+_WIDTH = 100  # the explanations' line width
+
+_MEASURED_BY_XLA = [
+    'per_device_bytes', 'flops_per_device', 'flops_unpartitioned',
+    'flops_ratio', 'loop_flops_per_device', 'stored_activation_bytes',
+    'xla_cpu_unfused_bytes_accessed_per_device', 'loops',
+    'permute_bytes_per_iteration', 'collective_bytes_per_step',
+    'largest_buffers'
+]
+_NOTES = {
+    'stored_activation_bytes':
+        'read off the partitioned module: the forward loop\'s per-iteration '
+        'stacks that the backward loop takes in',
+    'xla_cpu_unfused_bytes_accessed_per_device':
+        'XLA:CPU\'s count of every unfused instruction\'s operands and '
+        'results; a TPU\'s fusions do not pay it, so the prediction does '
+        'not use it',
+    'predicted.memory_traffic_bytes':
+        'what a fused step must read and write in HBM, by part (a lower '
+        'bound: the body\'s intermediates between fusions are left out); '
+        'see gpipe.plan.roofline.StepBytes',
+    'predicted.model_flops':
+        'the step\'s FLOPs counted once (compiled unpartitioned for one '
+        'device, or N x one device\'s if fewer), less N x what a device '
+        'spends on bubbles and on the recomputed forward; see '
+        'gpipe.plan.roofline.ModelFlops',
+    'predicted.mfu': 'model_flops / (num_devices x peak x step_seconds)',
+}
 
 
 @dataclasses.dataclass
@@ -27,6 +63,10 @@ class Plan:
       return None
     return min(ok, key=lambda i: self.reports[i].prediction.step_seconds)
 
+  def SkippedReasons(self):
+    """One line per skipped candidate: what and why."""
+    return [f'{c.Describe()}: {reason}' for c, reason in self.skipped]
+
   def ToJson(self):
     weights = self.reports[0].TotalBytes(train_step.WEIGHT) if (
         self.reports) else None
@@ -43,15 +83,12 @@ class Plan:
             'reason': reason
         } for c, reason in self.skipped],
         'recommended': self.recommended,
-        'measured_by_xla': [
-            'per_device_bytes', 'flops_per_device', 'flops_unpartitioned',
-            'bytes_accessed_per_device', 'loops',
-            'permute_bytes_per_iteration', 'collective_bytes_per_step'
-        ],
+        'measured_by_xla': _MEASURED_BY_XLA,
         'from_the_schedule': ['iterations', 'bubble_fraction'],
         'predicted_by_the_roofline_model': [
             'predicted_step_seconds', 'predicted', 'recommended'
         ],
+        'notes': _NOTES,
     }
 
   def Render(self):
@@ -59,88 +96,203 @@ class Plan:
              'not run.']
     if self.reports:
       total = self.reports[0].TotalBytes(train_step.WEIGHT)
-      lines.append(f'Weights: {total / GIB:.2f} GiB in all.')
+      lines.append(f'Weights: {Bytes(total)} in all.')
     lines.append('')
-    unit, scale = _ByteUnit(
-        max([r.per_device_bytes['peak'] for r in self.reports] or [0]))
-    header = (f'{"M":>4} {"R":>3} {"remat":>9} {"iters":>5} {"bubble":>6} | '
-              f'{"weights":>8} {"optim":>8} {"temp":>8} {"peak":>8} '
-              f'{"fits":>4} | {"FLOP/dev":>9} {"/(unp/N)":>8} '
-              f'{"permute/it":>10} | {"pred step":>9}')
-    lines += [header, '-' * len(header)]
-    for i, r in enumerate(self.reports):
-      b = {k: f'{v / scale:>8.3f}' for k, v in r.per_device_bytes.items()}
-      j = r.ToJson()
-      mark = ' <- recommended' if i == self.recommended else ''
-      lines.append(
-          f'{r.candidate.num_microbatches:>4} {r.candidate.circular_repeat:>3}'
-          f' {r.candidate.remat_policy:>9}'
-          f' {r.schedule.num_iterations:>5} {r.schedule.bubble_fraction:>6.3f}'
-          f' | {b["weights"]} {b["optimizer"]} {b["temp"]} {b["peak"]} '
-          f'{"yes" if r.fits else "NO":>4} | {r.flops_per_device:>9.3g} '
-          f'{j["flops_ratio"]:>8.3f} '
-          f'{r.permute_bytes_per_iteration / scale:>10.4g} | '
-          f'{_Seconds(r.prediction.step_seconds):>9}{mark}')
-    lines.append(f'(bytes per device in {unit}; permute/it: {unit} sent by '
-                 'collective-permutes per forward iteration; /(unp/N): FLOPs '
-                 'per device over the unpartitioned step\'s FLOPs / N)')
-    for c, reason in self.skipped:
-      lines.append(f'skipped {c.Describe()}: {reason}')
+    lines += _Table(self)
+    lines += [f'skipped {reason}' for reason in self.SkippedReasons()]
     for r in self.reports:
       lines.append('')
-      lines.append(f'{r.candidate.Describe()} (compiled in '
-                   f'{r.seconds:.0f} s):')
-      for i, loop in enumerate(r.LoopSummaries()):
-        kinds = ', '.join(
-            f'{c["count"]} {k} ({c["bytes"] / 2**20:.2f} MiB)'
-            for k, c in loop['collectives'].items()) or 'no collectives'
-        lines.append(f'  loop {i} ({loop["iterations"]} iterations), per '
-                     f'iteration: {kinds}')
-      outside = {}
-      for c in r.compiled.LoopCollectives(-1):
-        outside[c.kind] = outside.get(c.kind, 0) + c.bytes
-      lines.append('  outside the loops: ' + (', '.join(
-          f'{k} {v / 2**20:.2f} MiB' for k, v in sorted(outside.items())) or
-                                               'no collectives'))
-      lines.append('  largest buffers: ' + '; '.join(
-          f'{b / scale:.3g} {unit} {t} ({op[-60:] or "?"})'
-          for b, t, op in partitioning.LargestBuffers(r.compiled.hlo, 3)))
-      for problem in r.Problems():
-        lines.append(f'  PROBLEM: {problem}')
+      lines += _Details(r)
     lines.append('')
-    lines.append('Measured by XLA: bytes per device (parameter shardings and '
-                 'buffer assignment), FLOPs (cost analysis, loops counted '
-                 'per iteration; /(unp/N) is about 1 when each device does '
-                 'only its share), collectives. From the schedule: iters, '
-                 'bubble.')
-    lines.append('Predicted by a roofline model of '
-                 f'{self.chip.Describe()}: "pred step", and so the '
-                 'recommendation.')
-    lines.append(f'Fits: peak <= {self.hbm_bytes / GIB:.1f} GiB of HBM.')
-    rec = self.recommended
-    if rec is None:
-      lines.append('Recommendation: none of the candidates fits and splits '
-                   'as intended.')
-    else:
-      c = self.reports[rec].candidate
-      lines.append(f'Recommendation: num_microbatches={c.num_microbatches}, '
-                   f'circular_repeat={c.circular_repeat}, '
-                   f'remat_policy={c.remat_policy!r}.')
+    lines += _Sources(self)
     return '\n'.join(lines)
 
 
-def _ByteUnit(largest):
-  """('GiB', 2**30), ('MiB', 2**20) or ('KiB', 2**10) to show `largest`."""
-  for unit, scale in (('GiB', 2**30), ('MiB', 2**20)):
-    if largest >= scale:
-      return unit, scale
-  return 'KiB', 2**10
+def _Columns(plan):
+  """(group, header, width, cell(report, index)) of each table column."""
+  chip = plan.chip
+  rec = plan.recommended
+  return [
+      ('candidate', 'M', 4, lambda r, i: r.candidate.num_microbatches),
+      ('candidate', 'R', 3, lambda r, i: r.candidate.circular_repeat),
+      ('candidate', 'remat', 9, lambda r, i: r.candidate.remat_policy),
+      ('schedule', 'iters', 5, lambda r, i: r.schedule.num_iterations),
+      ('schedule', 'bubble', 6,
+       lambda r, i: f'{r.schedule.bubble_fraction:.3f}'),
+      ('XLA: bytes per device', 'weights', 8,
+       lambda r, i: Bytes(r.per_device_bytes['weights'])),
+      ('XLA: bytes per device', 'optim', 8,
+       lambda r, i: Bytes(r.per_device_bytes['optimizer'])),
+      ('XLA: bytes per device', 'temp', 8,
+       lambda r, i: Bytes(r.per_device_bytes['temp'])),
+      ('XLA: bytes per device', 'stored', 8,
+       lambda r, i: Bytes(r.stored_activation_bytes)),
+      ('XLA: bytes per device', 'peak', 8,
+       lambda r, i: Bytes(r.per_device_bytes['peak'])),
+      ('XLA: bytes per device', 'fits', 4,
+       lambda r, i: 'yes' if r.fits else 'NO'),
+      ('XLA: per device', 'FLOP/dev', 9,
+       lambda r, i: f'{r.flops_per_device:.3g}'),
+      ('XLA: per device', '/(unp/N)', 8,
+       lambda r, i: f'{r.ToJson()["flops_ratio"]:.3f}'),
+      ('XLA: per device', 'permute/it', 10,
+       lambda r, i: Bytes(r.permute_bytes_per_iteration)),
+      (f'predicted: {chip.name} model', 'compute', 8,
+       lambda r, i: Seconds(r.prediction.compute_seconds)),
+      (f'predicted: {chip.name} model', '(bubble)', 8,
+       lambda r, i: Seconds(r.prediction.bubble_seconds)),
+      (f'predicted: {chip.name} model', 'memory', 8,
+       lambda r, i: Seconds(r.prediction.memory_seconds)),
+      (f'predicted: {chip.name} model', 'collect.', 8,
+       lambda r, i: Seconds(r.prediction.collective_seconds)),
+      (f'predicted: {chip.name} model', 'step', 8,
+       lambda r, i: Seconds(r.prediction.step_seconds) +
+       ('*' if i == rec else '')),
+      (f'predicted: {chip.name} model', 'MFU', 7,
+       lambda r, i: Percent(r.prediction.mfu)),
+  ]
 
 
-def _Seconds(seconds):
-  if seconds >= 1:
-    return f'{seconds:.3g} s'
-  if seconds >= 1e-3:
-    return f'{seconds * 1e3:.3g} ms'
-  return f'{seconds * 1e6:.3g} us'
+def _Table(plan):
+  """The table's lines: group headers, column headers, one row each."""
+  columns = _Columns(plan)
+  seps = [' | ' if k and group != columns[k - 1][0] else ' '
+          for k, (group, _, _, _) in enumerate(columns)]
 
+  def Row(cells):
+    return ''.join(f'{sep}{str(cell):>{width}}' for sep, cell, (_, _, width, _)
+                   in zip(seps, cells, columns))
+
+  group_line, position = '', 0
+  for k, (group, _, width, _) in enumerate(columns):
+    if seps[k] == ' | ' or k == 0:
+      group_line = group_line.ljust(position) + seps[k] + group
+    position += len(seps[k]) + width
+  lines = [group_line, Row([header for _, header, _, _ in columns])]
+  lines.append('-' * len(lines[1]))
+  lines += [
+      Row([cell(r, i) for _, _, _, cell in columns])
+      for i, r in enumerate(plan.reports)
+  ]
+  if plan.reports:
+    lines += _Wrap(
+        '(each figure in its own unit; peak = arguments + outputs + temp - '
+        'what the outputs update in place; stored: what the forward loop '
+        'stores for the backward loop, part of temp; permute/it: sent by '
+        'collective-permutes per forward iteration; * recommended)')
+  return lines
+
+
+def _Wrap(paragraph):
+  return textwrap.wrap(paragraph, width=_WIDTH, break_on_hyphens=False)
+
+
+def _Details(r):
+  """A candidate's collectives, buffers, problems and predicted parts."""
+  lines = [f'{r.candidate.Describe()} (compiled in {r.seconds:.0f} s):']
+  for i, loop in enumerate(r.LoopSummaries()):
+    kinds = ', '.join(f'{c["count"]} {k} ({Bytes(c["bytes"])})'
+                      for k, c in loop['collectives'].items())
+    lines.append(f'  loop {i} ({loop["iterations"]} iterations), per '
+                 f'iteration: {kinds or "no collectives"}')
+  outside = {}
+  for c in r.compiled.LoopCollectives(-1):
+    outside[c.kind] = outside.get(c.kind, 0) + c.bytes
+  lines.append('  outside the loops: ' + (', '.join(
+      f'{k} {Bytes(v)}' for k, v in sorted(outside.items())) or
+                                           'no collectives'))
+  stored = ', '.join(t.split('{')[0] for _, t in r.stored_activations)
+  lines.append(f'  stored activations: {Bytes(r.stored_activation_bytes)}'
+               f' ({stored or "none found"})')
+  lines.append('  largest buffers: ' + '; '.join(
+      f'{Bytes(b)} {t} ({op[-60:] or "?"})'
+      for b, t, op in partitioning.LargestBuffers(r.compiled.hlo, 3)))
+  for problem in r.Problems():
+    lines.append(f'  PROBLEM: {problem}')
+  p = r.prediction
+  traffic = p.memory_traffic_bytes
+  for paragraph in (
+      f'predicted step {Seconds(p.step_seconds)} = max(compute '
+      f'{Seconds(p.compute_seconds)} [of it bubble '
+      f'{Seconds(p.bubble_seconds)}], memory traffic '
+      f'{Seconds(p.memory_seconds)}) + collectives '
+      f'{Seconds(p.collective_seconds)}: {p.bound}-bound; MFU '
+      f'{Percent(p.mfu)} (model FLOPs {p.model_flops:.3g})',
+      'memory traffic (fused step, per device): '
+      f'{Bytes(sum(traffic.values()))} = ' + ' + '.join(
+          f'{k.replace("_", " ")} {Bytes(v)}' for k, v in traffic.items()),
+      'XLA:CPU\'s unfused bytes accessed (not used): '
+      f'{Bytes(r.compiled.Cost("bytes accessed"))}'):
+    lines += textwrap.wrap(paragraph, width=_WIDTH, initial_indent='  ',
+                           subsequent_indent='    ', break_on_hyphens=False)
+  return lines
+
+
+def _Sources(plan):
+  """Where each figure comes from, the fit criterion and the pick."""
+  paragraphs = [
+      'Measured by XLA: bytes per device (parameter shardings and buffer '
+      'assignment; stored: the forward loop\'s per-iteration stacks in the '
+      'partitioned module), FLOPs (cost analysis, loops counted per '
+      'iteration; /(unp/N) is about 1 when each device does only its '
+      'share), collectives. From the schedule: iters, bubble.',
+      f'Predicted by a roofline model of {plan.chip.Describe()}, not '
+      'measured: compute = FLOP/dev / peak, (bubble) = the bubble fraction '
+      'of the loops\' FLOPs / peak; memory = what a fused step must read '
+      'and write in HBM (weights read per iteration, gradients '
+      'accumulated, the optimizer update, stored activations, the loop\'s '
+      'buffer; not XLA:CPU\'s unfused count) / HBM bandwidth; collect. = '
+      'collective bytes / ICI link bandwidth; step = max(compute, memory) '
+      '+ collect. (compute and HBM traffic overlap, collectives overlap '
+      'neither); MFU = model FLOPs (the step\'s counted once, less the '
+      'bubbles and the recomputed forward) / (N x peak x step). The '
+      'recommendation follows the predicted step.',
+      f'Fits: peak <= {Bytes(plan.hbm_bytes)} of HBM.',
+  ]
+  lines = [line for p in paragraphs for line in _Wrap(p)]
+  rec = plan.recommended
+  if rec is not None:
+    c = plan.reports[rec].candidate
+    lines.append(f'Recommendation: num_microbatches={c.num_microbatches}, '
+                 f'circular_repeat={c.circular_repeat}, '
+                 f'remat_policy={c.remat_policy!r}.')
+  elif plan.reports:
+    lines.append('Recommendation: none of the candidates fits and splits '
+                 'as intended.')
+  else:
+    lines.append('Recommendation: none: every candidate was skipped.')
+  return lines
+
+
+def Bytes(nbytes):
+  """'768 B', '16.2 KiB', '3.74 GiB': three significant digits or more."""
+  value, unit = float(nbytes), 'B'
+  for next_unit in ('KiB', 'MiB', 'GiB', 'TiB'):
+    if abs(value) < 1024:
+      break
+    value, unit = value / 1024, next_unit
+  return f'{_Digits(value)} {unit}'
+
+
+def Seconds(seconds):
+  """'17.3 s', '2.85 us', '512 ns'."""
+  for unit, scale in (('s', 1), ('ms', 1e-3), ('us', 1e-6)):
+    if abs(seconds) >= scale:
+      return f'{_Digits(seconds / scale)} {unit}'
+  return f'{_Digits(seconds / 1e-9)} ns'
+
+
+def Percent(fraction):
+  """'43 %', '1.2 %', '0.0031 %': two significant digits."""
+  value = 100 * fraction
+  if abs(value) >= 10 or value == 0:
+    return f'{value:.0f} %'
+  return f'{value:.2g} %'
+
+
+def _Digits(value):
+  if value == 0 or abs(value) >= 100:
+    return f'{value:.0f}'
+  if abs(value) >= 10:
+    return f'{value:.1f}'
+  return f'{value:.2f}'

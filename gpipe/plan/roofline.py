@@ -1,18 +1,34 @@
 """A roofline model of a TPU chip: step time from FLOPs, bytes and collectives.
 
-This is a *prediction*, not a measurement. Given what XLA reports for one
-device's partitioned training step (FLOPs, bytes accessed, collective
-bytes), it predicts
+This is a *prediction*, not a measurement. From what XLA measured of one
+device's partitioned training step (FLOPs, per loop and in all; the
+collectives), what the schedule says (the bubble) and the bytes a fused
+step must move through HBM (`StepBytes`, from the step's per-device
+argument sizes and the loop's stored tensors), it predicts
 
-    step = max(flops / peak_flops, bytes_accessed / hbm_bandwidth)
-           + sum over collectives of factor * bytes / link_bandwidth
+    compute    = flops / peak_flops
+      of which bubble = bubble_fraction x the loops' flops / peak_flops
+    memory     = fused-step HBM traffic / hbm_bandwidth
+    collective = sum over collectives of factor x bytes / link_bandwidth
+    step       = max(compute, memory) + collective
 
 with `factor` 1 for a collective-permute (a neighbour send over one link),
 2 for an all-reduce (a ring's reduce-scatter + all-gather) and 1 for the
-rest. Collectives are assumed not to overlap compute (pessimistic);
-compute runs at peak (optimistic): the prediction ranks configurations, it
-does not promise a wall time. FLOPs come from XLA's CPU compile of the same
-module, counted for the model's own dtype, against the chip's bf16 peak.
+rest. Compute and HBM traffic overlap (a TPU streams operands while its
+matrix units run: the larger one sets the time); collectives are assumed
+not to overlap either (pessimistic); compute runs at peak (optimistic): the
+prediction ranks configurations, it does not promise a wall time. FLOPs
+come from XLA's CPU compile of the same module, counted for the model's own
+dtype, against the chip's bf16 peak.
+
+Why not XLA's own "bytes accessed": XLA:CPU counts every unfused
+instruction's operands and results, which a TPU's fusions never write to
+HBM; that count (kept in the JSON) makes most steps look memory-bound. The
+traffic here is what any fused step still moves: weights read by each
+iteration, gradients accumulated, the update's reads and writes, stored
+activations and the loop's buffer (`StepBytes.Traffic`). It leaves out the
+body's own intermediates between fusions (XLA:TPU's fusion decisions are
+not known here), so it is a lower bound of the traffic.
 
 The constants are the per-chip figures Google Cloud publishes for each
 generation; a link's one-way bandwidth is the chip's bidirectional ICI
@@ -41,8 +57,9 @@ class Chip:
   def Describe(self):
     return (f'TPU {self.name}: {self.peak_flops / 1e12:g} TFLOP/s (bf16), '
             f'HBM {self.hbm_bytes / GIB:.1f} GiB at '
-            f'{self.hbm_bandwidth / 1e9:g} GB/s, ICI {self.ici_bandwidth / 1e9:g}'
-            f' GB/s per chip over {self.ici_ports} ports '
+            f'{self.hbm_bandwidth / 1e9:g} GB/s, ICI '
+            f'{self.ici_bandwidth / 1e9:g} GB/s per chip over '
+            f'{self.ici_ports} ports '
             f'({self.link_bandwidth / 1e9:g} GB/s per link and direction)')
 
 
@@ -56,30 +73,153 @@ _COLLECTIVE_FACTOR = {'collective-permute': 1.0, 'all-reduce': 2.0}
 
 
 @dataclasses.dataclass(frozen=True)
+class StepBytes:
+  """Per-device sizes that set a fused training step's HBM traffic.
+
+  All bytes per device. The pipeline's loops run `iterations` times each
+  (forward, then backward); with circular repeats a device holds R
+  repeats of its stage and each iteration uses one of them.
+  """
+  loop_weights: float  # stage-stacked weights (all R repeats)
+  loop_trainable: float  # of which trainable: their gradients accumulate
+  other_weights: float  # the rest (embeddings, softmax, ...)
+  other_trainable: float
+  slots: float  # optimizer slots
+  inputs: float  # the input batch
+  stored: float  # activations the forward loop stores for the backward loop
+  buffer: float  # the loop's buffer slot: what one iteration passes on
+  iterations: int
+  circular_repeat: int = 1
+  recomputes_forward: bool = True  # the backward loop runs the body again
+  clips_gradients: bool = False  # the global norm reads every gradient
+
+  def Traffic(self):
+    """{part: bytes read + written in HBM} of one step, per device.
+
+    loop_weight_reads: each iteration reads its repeat's weights once
+      forward, and backward once for the input gradient (twice with a
+      recomputed forward).
+    gradient_accumulation: each backward iteration reads and writes its
+      repeat's weight-gradient accumulator; other gradients are written once.
+    update: the optimizer reads weights, gradients and slots and writes
+      weights and slots (clipping reads the gradients once more).
+    stored_activations: written by the forward loop, read by the backward.
+    buffer: each iteration reads and writes the buffer slot, forward and
+      (its gradient) backward.
+    other_weights_and_inputs: read forward and backward; inputs once.
+    """
+    t, r = self.iterations, self.circular_repeat
+    trainable = self.loop_trainable + self.other_trainable
+    backward_reads = 2 if self.recomputes_forward else 1
+    return {
+        'loop_weight_reads': t * self.loop_weights / r * (1 + backward_reads),
+        'gradient_accumulation': (2 * t * self.loop_trainable / r +
+                                  self.other_trainable),
+        'update': ((4 if self.clips_gradients else 3) * trainable +
+                   2 * self.slots),
+        'stored_activations': 2 * self.stored,
+        'buffer': 4 * t * self.buffer,
+        'other_weights_and_inputs': 2 * self.other_weights + self.inputs,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
 class Prediction:
-  compute_seconds: float
-  memory_seconds: float
-  collective_seconds: float
+  """The predicted step on one chip, by part (seconds unless named)."""
+  compute_seconds: float  # FLOPs per device / peak
+  bubble_seconds: float  # of compute: the schedule's idle share of the loops
+  memory_seconds: float  # fused-step HBM traffic / bandwidth
+  collective_seconds: float  # not overlapped with anything
+  memory_traffic_bytes: dict  # {part: bytes}, see StepBytes.Traffic
+  model_flops: float  # of the whole step, all devices: see ModelFlops
+  num_devices: int
+  peak_flops: float
 
   @property
   def step_seconds(self):
     return (max(self.compute_seconds, self.memory_seconds) +
             self.collective_seconds)
 
+  @property
+  def bound(self):
+    """Which of compute and memory traffic sets the step."""
+    return ('compute' if self.compute_seconds >= self.memory_seconds else
+            'memory')
 
-def Predict(chip, flops, bytes_accessed, collective_bytes):
-  """Step time on `chip` of one device's work.
+  @property
+  def mfu(self):
+    """Model FLOPs / (devices x peak x predicted step)."""
+    return self.model_flops / (self.num_devices * self.peak_flops *
+                               self.step_seconds)
+
+  def ToJson(self):
+    return {
+        'compute_seconds': self.compute_seconds,
+        'bubble_seconds': self.bubble_seconds,
+        'memory_traffic_seconds': self.memory_seconds,
+        'memory_traffic_bytes': dict(self.memory_traffic_bytes),
+        'collective_seconds': self.collective_seconds,
+        'step_seconds': self.step_seconds,
+        'bound': self.bound,
+        'overlap': 'step = max(compute, memory traffic) + collectives: '
+                   'compute and HBM traffic overlap, collectives overlap '
+                   'neither',
+        'model_flops': self.model_flops,
+        'mfu': self.mfu,
+    }
+
+
+def ModelFlops(flops_unpartitioned, flops_per_device, num_devices,
+               loop_flops, bubble_fraction, recomputed_flops):
+  """The step's useful FLOPs, all devices: what MFU counts as model work.
+
+  The step's FLOPs counted once: those of the step compiled unpartitioned
+  for one device (nothing replicated), or N x one device's if fewer (a
+  circular pipeline's one-device step picks every stage's repeat weights
+  each iteration, which no device of the partitioned step does). Less, N
+  times, what a device spends on the pipeline's bubbles (the bubble
+  fraction of its loops' FLOPs) and on the backward loop's recomputed
+  forward (its unbubbled part).
+
+  Args:
+    flops_unpartitioned: XLA's FLOPs of the step compiled for one device.
+    flops_per_device: XLA's FLOPs of one device's partitioned step.
+    num_devices: N.
+    loop_flops: per device, all the loops' FLOPs over all iterations.
+    bubble_fraction: the schedule's idle share of the loop iterations.
+    recomputed_flops: per device, FLOPs the backward loop spends running
+      the forward again (all iterations).
+  """
+  wasted = (bubble_fraction * loop_flops +
+            (1 - bubble_fraction) * recomputed_flops)
+  counted_once = min(flops_unpartitioned, num_devices * flops_per_device)
+  return counted_once - num_devices * wasted
+
+
+def Predict(chip, flops, loop_flops, bubble_fraction, step_bytes,
+            collective_bytes, model_flops, num_devices):
+  """The step time on `chip` of one device's work, by part.
 
   Args:
     chip: a Chip.
     flops: FLOPs one device executes in the step.
-    bytes_accessed: bytes it reads and writes in HBM.
+    loop_flops: of which in the pipeline's loops (all iterations).
+    bubble_fraction: the schedule's idle share of the loop iterations.
+    step_bytes: a StepBytes: what sets the step's HBM traffic.
     collective_bytes: {collective kind: bytes it sends in the step}.
+    model_flops: the step's useful FLOPs, all devices (ModelFlops).
+    num_devices: devices the step runs on.
   """
   collective = sum(
       _COLLECTIVE_FACTOR.get(kind, 1.0) * nbytes
       for kind, nbytes in collective_bytes.items()) / chip.link_bandwidth
+  traffic = step_bytes.Traffic()
   return Prediction(
       compute_seconds=flops / chip.peak_flops,
-      memory_seconds=bytes_accessed / chip.hbm_bandwidth,
-      collective_seconds=collective)
+      bubble_seconds=bubble_fraction * loop_flops / chip.peak_flops,
+      memory_seconds=sum(traffic.values()) / chip.hbm_bandwidth,
+      collective_seconds=collective,
+      memory_traffic_bytes=traffic,
+      model_flops=model_flops,
+      num_devices=num_devices,
+      peak_flops=chip.peak_flops)
