@@ -43,6 +43,7 @@ from gpipe import partitioning
 from gpipe import plan
 from gpipe import sharding
 from gpipe.plan import candidate as candidate_lib
+from gpipe.plan import optimizers
 from gpipe.plan import plot
 from gpipe.plan import report as report_lib
 from gpipe.plan import roofline
@@ -121,7 +122,7 @@ def test_adam_update_equals_tensorflow_adam():
   rng = np.random.RandomState(0)
   w0 = rng.randn(3, 5).astype(np.float32)
   grads = [rng.randn(3, 5).astype(np.float32) for _ in range(2)]
-  adam = train_step.Adam(beta1=0.9, beta2=0.98, epsilon=1e-9)
+  adam = optimizers.Adam(beta1=0.9, beta2=0.98, epsilon=1e-9)
   ours, slots = tf.constant(w0), [tf.zeros_like(w0), tf.zeros_like(w0)]
   var = tf.Variable(w0)
   reference = tf.compat.v1.train.AdamOptimizer(

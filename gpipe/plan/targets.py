@@ -65,9 +65,14 @@ class ModelTarget:
 
 
 class LayerTarget:
-  """A PipelinedLayer's Params trained on float32 inputs of given shapes."""
+  """A PipelinedLayer's Params trained on float32 inputs of given shapes.
 
-  def __init__(self, layer_params, input_shapes, name='layer'):
+  `optimizer` (a gpipe.plan.optimizers.Optimizer) updates the weights;
+  None: Adam.
+  """
+
+  def __init__(self, layer_params, input_shapes, name='layer',
+               optimizer=None):
     try:
       check_partitioning.CheckPipelineParams(layer_params, name)
     except ValueError as e:
@@ -76,6 +81,7 @@ class LayerTarget:
     self._input_shapes = input_shapes
     self.name = name
     self.batch_size = input_shapes[0][0]
+    self._optimizer = optimizer
 
   @property
   def stack_params(self):
@@ -87,7 +93,7 @@ class LayerTarget:
     gpipe_layers.ValidateParams(p, self.batch_size)
     with tf.Graph().as_default():
       layer = p.Instantiate()
-    return train_step.LayerStep(layer, self._input_shapes)
+    return train_step.LayerStep(layer, self._input_shapes, self._optimizer)
 
 
 def _OneStack(task_params, where):

@@ -12,10 +12,16 @@ a model larger than host memory lowers on a laptop) and compiled for N
 devices. The new weights and slots are the step's outputs, each updating
 its input in place (`aliases`), as donated buffers do on a TPU.
 
-Placement: every stage-stacked weight, its gradient's use in the update,
-its slots and their new values are annotated by the PipelinedLayer that
-owns the weight (`PipelinedLayer.PlaceVariables`), so optimizer state lives
-split like the weights rather than wherever propagation happens to put it.
+The optimizer (gpipe.plan.optimizers) is the task's own, and says each
+weight's slots; a slot may have another shape than its weight (Adafactor's
+factored moments drop one of the weight's dims).
+
+Placement: every stage-stacked weight, its new value, and its slots as
+they are read and written are annotated by the PipelinedLayer that owns
+the weight (`PipelinedLayer.PlaceVariables`), so optimizer state lives
+split like the weights rather than wherever propagation happens to put
+it; a slot of another shape that keeps its weight's stage dim (a factored
+[S, d] of an [S, d, f] weight) is split on it the same way.
 Other variables (embeddings, softmax) are left to XLA's propagation.
 
 The model is built in a throwaway tf.Graph (its variables are never
@@ -29,6 +35,7 @@ import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers as gpipe_layers
+from gpipe.plan import optimizers
 from lingvo.core import base_layer
 from lingvo.core import py_utils
 
@@ -38,41 +45,12 @@ NestedMap = py_utils.NestedMap
 WEIGHT, SLOT, INPUT, SCALAR = 'weight', 'slot', 'input', 'scalar'
 
 
-class Adam:
-  """tf.compat.v1.train.AdamOptimizer's update, as a function of tensors.
-
-  Two slots per trainable weight (m, v); the step count is the global step
-  + 1, as the optimizer's beta powers count it.
-  """
-  slot_names = ('m', 'v')
-
-  def __init__(self, beta1=0.9, beta2=0.999, epsilon=1e-8):
-    self.beta1, self.beta2, self.epsilon = beta1, beta2, epsilon
-
-  def Update(self, weight, grad, slots, learning_rate, global_step):
-    m, v = slots
-    t = tf.cast(global_step + 1, weight.dtype)
-    lr = tf.cast(learning_rate, weight.dtype)
-    lr_t = lr * tf.sqrt(1 - self.beta2**t) / (1 - self.beta1**t)
-    m = self.beta1 * m + (1 - self.beta1) * grad
-    v = self.beta2 * v + (1 - self.beta2) * tf.square(grad)
-    return weight - lr_t * m / (tf.sqrt(v) + self.epsilon), [m, v]
-
-
-class Sgd:
-  """Plain gradient descent: no slots."""
-  slot_names = ()
-
-  def Update(self, weight, grad, slots, learning_rate, global_step):
-    del slots, global_step
-    return weight - tf.cast(learning_rate, weight.dtype) * grad, []
-
-
 def LearnerOf(task_params):
   """(optimizer update, gradient clip norm) of a Lingvo task's training.
 
   Reads the task's learner (a built task has its legacy `train.optimizer`
-  moved there); Adam and SGD are modelled.
+  moved there); the optimizers gpipe.plan.optimizers models are accepted,
+  any other is refused with one line naming it.
   """
   tp = task_params.train
   learner = tp.learner
@@ -83,17 +61,7 @@ def LearnerOf(task_params):
           'optimizer over every variable.')
     learner = learner[0]
   source = learner if learner is not None else tp
-  opt = source.optimizer
-  name = opt.cls.__name__ if opt is not None else None
-  if name == 'Adam':
-    update = Adam(opt.beta1, opt.beta2, opt.epsilon)
-  elif name == 'SGD':
-    update = Sgd()
-  else:
-    raise ValueError(
-        f'The optimizer is {name}; the planner models Adam (two slots per '
-        'weight) and SGD (none). Plan with one of them: optimizer state is '
-        'per weight either way, so memory scales with the slot count.')
+  update = optimizers.FromLingvoParams(source.optimizer)
   return update, float(source.clip_gradient_norm_to_value or 0.0)
 
 
@@ -114,7 +82,8 @@ class TrainStep:
     input_specs: NestedMap of tf.TensorSpecs, the input batch.
     loss_fn: (theta, input_batch) -> scalar loss, run under the step's
       global step.
-    optimizer: Adam or Sgd.
+    optimizer: a gpipe.plan.optimizers.Optimizer (its slots may have other
+      shapes than their weights, e.g. Adafactor's factored moments).
     clip_norm: if > 0, gradients are scaled to at most this global norm.
   """
 
@@ -126,19 +95,16 @@ class TrainStep:
     self._theta = root.theta
     self._input_specs = input_specs
     variables = dict(root.vars.FlattenItems())
-    stage_names = _StageVariableNames(root)
+    self._num_stages = _StageVariables(root)
     self.weight_args = [
         Arg(name, WEIGHT, tf.TensorSpec(value.shape, value.dtype),
-            name in stage_names) for name, value in self._theta.FlattenItems()
+            name in self._num_stages)
+        for name, value in self._theta.FlattenItems()
     ]
     self._trainable = [
         i for i, a in enumerate(self.weight_args) if variables[a.name].trainable
     ]
-    self.slot_args = [
-        Arg(f'{self.weight_args[i].name}/{slot}', SLOT,
-            self.weight_args[i].spec, self.weight_args[i].on_stages)
-        for slot in optimizer.slot_names for i in self._trainable
-    ]
+    self._MakeSlotArgs()
     self.input_args = [
         Arg(name, INPUT, spec) for name, spec in input_specs.FlattenItems()
     ]
@@ -146,6 +112,26 @@ class TrainStep:
         Arg('global_step', SCALAR, tf.TensorSpec([], tf.int64)),
         Arg('learning_rate', SCALAR, tf.TensorSpec([], tf.float32)),
     ]
+
+  def _MakeSlotArgs(self):
+    """Slot args, each trainable weight's slots together, in weight order.
+
+    Also records, per slot, its weight (theta index), its position among
+    that weight's slots, and whether it is placed like its weight
+    (`_FollowsWeight`): only such a slot of a stage-stacked weight counts
+    as stage-stacked itself (`on_stages`).
+    """
+    self.slot_args, self._slot_owners, self._slot_follows = [], [], []
+    for i in self._trainable:
+      weight = self.weight_args[i]
+      for k, slot in enumerate(self.optimizer.Slots(weight.spec)):
+        follows = _FollowsWeight(slot, weight.spec.shape.as_list(),
+                                 self._num_stages.get(weight.name))
+        self.slot_args.append(
+            Arg(f'{weight.name}/{slot.name}', SLOT, slot.spec,
+                weight.on_stages and follows))
+        self._slot_owners.append((i, k))
+        self._slot_follows.append(follows)
 
   @property
   def args(self):
@@ -173,6 +159,9 @@ class TrainStep:
     inputs = self._input_specs.Pack(list(flat[n_w + n_s:n_w + n_s + n_i]))
     global_step, learning_rate = flat[n_w + n_s + n_i:]
     weights = self._Place(weights)
+    # Read and written where they live: an aliased slot's input and output
+    # must agree, which propagation alone need not make them.
+    slots = self._PlaceSlots(slots)
     with tf.GradientTape() as tape:
       tape.watch(weights)
       with py_utils.GlobalStepContext(global_step):
@@ -185,25 +174,42 @@ class TrainStep:
     ]
     if self.clip_norm > 0:
       grads, _ = tf.clip_by_global_norm(grads, self.clip_norm)
-    num_slots = len(self.optimizer.slot_names)
-    per_weight_slots = [
-        [slots[s * len(trainable) + k] for s in range(num_slots)]
-        for k in range(len(trainable))
-    ]
-    new_weights, new_slots = [], [[] for _ in range(num_slots)]
-    for w, g, ws in zip(trainable, grads, per_weight_slots):
-      new_w, new_ws = self.optimizer.Update(w, g, ws, learning_rate,
+    slots_of = {i: [] for i in self._trainable}
+    for (i, _), value in zip(self._slot_owners, slots):
+      slots_of[i].append(value)
+    new_weights, new_slots = [], []
+    for i, w, g in zip(self._trainable, trainable, grads):
+      new_w, new_ws = self.optimizer.Update(w, g, slots_of[i], learning_rate,
                                             global_step)
       new_weights.append(new_w)
-      for s, value in enumerate(new_ws):
-        new_slots[s].append(value)
+      new_slots += new_ws
     new_weights = self._PlaceTrainable(new_weights)
-    new_slots = [self._PlaceSlots(s) for s in new_slots]
-    return [loss] + new_weights + [x for s in new_slots for x in s]
+    return [loss] + new_weights + self._PlaceSlots(new_slots)
 
   def _PlaceSlots(self, values):
-    """Annotates one slot of every trainable weight: split like the weight."""
-    return self._PlaceTrainable(values)
+    """Annotates slot values (slot_args order) that follow their weight.
+
+    A pipelined stack places a weight-structured tree (PlaceVariables), so
+    the slots go through it in rounds: the k-th slot of every weight in
+    the k-th round, each at its weight's place; a slot of any shape can
+    take its weight's place as long as it keeps the weight's stage dim at
+    the same index (`_FollowsWeight`). The other slots are left to XLA's
+    propagation.
+    """
+    rounds = {}
+    for j, ((i, k), follows) in enumerate(
+        zip(self._slot_owners, self._slot_follows)):
+      if follows:
+        rounds.setdefault(k, {})[i] = j
+    placed = list(values)
+    for members in rounds.values():
+      full = [None] * len(self.weight_args)
+      for i, j in members.items():
+        full[i] = values[j]
+      tree = _PlaceLike(self.root, self._theta.Pack(full)).Flatten()
+      for i, j in members.items():
+        placed[j] = tree[i]
+    return placed
 
   def _Place(self, weights):
     """Annotates a full theta-ordered list as the pipelines place it."""
@@ -219,16 +225,45 @@ class TrainStep:
     return [placed[i] for i in self._trainable]
 
 
+def _FollowsWeight(slot, weight_shape, num_stages):
+  """Whether `slot` is split on its stage dim when placed as its weight is.
+
+  PlaceVariables splits a stage-stacked weight on its stage dim by index:
+  dim 0 ([S, (R,) ...]), or dim 1 for the [R, S, ...] weights of a
+  circular stage-parallel body; and a stage's own variable
+  (per_stage_vars) on the least-padding dim of whatever it is given. A
+  slot that keeps the weight's dims in order and drops none before the
+  stage dim has the stage dim at the same index, so the weight's placement
+  splits it there: weight-shaped slots, and factored moments of the later
+  dims ([S, R, d] and [S, R, f] of [S, R, d, f]; [S, b] and [S, a] of
+  [S, a, b]). A slot without dim 0, or without a dim 1 of num_stages
+  elements (which may be the stage dim), is left to XLA's propagation.
+
+  Args:
+    slot: a gpipe.plan.optimizers.Slot.
+    weight_shape: the weight's shape, a list.
+    num_stages: S of the weight's pipelined stack, None for another weight.
+  """
+  dims = list(slot.dims)
+  if dims != sorted(dims):
+    return False
+  dropped = [d for d in range(len(weight_shape)) if d not in dims]
+  if not dropped or dropped[0] >= 2:
+    return True
+  return dropped[0] == 1 and weight_shape[1] != num_stages
+
+
 def _PlaceLike(root, tree):
   """tree (shaped like root.theta) with every pipelined stack's part placed."""
   return _MapStacks(root, tree, lambda stack, t: stack.PlaceVariables(t))
 
 
-def _StageVariableNames(root):
-  """Theta paths of the variables that pipelined stacks hold per stage."""
-  marked = _MapStacks(root, root.theta.Transform(lambda _: False),
-                      lambda _, t: t.Transform(lambda _: True))
-  return {name for name, on_stages in marked.FlattenItems() if on_stages}
+def _StageVariables(root):
+  """{theta path: S} of the variables that pipelined stacks hold per stage."""
+  marked = _MapStacks(
+      root, root.theta.Transform(lambda _: 0),
+      lambda stack, t: t.Transform(lambda _: stack.params.num_stages))
+  return {name: s for name, s in marked.FlattenItems() if s}
 
 
 def _MapStacks(layer, tree, fn):
@@ -285,7 +320,7 @@ def LayerStep(layer, input_shapes, optimizer=None):
     out = out if isinstance(out, (list, tuple)) else [out]
     return tf.add_n([0.5 * tf.reduce_mean(tf.square(o)) for o in out])
 
-  return TrainStep(layer, specs, Loss, optimizer or Adam())
+  return TrainStep(layer, specs, Loss, optimizer or optimizers.Adam())
 
 
 def InputSpecs(input_params):
