@@ -128,8 +128,31 @@ def StageZeroInput(x, schedule: schedule_lib.Schedule, iteration):
   index = schedule.InputIndexPerIteration()
   row = tf.gather(tf.constant(index, tf.int32), iteration)
   is_filler = tf.equal(row, schedule.num_microbatches)
-  value = tf.gather(x, tf.where(is_filler, 0, row))
-  return tf.where(is_filler, tf.stop_gradient(value), value)
+  return _ReadRow(x, tf.where(is_filler, 0, row), tf.where(is_filler, -1, row))
+
+
+def _ReadRow(x, row, grad_row):
+  """x[row]; its gradient goes to row `grad_row` of x (none if -1).
+
+  The gradient is built as a product with a one-hot mask, not TensorFlow's
+  scatter into zeros: XLA's lowering merges equal constants of a loop body,
+  and zeros shaped like a microbatch would be shared with the stage body's
+  own zeros inside its manual-sharding region, a mix the SPMD partitioner
+  aborts on (e.g. a circular body's [R, d] bias gradient with 2-row
+  microbatches of width d and R = 2).
+  """
+
+  @tf.custom_gradient
+  def Read(x):
+
+    def Grad(dy):
+      num_rows = _Shape(x)[0]
+      mask = tf.cast(tf.equal(tf.range(num_rows), grad_row), dy.dtype)
+      return tf.reshape(mask, [num_rows] + [1] * dy.shape.rank) * dy[None]
+
+    return tf.gather(x, row), Grad
+
+  return Read(x)
 
 
 def BubbleFiller(x, num_stages):

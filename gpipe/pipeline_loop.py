@@ -265,9 +265,33 @@ def StageInputs(sched, iteration, rotated, stage0_input):
   num_stages = sched.num_stages
   reads = tf.logical_and(
       tf.equal(tf.range(num_stages), 0), sched.StageZeroReadsInput(iteration))
-  reads = tf.reshape(reads, [num_stages] + [1] * (rotated.shape.rank - 1))
-  fresh = tf.broadcast_to(stage0_input[None], py_utils.GetShape(rotated))
-  return tf.where(reads, fresh, rotated)
+  return _SelectFresh(reads, stage0_input, rotated)
+
+
+def _SelectFresh(reads, fresh, rotated):
+  """Slot s of `rotated` ([S, ...]) replaced by `fresh` where reads[s].
+
+  The gradient is written with masks and a contraction over the stage dim
+  (an all-reduce when it is split), not TensorFlow's: its sum over the
+  broadcast stage dim is a reduce whose zero initial value XLA's lowering
+  shares with the stage body's own reductions inside the manual-sharding
+  region, and the SPMD partitioner then aborts resharding it (seen with
+  1-row microbatches).
+  """
+
+  @tf.custom_gradient
+  def Select(fresh, rotated):
+    mask = tf.reshape(reads, [-1] + [1] * (rotated.shape.rank - 1))
+    shape = py_utils.GetShape(rotated)
+
+    def Grad(dy):
+      taken = tf.cast(reads, dy.dtype)
+      kept = tf.cast(tf.logical_not(mask), dy.dtype)
+      return tf.tensordot(taken, dy, axes=[[0], [0]]), dy * kept
+
+    return tf.where(mask, tf.broadcast_to(fresh[None], shape), rotated), Grad
+
+  return Select(fresh, rotated)
 
 
 @tf.custom_gradient
