@@ -39,6 +39,7 @@ import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import
 from gpipe import layers
+from gpipe import lingvo_compat
 from gpipe import partitioning
 from gpipe import plan
 from gpipe import sharding
@@ -49,6 +50,7 @@ from gpipe.plan import report as report_lib
 from gpipe.plan import roofline
 from gpipe.plan import train_step
 from tests import bodies
+from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 DIM = 64
 NUM_STAGES = 4
@@ -624,6 +626,31 @@ def test_a_model_error_is_an_error_not_a_skipped_candidate(params, error,
   assert 'M=8 R=1 recompute' in captured.err and error in captured.err, (
       captured.err)
   assert captured.out == ''  # no plan, and not a skipped candidate
+
+
+def test_lingvos_own_layer_is_built_for_the_same_step():
+  """--pipeline_layer lingvo builds Lingvo's layer from the same Params,
+  its stage weights annotated as on a TPU (the planner lowers as for one)."""
+  target = plan.LayerTarget(LayerParams(), [(BATCH, DIM)],
+                            lingvos_layer=True)
+  with candidate_lib.AsOnTpu():
+    step = target.Build(plan.Candidate(NUM_MICROBATCHES, 1), 'num_blocks')
+  (_, stack), = train_step.FindPipelinedLayers(step.root)
+  assert type(stack) is lingvo_compat.LingvosOwnLayer()
+  assert stack.params.num_stages == NUM_STAGES
+  for var in stack.vars.Flatten():
+    sharding = xla_sharding.get_op_sharding(var.op)
+    assert sharding is not None, var.name
+
+
+def test_lingvos_own_layer_failing_xla_is_said_in_one_line(capsys):
+  """Lingvo's layer does not get through XLA's SPMD partitioner here: the
+  plan stops with the abort's own line, not a stack trace."""
+  status = plan.main(_Command('--pipeline_layer', 'lingvo', '--json'))
+  err = capsys.readouterr().err.strip().splitlines()
+  assert status == 1
+  assert err[-2].startswith('error: building or compiling M=8 R=1'), err
+  assert 'XLA stopped at Check failed' in err[-2], err
 
 
 if __name__ == '__main__':

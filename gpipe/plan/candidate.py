@@ -21,6 +21,7 @@ import time
 from absl import flags as absl_flags
 import numpy as np
 
+from gpipe import check_partitioning
 from gpipe import layers as gpipe_layers
 from gpipe import partitioning
 from gpipe import schedule as schedule_lib
@@ -31,6 +32,7 @@ from gpipe.plan import roofline
 from gpipe.plan import targets
 from gpipe.plan import train_step
 from gpipe.plan.report import Plan
+from lingvo.core import scatter_update
 
 
 @dataclasses.dataclass
@@ -248,7 +250,8 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
                   depth_param='num_blocks'):
   """Lowers, partitions and compiles one candidate; a CandidateReport."""
   start = time.time()
-  step = target.Build(candidate, depth_param)
+  with AsOnTpu():  # Lingvo's layers annotate their weights when built for one
+    step = target.Build(candidate, depth_param)
   stacks = train_step.FindPipelinedLayers(step.root)
   stack_p = stacks[0][1].params
   sched = schedule_lib.Schedule(
@@ -284,15 +287,20 @@ def AsOnTpu():
   Lingvo picks some ops by --xla_device: on a TPU, e.g., a projection of a
   [time, batch, dim] input is an einsum; elsewhere a broadcasting matmul
   whose weight gradient materializes one [dim, hidden] product per time
-  step before summing them. The planner describes the TPU program, so it
-  lowers with xla_device='tpu' (and asserts off, as on a TPU).
+  step before summing them; and weights get the sharding annotations
+  their layers attach only for a TPU. The planner describes the TPU
+  program, so it builds and lowers with xla_device='tpu' (and asserts off,
+  as on a TPU). Lingvo's row writes (scatter_update, e.g. in its
+  Recurrent) are the functional kind: TensorFlow's InplaceUpdate op has no
+  XLA kernel.
   """
   stage_call.EnsureFlagsParsed()
   flags = absl_flags.FLAGS
   saved = flags.xla_device, flags.enable_asserts
   flags.xla_device, flags.enable_asserts = 'tpu', False
   try:
-    yield
+    with scatter_update.SetInplaceUpdate(False):
+      yield
   finally:
     flags.xla_device, flags.enable_asserts = saved
 
@@ -303,10 +311,14 @@ class CandidateError(RuntimeError):
   planner can skip."""
 
   def __init__(self, candidate, error):
-    # The first line says what failed; a long message (e.g. the
-    # partitioner's log) ends with why.
+    # The first line says what failed; an XLA abort in the partitioning
+    # worker says why in its fatal log line, other long messages at their
+    # end.
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    summary = ' ... '.join(lines[:1] + lines[1:][-1:]) or '(no message)'
+    if re.search(r'^F\d{4} ', str(error), re.M):
+      summary = check_partitioning.PartitionerMessage(error)
+    else:
+      summary = ' ... '.join(lines[:1] + lines[1:][-1:]) or '(no message)'
     super().__init__(
         f'{candidate.Describe()}: {type(error).__name__}: {summary}')
     self.candidate = candidate

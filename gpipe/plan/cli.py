@@ -99,6 +99,10 @@ def _Args(argv):
                     'lm.CopyLMPod8x2')
   what.add_argument('--params', help='module.attribute: PipelinedLayer '
                     'Params, or a function returning them')
+  parser.add_argument('--pipeline_layer', choices=('gpipe', 'lingvo'),
+                      default='gpipe',
+                      help='build the stack with gpipe\'s PipelinedLayer or Lingvo\'s own '
+                      'LayerwiseShardablePipelinedLayer (same Params)')
   parser.add_argument('--input_shape', type=_Shape, action='append',
                       help='with --params: one input\'s shape, batch first; '
                       'repeat for several inputs')
@@ -136,11 +140,13 @@ def _Target(parser, args):
     if args.input_shape:
       parser.error('--input_shape goes with --params; a --model has its own '
                    'input generator.')
-    return targets.ModelTarget(args.model)
+    return targets.ModelTarget(args.model,
+                               lingvos_layer=args.pipeline_layer == 'lingvo')
   if not args.input_shape:
     parser.error('--params needs --input_shape (one per input).')
   return targets.LayerTarget(_LoadParams(args.params), args.input_shape,
-                            args.params)
+                            args.params,
+                            lingvos_layer=args.pipeline_layer == 'lingvo')
 
 
 def _LoadParams(spec):

@@ -12,6 +12,7 @@ import tensorflow as tf
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import check_partitioning
 from gpipe import layers as gpipe_layers
+from gpipe import lingvo_compat
 from gpipe import quiet
 from gpipe.plan import train_step
 from lingvo.core import hyperparams
@@ -34,9 +35,14 @@ class Candidate:
 
 
 class ModelTarget:
-  """A registered Lingvo model whose task holds one PipelinedLayer."""
+  """A registered Lingvo model whose task holds one PipelinedLayer.
 
-  def __init__(self, name):
+  With `lingvos_layer`, the stack is built with Lingvo's own
+  LayerwiseShardablePipelinedLayer from the same Params (all but the remat
+  policy: Lingvo's layer always recomputes), to plan both side by side.
+  """
+
+  def __init__(self, name, lingvos_layer=False):
     # pylint: disable=g-import-not-at-top
     from lingvo import model_registry
     import params  # pylint: disable=unused-import
@@ -49,6 +55,7 @@ class ModelTarget:
       raise PlanError(f'--model {name!r}: {e}') from None
     self.name = name
     self.batch_size = self._cfg.input.batch_size
+    self._lingvos_layer = lingvos_layer
 
   @property
   def stack_params(self):
@@ -59,6 +66,8 @@ class ModelTarget:
     _Reshape(_OneStack(cfg.task, self.name), candidate, depth_param)
     gpipe_layers.ValidateParams(_OneStack(cfg.task, self.name),
                                 self.batch_size)
+    if self._lingvos_layer:
+      _SwapForLingvosLayer(cfg.task, self.name)
     with tf.Graph().as_default():
       task = cfg.task.Instantiate()
     return train_step.TaskStep(task, train_step.InputSpecs(cfg.input))
@@ -68,11 +77,11 @@ class LayerTarget:
   """A PipelinedLayer's Params trained on float32 inputs of given shapes.
 
   `optimizer` (a gpipe.plan.optimizers.Optimizer) updates the weights;
-  None: Adam.
+  None: Adam. `lingvos_layer`: as for ModelTarget.
   """
 
   def __init__(self, layer_params, input_shapes, name='layer',
-               optimizer=None):
+               optimizer=None, lingvos_layer=False):
     try:
       check_partitioning.CheckPipelineParams(layer_params, name)
     except ValueError as e:
@@ -82,6 +91,7 @@ class LayerTarget:
     self.name = name
     self.batch_size = input_shapes[0][0]
     self._optimizer = optimizer
+    self._lingvos_layer = lingvos_layer
 
   @property
   def stack_params(self):
@@ -91,6 +101,8 @@ class LayerTarget:
     p = self._params.Copy()
     _Reshape(p, candidate, depth_param)
     gpipe_layers.ValidateParams(p, self.batch_size)
+    if self._lingvos_layer:
+      p = lingvo_compat.AsLingvosOwnLayer(p)
     with tf.Graph().as_default():
       layer = p.Instantiate()
     return train_step.LayerStep(layer, self._input_shapes, self._optimizer)
@@ -105,6 +117,18 @@ def _OneStack(task_params, where):
         f'({", ".join(path for path, _ in found) or "none"}); the planner '
         'plans a model with exactly one pipelined stack.')
   return found[0][1]
+
+
+def _SwapForLingvosLayer(task_params, where):
+  """Replaces the task's PipelinedLayer Params by Lingvo's layer's."""
+  (path, stack), = _FindStacks(task_params, '')
+  if path == '.':
+    raise PlanError(f'{where}: the task itself is the pipelined layer.')
+  *parents, name = path.split('.')
+  parent = task_params
+  for part in parents:
+    parent = parent.Get(part)
+  parent.Set(**{name: lingvo_compat.AsLingvosOwnLayer(stack)})
 
 
 def _FindStacks(p, path):

@@ -35,6 +35,7 @@ import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers as gpipe_layers
+from gpipe import lingvo_compat
 from gpipe.plan import optimizers
 from lingvo.core import base_layer
 from lingvo.core import py_utils
@@ -254,8 +255,23 @@ def _FollowsWeight(slot, weight_shape, num_stages):
 
 
 def _PlaceLike(root, tree):
-  """tree (shaped like root.theta) with every pipelined stack's part placed."""
-  return _MapStacks(root, tree, lambda stack, t: stack.PlaceVariables(t))
+  """tree (shaped like root.theta) with every pipelined stack's part placed.
+
+  Lingvo's own layer (planned side by side) places its variables itself,
+  where it reads them, and so is left as it is.
+  """
+
+  def Place(stack, t):
+    place = getattr(stack, 'PlaceVariables', None)
+    return place(t) if place else t
+
+  return _MapStacks(root, tree, Place)
+
+
+def _IsPipelined(layer):
+  """gpipe's PipelinedLayer, or Lingvo's own pipelined layer."""
+  return isinstance(layer, (gpipe_layers.PipelinedLayer,
+                            lingvo_compat.LingvosOwnLayer()))
 
 
 def _StageVariables(root):
@@ -268,7 +284,7 @@ def _StageVariables(root):
 
 def _MapStacks(layer, tree, fn):
   """tree with fn(stack, subtree) applied where a PipelinedLayer's theta is."""
-  if isinstance(layer, gpipe_layers.PipelinedLayer):
+  if _IsPipelined(layer):
     return fn(layer, tree)
   mapped = tree.copy()
   for name, child in layer.children.items():
@@ -282,8 +298,8 @@ def _MapStacks(layer, tree, fn):
 
 
 def FindPipelinedLayers(layer, path=''):
-  """[(path, PipelinedLayer)] in a built layer tree."""
-  if isinstance(layer, gpipe_layers.PipelinedLayer):
+  """[(path, pipelined layer)] in a built layer tree (gpipe's or Lingvo's)."""
+  if _IsPipelined(layer):
     return [(path or '.', layer)]
   found = []
   for name, child in layer.children.items():
