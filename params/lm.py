@@ -12,18 +12,26 @@ and fall only when attention learns to look L + 1 positions back.
 
 Registered models (`model_registry.GetParams('lm.<Name>', 'Train')`):
 
-  CopyLMSmall: 4 stages x 1 block, width 64, trains on a 2-core CPU in about
-      a minute.
+  CopyLMSmall: 4 stages x 1 block of width 64 (Lingvo's time-major
+      TransformerLayer, `StageBlocks`), float32, Adam; trains on a 2-core
+      CPU in about a minute.
   CopyLMPod8x2: 8 stages x 2 circular repeats x 2 blocks (32 blocks, width
-      4096: about 6.2 billion parameters), `shard_stages_1d` over 8 devices.
-      Each device holds one stage's 2 x 2 blocks; embedding and softmax are
-      replicated. See `ParameterBytes`.
+      4096, feed-forward 16384, 32 heads, vocab 32000, sequences of 1024:
+      about 6.7 billion parameters, 25 GiB in float32), `shard_stages_1d`
+      over 8 devices, Adam. Batch-major blocks with einsum projections
+      (`pod_blocks.BatchMajorStage`) computing in bfloat16 on float32
+      weights. Each device holds one stage's 2 x 2 blocks and 1/8 of the
+      embedding and softmax (split by vocab), and embeds and scores 1/8 of
+      the sequences. See `ParameterBytes`.
+  CopyLMPod8x2Adafactor: the same model and batch, trained with Lingvo's
+      factored Adafactor (beta1 = 0), as Lingvo's GShard LMs are.
 """
 
 import math
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers as gpipe_layers
+from gpipe import sharding
 from lingvo import compat as tf
 from lingvo import model_registry
 from lingvo.core import base_input_generator
@@ -36,6 +44,7 @@ from lingvo.core import metrics as metrics_lib
 from lingvo.core import optimizer
 from lingvo.core import py_utils
 from lingvo.core import schedule
+from params import pod_blocks
 
 PAD_ID = 0
 SEP_ID = 1
@@ -236,6 +245,10 @@ class PipelinedLMTask(base_model.BaseTask):
     p.Define('input_dropout_prob', 0.0, 'Dropout on the embeddings.')
     p.Define('stack', None, 'PipelinedLayer params; its single_stage_body '
              'takes and returns (activations [b, t, d], paddings [b, t]).')
+    p.Define('stack_dtype', tf.float32,
+             'Dtype of the activations entering and leaving the stack: what '
+             'the pipeline carries between stages and keeps per iteration. '
+             'The stage body may compute in another (its fprop_dtype).')
     return p
 
   def __init__(self, params):
@@ -289,17 +302,72 @@ class PipelinedLMTask(base_model.BaseTask):
       batch_size = input_p.batch_size
     gpipe_layers.ValidateParams(p.stack, batch_size)
 
+  # -- Where the vocab-sized weights and the loss live. ------------------------
+  #
+  # On a stack whose stages are spread over devices (shard_stages_1d or
+  # pipeline_stage_mesh_dim), the rest of the model is spread over the same
+  # devices: the embedding and softmax weights (and so their gradients and
+  # optimizer slots) are split by vocab, and each chip embeds and scores its
+  # 1/S of the sequences, so the logits [tokens, vocab] are never whole on
+  # one chip. On an unsplit stack nothing is annotated.
+
+  def SplitsStages(self):
+    """True if the stack spreads its stages over devices."""
+    sp = self.params.stack
+    return sp.shard_stages_1d or sp.pipeline_stage_mesh_dim is not None
+
+  def _OverStageDevices(self, x, dim):
+    """x split on `dim` over the devices of the stack's stages, if split."""
+    sp = self.params.stack
+    if sp.shard_stages_1d:
+      return sharding.Split(x, dim, sp.num_stages)
+    if sp.pipeline_stage_mesh_dim is not None:
+      return sharding.SplitStageDim(x, dim, sp.num_stages, sp.device_mesh,
+                                    sp.pipeline_stage_mesh_dim)
+    return x
+
+  def _TableTheta(self, layer_theta):
+    """An embedding table: kept split by rows, looked up gathered.
+
+    Each chip looks up its own sequences in the gathered table, and the
+    table's gradient is reduce-scattered back to the split rows; a lookup
+    in the split table would give every chip the whole batch's embeddings
+    (and their gradient) instead.
+    """
+    layer_theta = layer_theta.copy()
+    wm = self._OverStageDevices(layer_theta.wm, 0)
+    layer_theta.wm = sharding.Replicate(wm) if self.SplitsStages() else wm
+    return layer_theta
+
+  def _SoftmaxTheta(self, theta):
+    """The softmax weight [d, vocab] and bias [vocab], split by vocab."""
+    return theta.softmax.Transform(
+        lambda w: self._OverStageDevices(w, w.shape.rank - 1))
+
+  def _Embed(self, theta, ids, positions):
+    """Token + position embeddings, float32."""
+    x = self.emb.EmbLookup(self._TableTheta(theta.emb), ids)
+    return x + self.pos_emb.EmbLookup(self._TableTheta(theta.pos_emb),
+                                      positions)
+
+  def _Logits(self, theta, x):
+    """x [..., d] from the stack -> float32 logits [..., vocab]."""
+    x = self.final_ln.FProp(theta.final_ln, tf.cast(x, tf.float32))
+    shape = py_utils.GetShape(x)
+    logits = self.softmax.Logits(self._SoftmaxTheta(theta),
+                                 tf.reshape(x, [-1, shape[-1]]))
+    return tf.reshape(logits, shape[:-1] + [-1])
+
   def ComputePredictions(self, theta, input_batch):
-    ids = input_batch.ids
+    """Logits [b, t, vocab] (split by batch over the stage devices)."""
+    ids = self._OverStageDevices(input_batch.ids, 0)
     seq_len = py_utils.GetShape(ids)[1]
-    x = self.emb.EmbLookup(theta.emb, ids)
-    x += self.pos_emb.EmbLookup(theta.pos_emb, tf.range(seq_len))[None]
+    x = self._OverStageDevices(self._Embed(theta, ids, tf.range(seq_len)), 0)
     x = self.input_dropout.FProp(theta.input_dropout, x)
-    x, _ = self.stack.FProp(theta.stack, x, input_batch.paddings)
-    x = self.final_ln.FProp(theta.final_ln, x)
-    batch, seq_len, dim = py_utils.GetShape(x)
-    logits = self.softmax.Logits(theta.softmax, tf.reshape(x, [-1, dim]))
-    logits = tf.reshape(logits, [batch, seq_len, -1])
+    x, _ = self.stack.FProp(theta.stack, tf.cast(x, self.params.stack_dtype),
+                            input_batch.paddings)
+    x = self._OverStageDevices(x, 0)
+    logits = self._OverStageDevices(self._Logits(theta, x), 0)
     return py_utils.NestedMap(logits=logits)
 
   # -- Incremental decoding through the pipeline. ----------------------------
@@ -317,13 +385,12 @@ class PipelinedLMTask(base_model.BaseTask):
     The stack runs pipelined, every stage extending its own caches of the
     microbatches it works on.
     """
-    x = self.emb.EmbLookup(theta.emb, ids)
-    x += self.pos_emb.EmbLookup(theta.pos_emb, time_step[None])
+    x = self._Embed(theta, ids, time_step[None])
+    x = tf.cast(x, self.params.stack_dtype)
     y, states = self.stack.FPropFn(theta.stack, 'ExtendStep', x,
                                    padded_per_stage_states=[states],
                                    kwargs_no_batch={'time_step': time_step})
-    y = self.final_ln.FProp(theta.final_ln, y)
-    return self.softmax.Logits(theta.softmax, y), states
+    return self._Logits(theta, y), states
 
   def Decode(self, input_batch):
     """Greedy copies of the batch's prompts, decoded through the pipeline.
@@ -448,25 +515,51 @@ def _WriteColumn(ids, column, values, first_writable):
 def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
                  hidden_dim, blocks_per_stage, num_stages, circular_repeat,
                  num_microbatches, dropout_prob, shard_stages_1d,
-                 learning_rate, max_steps, max_seq_len=64):
-  """Task params of the pipelined copy LM (without input params)."""
+                 learning_rate, max_steps, max_seq_len=64, batch_major=False,
+                 fprop_dtype=None, input_dropout_prob=None,
+                 stack_dtype=tf.float32, optimizer_tpl=None):
+  """Task params of the pipelined copy LM (without input params).
+
+  Args:
+    batch_major: the stage body. False: `StageBlocks` of Lingvo's time-major
+      TransformerLayer (the demo's). True: `pod_blocks.BatchMajorStage`,
+      batch-major blocks with einsum projections (the pod configs').
+    fprop_dtype: the batch-major blocks' activation dtype (e.g.
+      tf.bfloat16; weights and optimizer state stay float32). None: float32.
+    input_dropout_prob: dropout on the embeddings; None: dropout_prob.
+    stack_dtype: the activations' dtype between stages (the task's
+      `stack_dtype`).
+    optimizer_tpl: the optimizer params; None: Adam (0.9, 0.98).
+    (The others name what they set.)
+  """
   if model_dim % num_heads:
     raise ValueError(f'CopyLMParams: model_dim={model_dim} is not divisible '
                      f'by num_heads={num_heads}; pick a divisor.')
-  block = CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob)
-  stage = StageBlocks.Params().Set(num_blocks=blocks_per_stage,
-                                   block_tpl=block)
+  if fprop_dtype is not None and not batch_major:
+    raise ValueError('CopyLMParams: fprop_dtype is for the batch-major body; '
+                     'set batch_major=True.')
+  if batch_major:
+    block = pod_blocks.PodBlockParams(model_dim, num_heads, hidden_dim,
+                                      dropout_prob, fprop_dtype)
+    stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype)
+  else:
+    block = CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob)
+    stage = StageBlocks.Params().Set(num_blocks=blocks_per_stage,
+                                     block_tpl=block)
   stack = gpipe_layers.PipelinedLayer.Params().Set(
       name='stack', num_stages=num_stages, single_stage_body=stage,
       circular_repeat=circular_repeat, num_microbatches=num_microbatches,
       shard_stages_1d=shard_stages_1d, unroll='never')
   p = PipelinedLMTask.Params().Set(
       name=name, vocab_size=vocab_size, model_dim=model_dim, stack=stack,
-      max_seq_len=max_seq_len, input_dropout_prob=dropout_prob)
+      max_seq_len=max_seq_len, stack_dtype=stack_dtype,
+      input_dropout_prob=(dropout_prob if input_dropout_prob is None else
+                          input_dropout_prob))
   tp = p.train
   tp.max_steps = max_steps  # Lingvo's trainer stops here.
   tp.learning_rate = learning_rate
-  tp.optimizer = optimizer.Adam.Params().Set(beta1=0.9, beta2=0.98)
+  tp.optimizer = optimizer_tpl or optimizer.Adam.Params().Set(beta1=0.9,
+                                                              beta2=0.98)
   tp.lr_schedule = schedule.LinearRampupExponentialDecay.Params().Set(
       warmup=50, decay_start=100000, decay_end=200000, min=1.0)
   tp.clip_gradient_norm_to_value = 1.0
@@ -505,23 +598,37 @@ class CopyLMSmall(base_model_params.SingleTaskModelParams):
 
 @model_registry.RegisterSingleTaskModel
 class CopyLMPod8x2(base_model_params.SingleTaskModelParams):
-  """Pod slice: 8 stages x 2 circular repeats x 2 blocks of width 4096.
+  """Pod slice, Adam: 8 stages x 2 circular repeats x 2 blocks of width 4096.
+
+  32 causal Transformer blocks (32 heads, feed-forward 16384) of Lingvo's
+  batch-major layers with einsum projections (`pod_blocks.BatchMajorStage`),
+  computing in bfloat16 on float32 weights; the loss, the Adam slots and the
+  activations passed between stages are float32. Vocab 32000, sequences of
+  1024: 6.7 billion parameters (25.0 GiB).
 
   Expects 8 devices along the stage dim (`shard_stages_1d`; a 1-D mesh
-  [0..7]): stage-stacked weights of shape [8, 2, ...] are split on their
-  first dim, so device s holds the 2 x 2 blocks of stage s (about 0.74
-  billion parameters) plus the replicated embeddings and softmax. 32
-  microbatches of 8 sequences: iterations = 2 * 32 + 8 - 1 = 71, bubble
-  fraction 7/71. `python -m gpipe.plan --model lm.CopyLMPod8x2` shows what
-  its whole training step needs per chip (more than 32 GiB as configured).
+  [0..7]): device s holds the 2 x 2 blocks of stage s (stage-stacked
+  weights [8, 2, ...] split on their first dim) and 1/8 of the embedding
+  and softmax (split by vocab), 3.1 GiB of weights and twice that of Adam
+  slots; it embeds and scores 1/8 of the sequences, so the logits are never
+  whole on one chip. `ParameterBytes` gives the bytes.
+
+  64 sequences (65536 tokens) a step, in 32 microbatches of 2: iterations =
+  2 * 32 + 8 - 1 = 71, bubble fraction 7/71 = 0.099. `python -m gpipe.plan
+  --model lm.CopyLMPod8x2 --num_devices 8` shows what the step needs per
+  chip (a 23.3 GiB peak when this batch was chosen; 128 sequences needed
+  32.7 GiB). Dropout 0.1 in the blocks, none on the embeddings: that mask
+  would be drawn for the whole batch on every chip (XLA does not split a
+  random-number generator's output).
   """
   VOCAB_SIZE = 32000
   COPY_LENGTH = 512
+  BATCH_SIZE = 64
 
   def Train(self):
     return CopyTaskInput.Params().Set(
         vocab_size=self.VOCAB_SIZE, copy_length=self.COPY_LENGTH,
-        batch_size=256)
+        batch_size=self.BATCH_SIZE)
 
   def Dev(self):
     return _HeldOut(self.Train(), data_seed=4321, num_batches=4)
@@ -529,13 +636,36 @@ class CopyLMPod8x2(base_model_params.SingleTaskModelParams):
   def Test(self):
     return _HeldOut(self.Train(), data_seed=8765, num_batches=4)
 
+  def Optimizer(self):
+    """The optimizer params; None: CopyLMParams' Adam."""
+    return None
+
   def Task(self):
     return CopyLMParams(
         vocab_size=self.VOCAB_SIZE, model_dim=4096, num_heads=32,
         hidden_dim=16384, blocks_per_stage=2, num_stages=8, circular_repeat=2,
-        num_microbatches=32, dropout_prob=0.1, shard_stages_1d=True,
-        learning_rate=1e-4, max_steps=100000,
-        max_seq_len=2 * self.COPY_LENGTH)
+        num_microbatches=32, dropout_prob=0.1, input_dropout_prob=0.0,
+        shard_stages_1d=True, learning_rate=1e-4, max_steps=100000,
+        max_seq_len=2 * self.COPY_LENGTH, batch_major=True,
+        fprop_dtype=tf.bfloat16, optimizer_tpl=self.Optimizer())
+
+
+@model_registry.RegisterSingleTaskModel
+class CopyLMPod8x2Adafactor(CopyLMPod8x2):
+  """CopyLMPod8x2's model and batch, trained with Adafactor.
+
+  Lingvo's XLAShardingAdafactor, as Lingvo's GShard LMs train: factored
+  second moments (a row and a column vector per matrix) and beta1 = 0 (no
+  first moment), so the optimizer state is a few MiB per chip instead of
+  Adam's two copies of the weights (6.2 GiB per chip here). Meant for 8
+  chips of 16 GiB.
+  """
+  BATCH_SIZE = 64
+
+  def Optimizer(self):
+    return optimizer.XLAShardingAdafactor.Params().Set(
+        beta1=0.0, beta2=0.99, factored=True, clipping_threshold=1.0,
+        multiply_by_parameter_scale=True, decay_exponent_pow=0.8)
 
 
 def _HeldOut(train_p, data_seed, num_batches):
@@ -548,19 +678,24 @@ def _HeldOut(train_p, data_seed, num_batches):
 def ParameterBytes(task):
   """(total bytes, bytes one device holds) of a built task's variables.
 
-  Variables of the pipelined stack's stage-stacked body are split on their
-  stage dim over the stage devices (when the stack shards stages); all
-  other variables are replicated.
+  On a stack that spreads its S stages over devices, each device holds 1/S
+  of the stage-stacked body's variables (split on their stage dim) and of
+  the embedding tables and softmax (split by vocab; a dim that does not
+  divide is padded), and the final layer norm whole. On an unsplit stack
+  every device holds everything.
   """
-  stack = task.stack
-  sp = stack.params
-  sharded = sp.shard_stages_1d or sp.pipeline_stage_mesh_dim is not None
-  num_stage_devices = sp.num_stages if sharded else 1
-  stage_vars = {id(v) for v in stack.vars.Flatten()}
+  num_devices = task.params.stack.num_stages if task.SplitsStages() else 1
+  split_dims = {id(v): 0 for v in task.stack.vars.Flatten()}
+  split_dims.update(
+      {id(v): 0 for v in (task.emb.vars.wm, task.pos_emb.vars.wm)})
+  split_dims.update(
+      {id(v): v.shape.rank - 1 for v in task.softmax.vars.Flatten()})
   total = per_device = 0
   for v in task.vars.Flatten():
-    nbytes = v.shape.num_elements() * v.dtype.size
-    total += nbytes
-    per_device += (nbytes // num_stage_devices
-                   if id(v) in stage_vars else nbytes)
+    shape = v.shape.as_list()
+    total += math.prod(shape) * v.dtype.size
+    if id(v) in split_dims:
+      dim = split_dims[id(v)]
+      shape[dim] = -(-shape[dim] // num_devices)
+    per_device += math.prod(shape) * v.dtype.size
   return total, per_device

@@ -18,6 +18,7 @@ from gpipe import trainer
 from lingvo import model_registry
 from lingvo.core import base_model
 import params.lm as lm
+from params import pod_blocks
 
 stage_call.EnsureFlagsParsed()
 
@@ -26,14 +27,16 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def _TinyCfg(*, num_stages=2, circular_repeat=1, num_microbatches=3,
              batch_size=6, dropout_prob=0.0, copy_length=3, vocab_size=8,
-             learning_rate=3e-3, model_dim=16, max_steps=100):
+             learning_rate=3e-3, model_dim=16, max_steps=100,
+             shard_stages_1d=False, **body):
+  """body: CopyLMParams' batch_major, fprop_dtype, stack_dtype, ..."""
   task = lm.CopyLMParams(
       vocab_size=vocab_size, model_dim=model_dim, num_heads=2, hidden_dim=32,
       blocks_per_stage=1, num_stages=num_stages,
       circular_repeat=circular_repeat, num_microbatches=num_microbatches,
-      dropout_prob=dropout_prob, shard_stages_1d=False,
+      dropout_prob=dropout_prob, shard_stages_1d=shard_stages_1d,
       learning_rate=learning_rate, max_steps=max_steps,
-      max_seq_len=2 * copy_length)
+      max_seq_len=2 * copy_length, **body)
   cfg = base_model.SingleTaskModel.Params(task)
   cfg.input = lm.CopyTaskInput.Params().Set(
       vocab_size=vocab_size, copy_length=copy_length, batch_size=batch_size)
@@ -75,7 +78,7 @@ def test_copy_batch_depends_only_on_the_seed():
 
 
 def test_registered_models_are_found_by_name():
-  for name in ('lm.CopyLMSmall', 'lm.CopyLMPod8x2'):
+  for name in ('lm.CopyLMSmall', 'lm.CopyLMPod8x2', 'lm.CopyLMPod8x2Adafactor'):
     cfg = model_registry.GetParams(name, 'Train')
     assert cfg.task.cls is lm.PipelinedLMTask
     assert cfg.input.cls is lm.CopyTaskInput
@@ -86,6 +89,8 @@ def test_pod_config_builds_its_graph_on_cpu_and_reports_bytes_per_device():
   cfg = model_registry.GetParams('lm.CopyLMPod8x2', 'Train')
   sp = cfg.task.stack
   assert (sp.num_stages, sp.circular_repeat, sp.shard_stages_1d) == (8, 2, True)
+  assert sp.single_stage_body.cls is pod_blocks.BatchMajorStage
+  assert sp.single_stage_body.fprop_dtype == tf.bfloat16
   with tf.Graph().as_default():
     task = cfg.Instantiate().GetTask()
     metrics, _ = task.FPropDefaultTheta()
@@ -93,16 +98,19 @@ def test_pod_config_builds_its_graph_on_cpu_and_reports_bytes_per_device():
     total, per_device = lm.ParameterBytes(task)
     # Independently of ParameterBytes: from the variables' names and shapes.
     variables = task.vars.Flatten()
-  stacked = replicated = 0
+  stacked = vocab = replicated = 0
   for v in variables:
+    assert v.dtype.base_dtype == tf.float32, v.name
     nbytes = int(np.prod(v.shape.as_list())) * 4
     if '/stack/' in v.name:
       assert v.shape.as_list()[:2] == [8, 2], v.name
       stacked += nbytes
-    else:
+    elif '/final_ln/' in v.name:
       replicated += nbytes
-  assert total == stacked + replicated
-  assert per_device == replicated + stacked // 8
+    else:  # embeddings and softmax, split by vocab (rows divide by 8)
+      vocab += nbytes
+  assert total == stacked + vocab + replicated
+  assert per_device == replicated + (stacked + vocab) // 8
   num_params = total // 4
   assert 6e9 < num_params < 8e9, num_params
   print(f'CopyLMPod8x2: {num_params / 1e9:.2f}B parameters, '
@@ -221,16 +229,18 @@ def test_the_lm_is_causal():
   assert np.abs(after[:, 3:] - before[:, 3:]).max() > 1e-3
 
 
-@pytest.mark.parametrize('num_stages, circular_repeat, num_microbatches', [
-    (2, 1, 3), (3, 2, 2), (4, 2, 6)])
+@pytest.mark.parametrize(
+    'num_stages, circular_repeat, num_microbatches, batch_major', [
+        (2, 1, 3, False), (3, 2, 2, False), (4, 2, 6, False),
+        (2, 2, 3, True)])
 def test_decoding_through_the_pipeline_equals_the_unrolled_model(
-    num_stages, circular_repeat, num_microbatches):
+    num_stages, circular_repeat, num_microbatches, batch_major):
   """Step-by-step logits (one ExtendStep per position, per-stage caches in
   the pipeline) equal the unrolled model's full-sequence causal logits, and
   the task's greedy Decode equals greedy decoding by full-sequence FProps of
-  the unrolled model, token by token."""
+  the unrolled model, token by token. batch_major: the pod configs' body."""
   cfg = _TinyCfg(num_stages=num_stages, circular_repeat=circular_repeat,
-                 num_microbatches=num_microbatches)
+                 num_microbatches=num_microbatches, batch_major=batch_major)
   graph, task, sess = _BuildTask(cfg, 'never')
   rng = np.random.RandomState(1)
   ids_np = rng.randint(2, 8, [6, 6]).astype(np.int32)
@@ -264,6 +274,78 @@ def test_decoding_through_the_pipeline_equals_the_unrolled_model(
     seq[:, 4 + k] = reference(seq[:, :6])[:, 3 + k].argmax(-1)
   ref_sess.close()
   np.testing.assert_array_equal(decoded, seq[:, 4:])
+
+
+# -- The pod configs' stage body (params/pod_blocks.py). ----------------------
+
+
+def test_pod_body_pipelined_lm_equals_unrolled_at_init():
+  """Circular, with the stages, embeddings and loss split as on a pod (the
+  sharding annotations run as identities on one CPU)."""
+  cfg = _TinyCfg(circular_repeat=2, dropout_prob=0.1, shard_stages_1d=True,
+                 batch_major=True)
+  comparison = trainer.CompareWithUnrolled(cfg)
+  assert comparison.num_variables > 0
+  assert comparison.Matches(), comparison.Describe()
+
+
+def test_pod_body_in_bfloat16_equals_unrolled_within_its_precision():
+  """bfloat16 activations, between the stages too: the pipelined model's
+  loss equals the unrolled one's, the weight gradients (float32, summed
+  over microbatches instead of once) to bfloat16's precision."""
+  cfg = _TinyCfg(batch_major=True, fprop_dtype=tf.bfloat16,
+                 stack_dtype=tf.bfloat16)
+  comparison = trainer.CompareWithUnrolled(cfg)
+  assert comparison.Matches(atol=1e-5, rtol=1e-2), comparison.Describe()
+
+
+def test_pod_stage_computes_in_bfloat16_on_float32_weights():
+  """The blocks' matmuls run in bfloat16; the stage's theta, the weight
+  gradients and what it returns (for float32 inputs) stay float32."""
+  block = pod_blocks.PodBlockParams(16, 2, 24, 0.0, tf.bfloat16)
+  with tf.Graph().as_default() as graph:
+    stage = pod_blocks.PodStageParams(2, block, tf.bfloat16).Set(
+        name='stage').Instantiate()
+    theta = stage.theta
+    y, _ = stage.FProp(theta, tf.ones([3, 5, 16]), tf.zeros([3, 5]))
+    grads = tf.gradients(tf.reduce_sum(y), theta.Flatten())
+    einsums = [op.outputs[0].dtype for op in graph.get_operations()
+               if op.type in ('Einsum', 'MatMul')]
+  assert y.dtype == tf.float32
+  assert {t.dtype for t in theta.Flatten()} == {tf.float32}
+  assert {g.dtype for g in grads} == {tf.float32}
+  assert einsums and set(einsums) == {tf.bfloat16}, einsums
+
+
+def _LargestGradientTensor(stage_params, batch, time, dim):
+  """Elements of the largest tensor the stage's weight gradients make."""
+  with tf.Graph().as_default() as graph:
+    stage = stage_params.Set(name='stage').Instantiate()
+    x = tf.ones([batch, time, dim])
+    y, _ = stage.FProp(stage.theta, x, tf.zeros([batch, time]))
+    variables = stage.vars.Flatten()
+    before = set(graph.get_operations())
+    tf.gradients(tf.reduce_sum(tf.square(y)), variables)
+    sizes = [t.shape.num_elements() or 0
+             for op in graph.get_operations() if op not in before
+             for t in op.outputs if t.shape.is_fully_defined()]
+  return max(sizes), max(v.shape.num_elements() for v in variables)
+
+
+def test_pod_body_weight_gradients_build_nothing_larger_than_activations():
+  """Einsum projections over [b, t, d]: each weight gradient contracts
+  batch and time at once. The demo's time-major layer projects with a
+  broadcasting matmul whose gradient makes a [t, d, d] product first."""
+  batch, time, dim, hidden = 3, 7, 16, 24
+  bound = batch * time * hidden  # the largest activation, [b, t, hidden]
+  block = pod_blocks.PodBlockParams(dim, 2, hidden, 0.0)
+  largest, weight = _LargestGradientTensor(
+      pod_blocks.PodStageParams(2, block), batch, time, dim)
+  assert largest <= max(bound, weight), (largest, bound, weight)
+  time_major = lm.StageBlocks.Params().Set(
+      num_blocks=1, block_tpl=lm.CausalBlockParams(dim, 2, hidden, 0.0))
+  largest, _ = _LargestGradientTensor(time_major, batch, time, dim)
+  assert largest >= time * dim * dim > bound
 
 
 # -- Training and checkpoints. ------------------------------------------------

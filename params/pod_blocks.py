@@ -1,0 +1,171 @@
+"""The pod LM's stage body: batch-major causal Transformer blocks.
+
+A pipeline stage sees activations [batch, time, dim], batch-major, because
+the pipeline microbatches along the leading dim. Lingvo's
+`batch_major_attention` layers work on that layout directly and project
+with einsums ('BTD,DNH->BTNH'), so each weight gradient is one contraction
+over batch and time: no per-position [dim, dim] products are built before a
+sum, as a broadcasting matmul over a [time, batch, dim] input builds them.
+
+The blocks may compute in bfloat16 (`fprop_dtype`) while weights and
+optimizer state stay float32: the stage casts its weights on the way in, so
+their gradients leave it float32 and the pipeline accumulates them in
+float32. The stage returns activations in the dtype it was given them.
+"""
+
+import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from lingvo import compat as tf
+from lingvo.core import base_layer
+from lingvo.core import batch_major_attention
+from lingvo.core import layers
+from lingvo.core import py_utils
+from lingvo.core import scatter_update
+
+
+class BatchMajorStage(base_layer.BaseLayer):
+  """One pipeline stage: k causal batch-major Transformer blocks.
+
+  FProp: (activations [b, t, d], paddings [b, t]) -> the same. Decoding
+  keeps batch-major key/value caches [b, max_len, heads, dim_per_head] per
+  block, which the pipeline splits into microbatches like any per-stage
+  state.
+
+  Each block is a Lingvo batch-major TransformerLayer; FProp runs its
+  self-attention and feed-forward children. Paddings reach the attention as
+  a boolean mask (padded keys are never attended to) and the feed-forward
+  layer not at all: a padded position's output is never read by a real one,
+  and the loss weighs it 0. So no float zero of a microbatch's [b, t] or
+  [b, t, d] shape is made inside the stage: TensorFlow's lowering would
+  merge it with the pipeline's zeros of that shape outside the stages'
+  manual-sharding region, a mix XLA's SPMD partitioner rejects.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('num_blocks', 1, 'Transformer blocks in one stage.')
+    p.Define('block_tpl', None, 'Params of one block: a batch_major_attention'
+             '.TransformerLayer (see PodBlockParams).')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if p.num_blocks < 1:
+      raise ValueError(f'BatchMajorStage: num_blocks={p.num_blocks} must be '
+                       'at least 1.')
+    self.CreateChildren('blocks', [
+        p.block_tpl.Copy().Set(name=f'block_{i}') for i in range(p.num_blocks)
+    ])
+
+  @property
+  def _dtype(self):
+    return py_utils.FPropDtype(self.params)
+
+  def _InternalGetTheta(self):
+    """The blocks' weights as stored (float32), not cast to fprop_dtype.
+
+    Lingvo's layers hand out theta already cast to their fprop_dtype; a
+    pipeline would then accumulate the weight gradients over microbatches
+    in bfloat16. The stage casts inside instead (`_CastWeights`).
+    """
+    return self.vars
+
+  def _CastWeights(self, theta):
+    """theta in the blocks' dtype; the casts' gradients are float32."""
+    dtype = self._dtype
+    return theta.Transform(
+        lambda w: tf.cast(w, dtype) if w.dtype.is_floating else w)
+
+  def FProp(self, theta, inputs, paddings):
+    theta = self._CastWeights(theta)
+    x = tf.cast(inputs, self._dtype)
+    is_padded = tf.greater(paddings, 0.5)
+    shape = py_utils.GetShape(x)
+    for block, block_theta in zip(self.blocks, theta.blocks):
+      x, _ = block.self_atten.FProp(block_theta.self_atten, x, None,
+                                    is_padded)
+      # Tokens as rows: a 2-D matmul on every platform (Lingvo projects a
+      # 3-D input off TPU with a broadcasting matmul, whose weight gradient
+      # is a [batch, in, out] product summed afterwards).
+      tokens = tf.reshape(x, [-1, shape[-1]])
+      x = tf.reshape(block.fflayer.FProp(block_theta.fflayer, tokens, None),
+                     shape)
+    x = tf.cast(x, inputs.dtype)
+    # The pipeline reports it per stage: activation_rms/stage_<i>.
+    rms = tf.sqrt(tf.reduce_mean(tf.square(tf.cast(x, tf.float32))))
+    py_utils.AddTpuSummaryTensor('activation_rms', rms)
+    return x, paddings
+
+  def InitStates(self, theta, batch_size, max_len):
+    """Empty key/value caches of every block, [b, max_len, heads, head_dim]."""
+    del theta
+    atten = self.blocks[0].self_atten.atten
+    zeros = tf.zeros(
+        [batch_size, max_len, atten.params.num_heads, atten.dim_per_head],
+        self._dtype)
+    return py_utils.NestedMap(blocks=[
+        py_utils.NestedMap(key=zeros, value=zeros) for _ in self.blocks])
+
+  def ExtendStep(self, theta, x, states, time_step):
+    """One position through every block: x [b, d] -> (y [b, d], states).
+
+    Position `time_step` of each block's caches is written; the block
+    attends to positions 0..time_step, as its causal FProp does. Lingvo's
+    layer keeps its caches time-major, so they are transposed around it.
+    """
+    theta = self._CastWeights(theta)
+    y = tf.cast(x, self._dtype)[:, None, :]
+    new_states = []
+    # Functional cache writes: an in-place update would alias the caches'
+    # buffers, which the pipeline's loop also reads.
+    with scatter_update.SetInplaceUpdate(False):
+      for block, block_theta, cache in zip(self.blocks, theta.blocks,
+                                           states.blocks):
+        y, _, cache = block.ExtendStep(block_theta, y, None, None,
+                                       cache.Transform(_SwapBatchAndTime),
+                                       time_step)
+        new_states.append(cache.Transform(_SwapBatchAndTime))
+    return (tf.cast(y[:, 0, :], x.dtype),
+            py_utils.NestedMap(blocks=new_states))
+
+
+def _SwapBatchAndTime(cache):
+  return tf.transpose(cache, [1, 0, 2, 3])
+
+
+def PodBlockParams(model_dim, num_heads, hidden_dim, dropout_prob,
+                   fprop_dtype=None):
+  """A pre-LN causal self-attention + feed-forward block, batch-major.
+
+  Dropout is Lingvo's deterministic (stateless) kind, seeded by the global
+  step: a pipelined body must not draw stateful random numbers (its
+  backward pass recomputes the forward), and a resumed run draws the masks
+  it would have drawn. Attention logits are scaled by 1/sqrt(head dim).
+  """
+  p = batch_major_attention.TransformerLayer.Params().Set(
+      input_dim=model_dim, output_dim=model_dim, num_heads=num_heads,
+      mask_self_atten=True)
+  p.tr_atten_tpl.Set(hidden_dim=model_dim, residual_dropout_prob=dropout_prob,
+                     atten_dropout_prob=dropout_prob,
+                     dropout_tpl=_DeterministicDropout())
+  p.tr_atten_tpl.atten_tpl.Set(enable_per_dim_scale=False,
+                               dropout_tpl=_DeterministicDropout())
+  p.tr_fflayer_tpl.Set(hidden_dim=hidden_dim,
+                       residual_dropout_prob=dropout_prob,
+                       relu_dropout_prob=dropout_prob,
+                       residual_dropout_tpl=_DeterministicDropout())
+  p.tr_fflayer_tpl.fflayer_tpl.dropout = _DeterministicDropout()
+  if fprop_dtype is not None:
+    batch_major_attention.TransformerLayer.SetFPropDtype(p, fprop_dtype)
+  return p
+
+
+def PodStageParams(num_blocks, block, fprop_dtype=None):
+  """BatchMajorStage params: num_blocks copies of `block` (PodBlockParams)."""
+  return BatchMajorStage.Params().Set(num_blocks=num_blocks, block_tpl=block,
+                                      fprop_dtype=fprop_dtype)
+
+
+def _DeterministicDropout():
+  return layers.DeterministicDropoutLayer.Params()
