@@ -54,6 +54,7 @@ def test_check_partitioning_is_quiet_and_verbose_on_request():
     ('gpipe.check_partitioning', '(default: 0.0001)'),
     ('gpipe.demo', '(default: 200)'),
     ('gpipe.schedule', '(default: 1)'),
+    ('gpipe.plan', '(default: v6e)'),
 ])
 def test_help_answers_before_tensorflow_loads(module, default):
   began = time.monotonic()

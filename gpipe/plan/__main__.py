@@ -2,10 +2,14 @@
 
 import sys
 
-# Before TensorFlow loads, so that the command prints its own lines only.
+# The arguments are read before TensorFlow loads (--help and usage errors
+# answer at once), and the libraries are quieted before they load.
 from gpipe import quiet  # pylint: disable=g-bad-import-order
+from gpipe.plan import flags  # pylint: disable=g-bad-import-order
 
-quiet.UnlessVerbose()
+if __name__ == '__main__':
+  flags.Parse()
+  quiet.UnlessVerbose()
 
 from gpipe.plan import cli  # pylint: disable=g-import-not-at-top
 

@@ -6,133 +6,24 @@ each with its reason); 1 when building or compiling a candidate fails for
 another reason (the model's own error, said with its message).
 """
 
-import argparse
 import json
-import math
-import os
 import sys
 import time
 import traceback
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
-from gpipe import plan as plan_package
 from gpipe import check_partitioning
 from gpipe import param_checks
 from gpipe import partitioning
 from gpipe import remat
 from gpipe import stage_call
 from gpipe.plan import candidate as candidate_lib
+from gpipe.plan import flags
 from gpipe.plan import plot
 from gpipe.plan import roofline
 from gpipe.plan import targets
 
 GIB = 2**30
-
-
-def _IntList(text):
-  try:
-    values = [int(v) for v in text.split(',') if v]
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-        f'expected comma-separated integers, got {text!r}') from None
-  if not values or min(values) < 1:
-    raise argparse.ArgumentTypeError(
-        f'expected positive integers, got {text!r}')
-  return values
-
-
-def _Positive(convert, what, text):
-  """A finite number above 0: a size or count of 0 or less means nothing."""
-  try:
-    value = convert(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-        f'expected {what} above 0, got {text!r}') from None
-  if not value > 0 or math.isinf(value):
-    raise argparse.ArgumentTypeError(
-        f'expected {what} above 0, got {text!r}')
-  return value
-
-
-def _PositiveInt(text):
-  return _Positive(int, 'an integer', text)
-
-
-def _PositiveFloat(text):
-  return _Positive(float, 'a number', text)
-
-
-def _PlotPath(text):
-  """A .png path whose directory exists and is writable, checked before
-  anything is compiled."""
-  if not text.lower().endswith('.png'):
-    raise argparse.ArgumentTypeError(f'expected a .png file, got {text!r}')
-  directory = os.path.dirname(os.path.abspath(text))
-  if not os.path.isdir(directory):
-    raise argparse.ArgumentTypeError(
-        f'{text!r}: directory {directory!r} does not exist')
-  if os.path.isdir(text) or not os.access(directory, os.W_OK):
-    raise argparse.ArgumentTypeError(f'{text!r}: cannot write there')
-  return text
-
-
-def _Shape(text):
-  return tuple(_IntList(text))
-
-
-def _PolicyList(text):
-  values = [v for v in text.split(',') if v]
-  unknown = [v for v in values if v not in remat.POLICIES]
-  if not values or unknown:
-    raise argparse.ArgumentTypeError(
-        f'expected names from {", ".join(remat.POLICIES)}, got {text!r}')
-  return values
-
-
-def _Args(argv):
-  parser = argparse.ArgumentParser(
-      prog='python -m gpipe.plan',
-      description=plan_package.__doc__.split('\n\n')[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter)
-  what = parser.add_mutually_exclusive_group(required=True)
-  what.add_argument('--model', help='a registered Lingvo model, e.g. '
-                    'lm.CopyLMPod8x2')
-  what.add_argument('--params', help='module.attribute: PipelinedLayer '
-                    'Params, or a function returning them')
-  parser.add_argument('--pipeline_layer', choices=('gpipe', 'lingvo'),
-                      default='gpipe',
-                      help='build the stack with gpipe\'s PipelinedLayer or Lingvo\'s own '
-                      'LayerwiseShardablePipelinedLayer (same Params)')
-  parser.add_argument('--input_shape', type=_Shape, action='append',
-                      help='with --params: one input\'s shape, batch first; '
-                      'repeat for several inputs')
-  parser.add_argument('--num_devices', type=_PositiveInt, default=None,
-                      help='devices of the slice (default: num_stages, or '
-                      'the size of device_mesh)')
-  parser.add_argument('--tpu', choices=sorted(roofline.CHIPS), default='v6e',
-                      help='TPU generation of the roofline model')
-  parser.add_argument('--hbm_gib', type=_PositiveFloat, default=None,
-                      help='HBM per chip in GiB (default: the generation\'s)')
-  parser.add_argument('--num_microbatches', type=_IntList, default=None,
-                      help='candidates, e.g. 8,16,32 (default: the model\'s)')
-  parser.add_argument('--circular_repeat', type=_IntList, default=None,
-                      help='candidates, e.g. 1,2,4 (default: the model\'s)')
-  parser.add_argument('--remat_policy', type=_PolicyList, default=None,
-                      help='candidates, e.g. recompute,save_all (default: '
-                      'the model\'s); see gpipe.remat')
-  parser.add_argument('--depth_param', default='num_blocks',
-                      help='stage-body param holding its depth, scaled to '
-                      'keep S x R x depth fixed as circular_repeat varies')
-  parser.add_argument('--verbose', action='store_true',
-                      help='also show TensorFlow, XLA and Lingvo logs')
-  parser.add_argument('--json', action='store_true',
-                      help='print the report as JSON')
-  parser.add_argument('--plot', type=_PlotPath, default=None,
-                      metavar='FILE.png',
-                      help='also draw each candidate\'s bytes per chip '
-                      '(weights, optimizer slots, stored activations, other '
-                      'temporaries) against the HBM size')
-  return parser, parser.parse_args(argv)
 
 
 def _Target(parser, args):
@@ -183,7 +74,7 @@ def _Candidates(parser, args):
 
 
 def main(argv=None):
-  parser, args = _Args(argv)
+  parser, args = flags.Parse(argv)
   stage_call.EnsureFlagsParsed()
   if not partitioning.IsAvailable():
     print("gpipe.plan needs jax and jaxlib: pip install 'gpipe[spmd]'",

@@ -1,0 +1,121 @@
+"""The planner's flags, read before TensorFlow loads (--help answers at once).
+
+Only modules that load no TensorFlow are imported here.
+"""
+
+import argparse
+import math
+import os
+
+from gpipe import plan as plan_package
+from gpipe import quiet
+from gpipe import remat
+from gpipe.plan import roofline
+
+
+def _IntList(text):
+  try:
+    values = [int(v) for v in text.split(',') if v]
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f'expected comma-separated integers, got {text!r}') from None
+  if not values or min(values) < 1:
+    raise argparse.ArgumentTypeError(
+        f'expected positive integers, got {text!r}')
+  return values
+
+
+def _Positive(convert, what, text):
+  """A finite number above 0: a size or count of 0 or less means nothing."""
+  try:
+    value = convert(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+        f'expected {what} above 0, got {text!r}') from None
+  if not value > 0 or math.isinf(value):
+    raise argparse.ArgumentTypeError(
+        f'expected {what} above 0, got {text!r}')
+  return value
+
+
+def _PositiveInt(text):
+  return _Positive(int, 'an integer', text)
+
+
+def _PositiveFloat(text):
+  return _Positive(float, 'a number', text)
+
+
+def _PlotPath(text):
+  """A .png path whose directory exists and is writable, checked before
+  anything is compiled."""
+  if not text.lower().endswith('.png'):
+    raise argparse.ArgumentTypeError(f'expected a .png file, got {text!r}')
+  directory = os.path.dirname(os.path.abspath(text))
+  if not os.path.isdir(directory):
+    raise argparse.ArgumentTypeError(
+        f'{text!r}: directory {directory!r} does not exist')
+  if os.path.isdir(text) or not os.access(directory, os.W_OK):
+    raise argparse.ArgumentTypeError(f'{text!r}: cannot write there')
+  return text
+
+
+def _Shape(text):
+  return tuple(_IntList(text))
+
+
+def _PolicyList(text):
+  values = [v for v in text.split(',') if v]
+  unknown = [v for v in values if v not in remat.POLICIES]
+  if not values or unknown:
+    raise argparse.ArgumentTypeError(
+        f'expected names from {", ".join(remat.POLICIES)}, got {text!r}')
+  return values
+
+
+def Parse(argv=None):
+  """(parser, parsed arguments) of python -m gpipe.plan."""
+  parser = argparse.ArgumentParser(
+      prog='python -m gpipe.plan',
+      description=plan_package.__doc__.split('\n\n')[0],
+      formatter_class=quiet.HelpFormatter)
+  what = parser.add_mutually_exclusive_group(required=True)
+  what.add_argument('--model', help='a registered Lingvo model, e.g. '
+                    'lm.CopyLMPod8x2')
+  what.add_argument('--params', help='PipelinedLayer Params, or a function '
+                    'returning them: module.attribute of an importable '
+                    'module, or path/to/file.py:attribute')
+  parser.add_argument('--pipeline_layer', choices=('gpipe', 'lingvo'),
+                      default='gpipe',
+                      help='build the stack with gpipe\'s PipelinedLayer or Lingvo\'s own '
+                      'LayerwiseShardablePipelinedLayer (same Params)')
+  parser.add_argument('--input_shape', type=_Shape, action='append',
+                      help='with --params: one input\'s shape, batch first; '
+                      'repeat for several inputs')
+  parser.add_argument('--num_devices', type=_PositiveInt, default=None,
+                      help='devices of the slice (default: num_stages, or '
+                      'the size of device_mesh)')
+  parser.add_argument('--tpu', choices=sorted(roofline.CHIPS), default='v6e',
+                      help='TPU generation of the roofline model')
+  parser.add_argument('--hbm_gib', type=_PositiveFloat, default=None,
+                      help='HBM per chip in GiB (default: the generation\'s)')
+  parser.add_argument('--num_microbatches', type=_IntList, default=None,
+                      help='candidates, e.g. 8,16,32 (default: the model\'s)')
+  parser.add_argument('--circular_repeat', type=_IntList, default=None,
+                      help='candidates, e.g. 1,2,4 (default: the model\'s)')
+  parser.add_argument('--remat_policy', type=_PolicyList, default=None,
+                      help='candidates, e.g. recompute,save_all (default: '
+                      'the model\'s); see gpipe.remat')
+  parser.add_argument('--depth_param', default='num_blocks',
+                      help='stage-body param holding its depth, scaled to '
+                      'keep S x R x depth fixed as circular_repeat varies')
+  parser.add_argument('--verbose', action='store_true',
+                      help='also show TensorFlow, XLA and Lingvo logs')
+  parser.add_argument('--json', action='store_true',
+                      help='print the report as JSON')
+  parser.add_argument('--plot', type=_PlotPath, default=None,
+                      metavar='FILE.png',
+                      help='also draw each candidate\'s bytes per chip '
+                      '(weights, optimizer slots, stored activations, other '
+                      'temporaries) against the HBM size')
+  return parser, parser.parse_args(argv)
