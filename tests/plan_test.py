@@ -612,8 +612,10 @@ def test_plan_command_refuses_an_unwritable_plot(name, why, tmp_path, capsys,
 
 
 @pytest.mark.parametrize('params, error', [
-    ('TypeErrorLayerParams', 'TypeError: the body got a wrong argument'),
-    ('ShapeErrorLayerParams', 'ValueError: Dimensions must be equal'),
+    ('TypeErrorLayerParams', 'TypeError: the layer cannot run on inputs of '
+     f'shape [{BATCH}, {DIM}]: the body got a wrong argument'),
+    ('ShapeErrorLayerParams', 'ValueError: the layer cannot run on inputs of '
+     f'shape [{BATCH}, {DIM}]: Dimensions must be equal'),
 ])
 def test_a_model_error_is_an_error_not_a_skipped_candidate(params, error,
                                                            capsys):
@@ -626,6 +628,18 @@ def test_a_model_error_is_an_error_not_a_skipped_candidate(params, error,
   assert 'M=8 R=1 recompute' in captured.err and error in captured.err, (
       captured.err)
   assert captured.out == ''  # no plan, and not a skipped candidate
+
+
+def test_an_input_of_the_wrong_shape_is_named_in_one_line(capsys):
+  status = plan.main(['--params', 'tests.plan_test.LayerParams',
+                      '--input_shape', f'{BATCH},{DIM // 2}'])
+  err = capsys.readouterr().err.strip().splitlines()
+  assert status == 1
+  assert err[-2] == (
+      'error: building or compiling M=8 R=1 recompute: ValueError: input 0 '
+      f'has shape [{BATCH}, {DIM // 2}]; the stage body takes {DIM} features '
+      f'in the last dim, not {DIM // 2} (the layer runs on [{BATCH}, {DIM}])'
+  ), err
 
 
 def test_lingvos_own_layer_is_built_for_the_same_step():

@@ -310,12 +310,15 @@ class CandidateError(RuntimeError):
   M, R or remat policy: the model's own error (or XLA's), not a choice the
   planner can skip."""
 
-  def __init__(self, candidate, error):
-    # The first line says what failed; an XLA abort in the partitioning
-    # worker says why in its fatal log line, other long messages at their
-    # end.
+  def __init__(self, candidate, error, description=None):
+    # The target's own description of the error (an input shape the layer
+    # cannot take); else the first line says what failed; an XLA abort in
+    # the partitioning worker says why in its fatal log line, other long
+    # messages at their end.
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    if re.search(r'^F\d{4} ', str(error), re.M):
+    if description:
+      summary = description
+    elif re.search(r'^F\d{4} ', str(error), re.M):
       summary = check_partitioning.PartitionerMessage(error)
     else:
       summary = ' ... '.join(lines[:1] + lines[1:][-1:]) or '(no message)'
@@ -361,7 +364,7 @@ def MakePlan(target, candidates, num_devices, chip, hbm_bytes,
     except targets.PlanError as e:
       skipped.append((candidate, str(e).splitlines()[0]))
     except Exception as e:  # pylint: disable=broad-except
-      raise CandidateError(candidate, e) from e
+      raise CandidateError(candidate, e, target.DescribeError(e)) from e
   return Plan(num_devices=num_devices, chip=chip, hbm_bytes=hbm_bytes,
               reports=reports, skipped=skipped)
 

@@ -61,6 +61,10 @@ class ModelTarget:
   def stack_params(self):
     return _OneStack(self._cfg.task, f'{self.name} task')
 
+  def DescribeError(self, error):
+    """None: a model's error is said as it is."""
+    del error
+
   def Build(self, candidate, depth_param):
     cfg = self._cfg.Copy()
     _Reshape(_OneStack(cfg.task, self.name), candidate, depth_param)
@@ -96,6 +100,14 @@ class LayerTarget:
   @property
   def stack_params(self):
     return self._params
+
+  def DescribeError(self, error):
+    """One line naming the input and sizes when the layer cannot take the
+    input shapes (as check_partitioning says it), else None."""
+    if not isinstance(error, (ValueError, TypeError, tf.errors.OpError)):
+      return None
+    return check_partitioning.DescribeInputError(
+        self._params, self._input_shapes, error)
 
   def Build(self, candidate, depth_param):
     p = self._params.Copy()
