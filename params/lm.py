@@ -300,7 +300,10 @@ class PipelinedLMTask(base_model.BaseTask):
                          f'{input_p.vocab_size} differs from vocab_size='
                          f'{p.vocab_size}; set both to the same value.')
       batch_size = input_p.batch_size
-    gpipe_layers.ValidateParams(p.stack, batch_size)
+    if issubclass(p.stack.cls, gpipe_layers.PipelinedLayer):
+      # Another pipelined layer with the same Params names (Lingvo's own,
+      # planned side by side) checks its own.
+      gpipe_layers.ValidateParams(p.stack, batch_size)
 
   # -- Where the vocab-sized weights and the loss live. ------------------------
   #
