@@ -35,7 +35,6 @@ from gpipe import sharding
 from lingvo import compat as tf
 from lingvo import model_registry
 from lingvo.core import base_input_generator
-from lingvo.core import base_layer
 from lingvo.core import base_model
 from lingvo.core import base_model_params
 from lingvo.core import layers
@@ -141,30 +140,13 @@ def _GlobalStepOrZero():
   return tf.constant(0, tf.int64) if step is None else step
 
 
-class StageBlocks(base_layer.BaseLayer):
+class StageBlocks(pod_blocks.BlockStage):
   """One pipeline stage: k causal Transformer blocks, batch-major in and out.
 
   The pipeline microbatches along the leading (batch) dim, so a stage takes
   and returns ([batch, time, dim], [batch, time]); Lingvo's TransformerLayer
   is time-major, so the stage transposes around its blocks.
   """
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('num_blocks', 1, 'Transformer blocks in one stage.')
-    p.Define('block_tpl', None, 'Params of one block (TransformerLayer).')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    p = self.params
-    if p.num_blocks < 1:
-      raise ValueError(f'StageBlocks: num_blocks={p.num_blocks} must be at '
-                       'least 1.')
-    self.CreateChildren('blocks', [
-        p.block_tpl.Copy().Set(name=f'block_{i}') for i in range(p.num_blocks)
-    ])
 
   def FProp(self, theta, inputs, paddings):
     x = tf.transpose(inputs, [1, 0, 2])

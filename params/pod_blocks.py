@@ -22,7 +22,32 @@ from lingvo.core import py_utils
 from lingvo.core import scatter_update
 
 
-class BatchMajorStage(base_layer.BaseLayer):
+class BlockStage(base_layer.BaseLayer):
+  """A pipeline stage of `num_blocks` copies of one block (`block_tpl`).
+
+  Subclasses say how a stage runs its blocks (FProp and, for decoding,
+  InitStates and ExtendStep).
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('num_blocks', 1, 'Blocks in one stage.')
+    p.Define('block_tpl', None, 'Params of one block.')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    if p.num_blocks < 1:
+      raise ValueError(f'{type(self).__name__}: num_blocks={p.num_blocks} '
+                       'must be at least 1.')
+    self.CreateChildren('blocks', [
+        p.block_tpl.Copy().Set(name=f'block_{i}') for i in range(p.num_blocks)
+    ])
+
+
+class BatchMajorStage(BlockStage):
   """One pipeline stage: k causal batch-major Transformer blocks.
 
   FProp: (activations [b, t, d], paddings [b, t]) -> the same. Decoding
@@ -39,24 +64,6 @@ class BatchMajorStage(base_layer.BaseLayer):
   merge it with the pipeline's zeros of that shape outside the stages'
   manual-sharding region, a mix XLA's SPMD partitioner rejects.
   """
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('num_blocks', 1, 'Transformer blocks in one stage.')
-    p.Define('block_tpl', None, 'Params of one block: a batch_major_attention'
-             '.TransformerLayer (see PodBlockParams).')
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    p = self.params
-    if p.num_blocks < 1:
-      raise ValueError(f'BatchMajorStage: num_blocks={p.num_blocks} must be '
-                       'at least 1.')
-    self.CreateChildren('blocks', [
-        p.block_tpl.Copy().Set(name=f'block_{i}') for i in range(p.num_blocks)
-    ])
 
   @property
   def _dtype(self):
