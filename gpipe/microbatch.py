@@ -3,9 +3,10 @@
     batch [B, ...]  --ToMicrobatches-->  [M, B/M, ...]
     loop: StageZeroInput: row i of [M, B/M, ...] (stage 0's input at
           iteration i); buffer [S, B/M, ...] (rotated: slot 0 holds the
-          last stage's output); LastStageSlot kept when it finishes a
-          microbatch: [M, 1, B/M, ...]
-        -->  [M, B/M, ...]  --ToBatch-->  [B, ...]
+          last stage's output), kept at the iteration that finishes each
+          microbatch: [M, S, B/M, ...] split over the stages
+        --slot 0 (pipeline_loop.LastStageOutputs)-->  [M, B/M, ...]
+        --ToBatch-->  [B, ...]
 
 Which iteration reads or finishes which microbatch comes from
 `gpipe.schedule.Schedule`; this module only turns those index tables into
@@ -164,16 +165,6 @@ def BubbleFiller(x, num_stages):
   """
   return tf.stop_gradient(
       tf.broadcast_to(x[:1], [num_stages] + _Shape(x)[1:]))
-
-
-def LastStageSlot(rotated):
-  """[S, ...] buffer after the rotation -> [1, ...]: the last stage's output.
-
-  The loop keeps it from the iterations that finish a microbatch
-  (Schedule.OutputIndexPerIteration); a [1, ...] slice of the stage dim
-  stays on the last stage's device (no communication in the loop).
-  """
-  return rotated[:1]
 
 
 def PadStates(x, schedule: schedule_lib.Schedule):
