@@ -402,8 +402,12 @@ class _Loops:
     @tf.custom_gradient
     def _RecurrentWithStoredActivations(*flat):
       th, s0, inp, caps = self._Unflatten(flat)
-      states, final, extras, stored = _ForwardLoop(
-          cell, th, s0, inp, caps, self._num_iterations, self._rows)
+      # This function's gradient is Grad below. Unrecorded, the while loop
+      # does not also build TensorFlow's own gradient of itself for a
+      # GradientTape (under tf.function that took most of the tracing).
+      with record.stop_recording():
+        states, final, extras, stored = _ForwardLoop(
+            cell, th, s0, inp, caps, self._num_iterations, self._rows)
       outputs = (states if return_states else (), final, extras)
 
       def Grad(*dys, variables=None):
