@@ -46,6 +46,7 @@ import sys
 import threading
 import types
 
+import numpy as np
 import tensorflow as tf
 
 _GEN_X_OPS_MODULE = 'lingvo.core.ops.gen_x_ops'
@@ -58,7 +59,9 @@ _FALLBACK_OPS = ('assert_shape_match', 'assert_same_dim0')
 USING_FALLBACK = False
 LOAD_ERROR = None
 
-_lock = threading.Lock()
+# Reentrant: looking lingvo up below runs gpipe's import hook, which calls
+# EnsureLingvoOps() again (and returns at once).
+_lock = threading.RLock()
 _ensured = False
 
 
@@ -199,6 +202,43 @@ def _Finish(assert_op):
   return tf.group(assert_op)
 
 
+def _Assert(condition, data):
+  """A plain Assert op.
+
+  Not tf.debugging.Assert: with int64 data that builds a tf.cond, a
+  function graph per check, and Lingvo's layers check shapes hundreds of
+  times per model (50 ms each: a third of building a small LM's graph).
+  """
+  return tf.raw_ops.Assert(condition=condition, data=data, summarize=64)
+
+
+def _StaticVector(v):
+  """A shape-like value's entries as ints if known while building, else None.
+
+  `v` is a Tensor or a list of ints / scalar Tensors.
+  """
+  if isinstance(v, (list, tuple)):
+    values = [tf.get_static_value(e) if isinstance(e, tf.Tensor) else e
+              for e in v]
+  else:
+    values = tf.get_static_value(v)
+    values = None if values is None else np.reshape(values, [-1]).tolist()
+  if values is None or any(e is None for e in values):
+    return None
+  try:
+    return [int(e) for e in values]
+  except (TypeError, ValueError):
+    return None
+
+
+def _MatchKnownWhileBuilding(x, y):
+  """True when both shapes are known while building and they match."""
+  x_values, y_values = _StaticVector(x), _StaticVector(y)
+  if x_values is None or y_values is None or len(x_values) != len(y_values):
+    return False
+  return all(b in (-1, a) for a, b in zip(x_values, y_values))
+
+
 def assert_shape_match(x, y, msg='', name=None):  # pylint: disable=invalid-name
   """Pure-TF stand-in for lingvo's AssertShapeMatch op.
 
@@ -211,13 +251,16 @@ def assert_shape_match(x, y, msg='', name=None):  # pylint: disable=invalid-name
   Returns:
     A `tf.Operation` that fails with InvalidArgumentError when run if the
     shapes do not match; None in eager mode, where the check runs at once.
+    Shapes that are known to match while building need no check at run
+    time: the operation is then a no-op.
   """
   with tf.name_scope(name or 'AssertShapeMatch'):
+    if _MatchKnownWhileBuilding(x, y):
+      return _Finish(tf.no_op())
     x = _AsInt64Vector(x)
     y = _AsInt64Vector(y)
-    assert_op = tf.debugging.Assert(
-        _ShapesMatch(x, y), ['%s mismatch shape: x=' % msg, x, 'y=', y],
-        summarize=64)
+    assert_op = _Assert(_ShapesMatch(x, y),
+                        ['%s mismatch shape: x=' % msg, x, 'y=', y])
     return _Finish(assert_op)
 
 
@@ -251,10 +294,8 @@ def assert_same_dim0(x, msg='', name=None):  # pylint: disable=invalid-name
     ok = tf.logical_and(
         tf.reduce_all(tf.stack(ranks_ok)),
         tf.reduce_all(tf.equal(dim0s, dim0s[0])))
-    assert_op = tf.debugging.Assert(
-        ok, [
-            '%s inputs must have rank >= 1 and the same dim0; '
-            'dim0s (-1 = scalar):' % msg, dim0s
-        ],
-        summarize=64)
+    assert_op = _Assert(ok, [
+        '%s inputs must have rank >= 1 and the same dim0; '
+        'dim0s (-1 = scalar):' % msg, dim0s
+    ])
     return _Finish(assert_op)

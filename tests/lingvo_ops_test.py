@@ -1,5 +1,7 @@
 """Tests for gpipe.lingvo_ops (lingvo custom ops with a pure-TF fallback)."""
 
+import pathlib
+import subprocess
 import sys
 
 import numpy as np
@@ -17,6 +19,8 @@ from lingvo.core import py_utils
 from lingvo.core import py_utils_flags
 from lingvo.core import recurrent
 # pylint: enable=g-import-not-at-top,wrong-import-position
+
+_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 _NEEDS_FALLBACK = pytest.mark.skipif(
     not lingvo_ops.UsingFallback(),
@@ -131,6 +135,41 @@ def test_assert_same_dim0_graph_mode():
     for bad_b in (np.zeros(5), np.zeros(()), np.zeros((3, 4))):
       with pytest.raises(tf.errors.InvalidArgumentError, match='same-dim0'):
         sess.run(op, {a: np.zeros((4, 2)), b: bad_b, c: np.zeros((4, 1))})
+
+
+@_NEEDS_FALLBACK
+def test_shapes_known_while_building_are_checked_then_or_at_run_time():
+  """Shapes known to match need no run-time check (a no-op); shapes known
+  not to match still build, and fail when run, as the real op does."""
+  graph = tf.Graph()
+  with graph.as_default():
+    x = tf.zeros([2, 3])
+    matching = lingvo_core_ops.assert_shape_match(tf.shape(x), [2, -1])
+    also = lingvo_core_ops.assert_shape_match([2, tf.constant(3)], [-1, 3])
+    wrong = lingvo_core_ops.assert_shape_match(tf.shape(x), [2, 4], msg='wr')
+    shorter = lingvo_core_ops.assert_shape_match(tf.shape(x), [2], msg='sh')
+  assert [op.type for op in matching.control_inputs] == ['NoOp']
+  assert [op.type for op in also.control_inputs] == ['NoOp']
+  with tf.compat.v1.Session(graph=graph) as sess:
+    sess.run([matching, also])
+    for op, msg in ((wrong, 'wr'), (shorter, 'sh')):
+      with pytest.raises(tf.errors.InvalidArgumentError, match=msg):
+        sess.run(op)
+
+
+def test_ensure_lingvo_ops_before_lingvo_is_imported():
+  """As documented: EnsureLingvoOps() first, then lingvo (in a process of
+  its own, where nothing imported lingvo yet). Looking lingvo up runs
+  gpipe's import hook, which calls EnsureLingvoOps() again, re-entered."""
+  program = ('from gpipe import lingvo_ops\n'
+             'using = lingvo_ops.EnsureLingvoOps()\n'
+             'from lingvo.core import py_utils\n'
+             'print(using == lingvo_ops.UsingFallback())\n')
+  done = subprocess.run([sys.executable, '-c', program], cwd=_ROOT,
+                        capture_output=True, text=True, timeout=120,
+                        check=False)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert done.stdout.split() == ['True']
 
 
 @_NEEDS_FALLBACK
