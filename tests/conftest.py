@@ -21,6 +21,19 @@ os.environ['XLA_FLAGS'] = ' '.join(
 _WORKER_ERRORS = []
 
 
+def pytest_configure(config):
+  config.addinivalue_line(
+      'markers', 'runs_long: a test of a minute or so (a whole program in '
+      'a process of its own); scheduled first')
+
+
+def pytest_collection_modifyitems(items):
+  """Long tests first: with xdist's worksteal each worker starts on its own
+  half of the tests and takes over the other's remaining ones, so a long
+  test started last would keep one worker busy while the other idles."""
+  items.sort(key=lambda item: item.get_closest_marker('runs_long') is None)
+
+
 @pytest.fixture(autouse=True)
 def _eager_random_ops_start_afresh():
   """Each test's eager random values depend on the test alone.

@@ -23,6 +23,7 @@ from gpipe import layers
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.runs_long
 def test_my_model_example_runs_checks_partitions_and_plans():
   pytest.importorskip('jax')
   env = dict(os.environ)

@@ -440,6 +440,7 @@ def test_greedy_decoding_longer_than_the_positions_is_refused():
       task.GreedyDecode(task.theta, tf.ones([6, 4], tf.int32), 4)
 
 
+@pytest.mark.runs_long
 def test_demo_trains_checks_and_draws_the_schedule(tmp_path):
   """Run as a user runs it (python -m, a fresh process): it prints its own
   lines only, none of TensorFlow's or Lingvo's logs."""

@@ -36,6 +36,7 @@ _CHECK = ('gpipe.check_partitioning', '--params',
           'tests.partitioning_test.CliParams', '--input_shape', '24,8')
 
 
+@pytest.mark.runs_long
 def test_check_partitioning_is_quiet_and_verbose_on_request():
   pytest.importorskip('jax')
   quiet = _Command(*_CHECK)

@@ -21,6 +21,8 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import pytest
+
 import gpipe  # pylint: disable=unused-import
 from gpipe import trainer
 from lingvo.core import base_model
@@ -117,6 +119,7 @@ def _WhenLoaded(url, timeout=120):
                        f'{timeout} s; scalar tags: {tags}')
 
 
+@pytest.mark.runs_long
 def test_tensorboard_serves_the_training_runs_events(tmp_path):
   logdir = tmp_path / 'run'
   logdir.mkdir()
