@@ -25,7 +25,13 @@ import os
 import sys
 
 
+# Spellings from before the commands spoke one dialect (Lingvo's).
+_OLD_SPELLINGS = {'--skip-check': '--skip_check',
+                  '--skip-decode': '--skip_decode'}
+
+
 def _Args(argv=None):
+  from gpipe import flag_spellings  # pylint: disable=g-import-not-at-top
   from gpipe import quiet  # pylint: disable=g-import-not-at-top
   from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(
@@ -44,11 +50,13 @@ def _Args(argv=None):
                       '<logdir>/schedule.png)')
   parser.add_argument('--verbose', action='store_true',
                       help='also show TensorFlow, XLA and Lingvo logs')
-  parser.add_argument('--skip-check', action='store_true',
+  parser.add_argument('--skip_check', action='store_true',
                       help='skip the pipelined-vs-unrolled check')
-  parser.add_argument('--skip-decode', action='store_true',
+  parser.add_argument('--skip_decode', action='store_true',
                       help='skip decoding held-out copies after training')
-  args = parser.parse_args(argv)
+  argv = sys.argv[1:] if argv is None else argv
+  args = parser.parse_args(flag_spellings.Respell(argv, _OLD_SPELLINGS,
+                                                  parser.prog))
   if args.steps < 1:
     parser.error(f'--steps must be >= 1 (the global step to train to), got '
                  f'{args.steps}.')

@@ -34,8 +34,8 @@ last stage at repeat r is exactly what stage 0 needs next, at repeat r + 1.
 As a command, prints the schedule (and with --out draws it, see
 gpipe.schedule_plot):
 
-    python -m gpipe.schedule --stages 4 --microbatches 8 --circular-repeat 2 \
-        --out schedule.png
+    python -m gpipe.schedule --num_stages 4 --num_microbatches 8 \
+        --circular_repeat 2 --out schedule.png
 """
 
 import argparse
@@ -270,7 +270,14 @@ class Schedule:
     return '\n'.join(lines)
 
 
+# Spellings from before the commands spoke one dialect (Lingvo's).
+_OLD_SPELLINGS = {'--stages': '--num_stages',
+                  '--microbatches': '--num_microbatches',
+                  '--circular-repeat': '--circular_repeat'}
+
+
 def main(argv=None):
+  from gpipe import flag_spellings  # pylint: disable=g-import-not-at-top
   from gpipe import quiet  # pylint: disable=g-import-not-at-top
   from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(
@@ -278,23 +285,27 @@ def main(argv=None):
       description='Print (and draw) a pipeline schedule: which microbatch '
       '(and\nrepeat) each stage works on at each loop iteration.',
       formatter_class=quiet.HelpFormatter)
-  parser.add_argument('--stages', type=int, required=True,
-                      help='pipeline stages S (num_stages)')
-  parser.add_argument('--microbatches', type=int, required=True,
-                      help='microbatches M (num_microbatches)')
-  parser.add_argument('--circular-repeat', type=int, default=1,
+  parser.add_argument('--num_stages', type=int, required=True,
+                      help='pipeline stages S')
+  parser.add_argument('--num_microbatches', type=int, required=True,
+                      help='microbatches M')
+  parser.add_argument('--circular_repeat', type=int, default=1,
                       help='R: times each microbatch passes through the '
-                      'stages (circular_repeat)')
+                      'stages')
   parser.add_argument('--out', default=None,
                       help='write the diagram to this .png path (default: '
                       'text only)')
-  args = parser.parse_args(argv)
+  argv = sys.argv[1:] if argv is None else argv
+  args = parser.parse_args(flag_spellings.Respell(argv, _OLD_SPELLINGS,
+                                                  parser.prog))
   try:
-    schedule = Schedule(args.stages, args.microbatches, args.circular_repeat)
+    schedule = Schedule(args.num_stages, args.num_microbatches,
+                        args.circular_repeat)
   except ValueError as e:
-    parser.error(str(e).replace('num_stages', '--stages').replace(
-        'num_microbatches', '--microbatches').replace('circular_repeat',
-                                                      '--circular-repeat'))
+    message = str(e)
+    for name in ('num_stages', 'num_microbatches', 'circular_repeat'):
+      message = message.replace(name, '--' + name)
+    parser.error(message)
   if args.out:
     problem = schedule_plot.OutPathProblem(args.out)
     if problem:

@@ -96,7 +96,7 @@ def test_diagram_cells_are_what_the_layer_runs(tmp_path, s_count, m_count,
 def test_schedule_command_prints_and_draws(tmp_path, capsys):
   out_png = tmp_path / 'schedule.png'
   assert schedule_lib.main([
-      '--stages', '4', '--microbatches', '8', '--circular-repeat', '2',
+      '--num_stages', '4', '--num_microbatches', '8', '--circular_repeat', '2',
       '--out', str(out_png)
   ]) == 0
   text = capsys.readouterr().out
@@ -114,8 +114,8 @@ def test_schedule_command_prints_and_draws(tmp_path, capsys):
 
 def test_schedule_command_writes_exactly_the_path_given(tmp_path, capsys):
   out = tmp_path / 'schedule'  # no suffix: still a PNG, at this path
-  assert schedule_lib.main(['--stages', '2', '--microbatches', '3', '--out',
-                            str(out)]) == 0
+  assert schedule_lib.main(['--num_stages', '2', '--num_microbatches', '3',
+                            '--out', str(out)]) == 0
   assert f'wrote {out}\n' in capsys.readouterr().out
   assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
@@ -123,7 +123,7 @@ def test_schedule_command_writes_exactly_the_path_given(tmp_path, capsys):
 def test_schedule_command_needs_neither_tensorflow_nor_lingvo():
   code = ('import sys\n'
           'from gpipe import schedule\n'
-          "schedule.main(['--stages', '4', '--microbatches', '8'])\n"
+          "schedule.main(['--num_stages', '4', '--num_microbatches', '8'])\n"
           "heavy = [m for m in ('tensorflow', 'lingvo', 'jax') "
           'if m in sys.modules]\n'
           'assert not heavy, heavy\n')
@@ -135,12 +135,13 @@ def test_schedule_command_needs_neither_tensorflow_nor_lingvo():
 
 
 @pytest.mark.parametrize('argv,message', [
-    (['--stages', '0', '--microbatches', '4'], '--stages must be an integer'),
-    (['--stages', '2', '--microbatches', '-1'],
-     '--microbatches must be an integer'),
-    (['--stages', '2', '--microbatches', '4', '--circular-repeat', '0'],
-     '--circular-repeat must be an integer'),
-    (['--stages', '2', '--microbatches', '4', '--out', '/proc/x/s.png'],
+    (['--num_stages', '0', '--num_microbatches', '4'],
+     '--num_stages must be an integer'),
+    (['--num_stages', '2', '--num_microbatches', '-1'],
+     '--num_microbatches must be an integer'),
+    (['--num_stages', '2', '--num_microbatches', '4', '--circular_repeat', '0'],
+     '--circular_repeat must be an integer'),
+    (['--num_stages', '2', '--num_microbatches', '4', '--out', '/proc/x/s.png'],
      '--out /proc/x/s.png: cannot write there'),
 ])
 def test_schedule_command_rejects_bad_configs(argv, message, capsys):
@@ -150,11 +151,34 @@ def test_schedule_command_rejects_bad_configs(argv, message, capsys):
   assert message in capsys.readouterr().err
 
 
+def test_old_flag_spellings_still_work_with_a_note(capsys):
+  """The flags are spelled like the layer's params; the spellings from
+  before still run, each with a one-line note."""
+  assert schedule_lib.main(['--stages', '2', '--microbatches=3',
+                            '--circular-repeat', '2']) == 0
+  captured = capsys.readouterr()
+  assert schedule_lib.Schedule(2, 3, 2).Render() in captured.out
+  assert captured.err.splitlines() == [
+      f'python -m gpipe.schedule: note: {old} is now spelled {new}; the old '
+      'spelling still works for now.'
+      for old, new in (('--stages', '--num_stages'),
+                       ('--microbatches', '--num_microbatches'),
+                       ('--circular-repeat', '--circular_repeat'))]
+
+
+def test_demo_reads_its_old_flag_spellings(capsys):
+  from gpipe import demo  # pylint: disable=g-import-not-at-top
+  argv = ['--skip-check', '--skip-decode', '--steps', '1']
+  _, args = demo._Args(argv)  # pylint: disable=protected-access
+  assert args.skip_check and args.skip_decode
+  assert capsys.readouterr().err.count('note: --skip-') == 2
+
+
 @pytest.mark.parametrize('name', ['s.txt', 's.svg', 's.png.pdf'])
 def test_out_refuses_a_suffix_it_would_not_write(tmp_path, capsys, name):
   out = tmp_path / name
   with pytest.raises(SystemExit) as exit_info:
-    schedule_lib.main(['--stages', '2', '--microbatches', '4', '--out',
+    schedule_lib.main(['--num_stages', '2', '--num_microbatches', '4', '--out',
                        str(out)])
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
@@ -176,8 +200,8 @@ def test_demo_refuses_the_suffix_before_any_work(tmp_path, capsys):
 
 def test_upper_case_png_is_a_png(tmp_path, capsys):
   out = tmp_path / 'S.PNG'
-  assert schedule_lib.main(['--stages', '2', '--microbatches', '3', '--out',
-                            str(out)]) == 0
+  assert schedule_lib.main(['--num_stages', '2', '--num_microbatches', '3',
+                            '--out', str(out)]) == 0
   assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert f'wrote {out}' in capsys.readouterr().out
 
