@@ -95,29 +95,19 @@ import tempfile
 import time
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
-from gpipe import quiet
+from gpipe import registered_models
 from gpipe import schedule_plot
-from gpipe import stage_call
 from gpipe import trainer
-from lingvo import model_registry
-import params.lm  # pylint: disable=unused-import  (registers the models)
+import params.lm
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
 
 def ModelParams(name, dataset='Train'):
   """Registered model params, validated before anything is built."""
-  stage_call.EnsureFlagsParsed()
   try:
-    with quiet.LibraryPrints():
-      cfg = model_registry.GetParams(name, dataset)
-  except (LookupError, ValueError) as e:  # unknown, or not module.Class
-    known = sorted(k for k in model_registry.GetAllRegisteredClasses()
-                   if k.startswith('lm.'))
-    hint = ''
-    if f'lm.{name}' in known:
-      hint = f' Did you mean lm.{name}?'
-    raise ValueError(f'Unknown model {name!r}.{hint} Registered: '
-                     f'{", ".join(known)}.') from e
+    cfg = registered_models.GetParams(name, dataset)
+  except LookupError as e:
+    raise ValueError(str(e)) from None
   validate = getattr(cfg.task.cls, 'ValidateParams', None)
   if validate:
     validate(cfg.task, cfg.input)

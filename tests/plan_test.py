@@ -548,6 +548,14 @@ def test_plan_command_rejects_a_device_count_before_compiling(capsys):
   assert '--num_devices 8' in err and 'num_stages=4' in err, err
 
 
+def test_plan_command_lists_the_registered_models_for_an_unknown_one(capsys):
+  assert plan.main(['--model', 'CopyLMSmall', '--num_devices', '4']) == 2
+  err = capsys.readouterr().err
+  assert ("--model CopyLMSmall: Unknown model 'CopyLMSmall'. Did you mean "
+          'lm.CopyLMSmall? Registered: ') in err, err
+  assert 'lm.CopyLMPod8x2, ' in err and 'lm.CopyLMSmall' in err
+
+
 def test_plan_command_rejects_a_circular_repeat_that_changes_depth(capsys):
   status = plan.main([
       '--params', 'tests.plan_test.LayerParams', '--input_shape',

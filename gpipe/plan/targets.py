@@ -13,7 +13,6 @@ import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import check_partitioning
 from gpipe import layers as gpipe_layers
 from gpipe import lingvo_compat
-from gpipe import quiet
 from gpipe.plan import train_step
 from lingvo.core import hyperparams
 
@@ -43,16 +42,11 @@ class ModelTarget:
   """
 
   def __init__(self, name, lingvos_layer=False):
-    # pylint: disable=g-import-not-at-top
-    from lingvo import model_registry
-    import params  # pylint: disable=unused-import
-    import params.lm  # pylint: disable=unused-import
-    # pylint: enable=g-import-not-at-top
+    from gpipe import registered_models  # pylint: disable=g-import-not-at-top
     try:
-      with quiet.LibraryPrints():
-        self._cfg = model_registry.GetParams(name, 'Train')
+      self._cfg = registered_models.GetParams(name, 'Train')
     except LookupError as e:
-      raise PlanError(f'--model {name!r}: {e}') from None
+      raise PlanError(f'--model {name}: {e}') from None
     self.name = name
     self.batch_size = self._cfg.input.batch_size
     self._lingvos_layer = lingvos_layer

@@ -1,0 +1,39 @@
+"""A registered Lingvo model by name, or an error that lists the names.
+
+Lingvo's registry answers an unknown name with `Model X not found from list
+of above known models.`, the list being a log line that quiet commands do
+not show. The commands (gpipe.demo, gpipe.plan) look models up here
+instead: an unknown name's error lists every registered model and, for a
+name without its module (`CopyLMSmall`), the one it most likely means.
+"""
+
+from gpipe import quiet
+from gpipe import stage_call
+from lingvo import model_registry
+import params.lm  # pylint: disable=unused-import  (registers the models)
+
+
+def GetParams(name, dataset='Train'):
+  """The registered model `name`'s params for `dataset`.
+
+  Raises:
+    LookupError: no model of that name is registered; the message names
+      the registered ones.
+  """
+  stage_call.EnsureFlagsParsed()  # the registry reads flags
+  with quiet.LibraryPrints():
+    try:
+      # Imports the module a name like `my_pkg.MyModel` points into.
+      return model_registry.GetParams(name, dataset)
+    except (LookupError, ValueError) as e:
+      known = sorted(model_registry.GetAllRegisteredClasses())
+      if name in known:
+        raise
+      raise LookupError(UnknownModelMessage(name, known)) from e
+
+
+def UnknownModelMessage(name, known):
+  """Names the registered models and, if one ends like `name`, that one."""
+  likely = [k for k in known if k.endswith('.' + name)]
+  hint = f' Did you mean {likely[0]}?' if len(likely) == 1 else ''
+  return (f'Unknown model {name!r}.{hint} Registered: {", ".join(known)}.')
