@@ -46,6 +46,7 @@ from gpipe import pipeline_loop
 from gpipe import repeats
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
+from gpipe import side_outputs
 from gpipe import stage_call
 from gpipe import stage_runners
 from gpipe import unrolled
@@ -56,8 +57,6 @@ from lingvo.core import py_utils
 # The layer's methods that run the body: under tf.function, autograph traces
 # them (and the body) as written, as a tf.Graph would (see README, TF2).
 _NotConvertedByAutograph = tf.autograph.experimental.do_not_convert
-
-NestedMap = py_utils.NestedMap
 
 
 class PipelinedLayer(base_layer.BaseLayer):
@@ -238,14 +237,16 @@ class PipelinedLayer(base_layer.BaseLayer):
       iteration = self._placement.ReplicateBookkeeping(
           tf.convert_to_tensor(iteration, tf.int32))
       res = spec.run_stages(
-          spec, self._LoopTheta(theta),
+          spec, self._layout.LoopTheta(theta, self._placement),
           pipeline_loop.StagesAt(spec, iteration, args, var_values))
       ctx = py_utils.AuxLossContext.Current()
       if res.aux is not None and ctx is not None:
         ctx.AddLoss(res.aux)
-      self._AddSummaries({name: ((value * weight)[None], weight[None])
-                          for name, value, weight in res.summaries})
-      outputs = self._AfterAssigning(spec.var_names, res.vars, res.outputs)
+      side_outputs.AddStageSummaries(
+          {name: ((value * weight)[None], weight[None])
+           for name, value, weight in res.summaries}, self.params.num_stages)
+      outputs = self._layout.AfterAssigning(self, spec.var_names, res.vars,
+                                            res.outputs)
     outputs = tuple(self._placement.SplitStages(o, 0) for o in outputs)
     return (outputs[0] if len(outputs) == 1 else outputs), tf.no_op()
 
@@ -255,20 +256,8 @@ class PipelinedLayer(base_layer.BaseLayer):
     Microbatch m holds the same examples as the layer's inputs' microbatch m.
     """
     p = self.params
-
-    def Split(x):
-      if not nest.IsTensor(x):
-        return x
-      num_mb, split = microbatch.ResolveNumMicrobatches(
-          x.shape.as_list()[1], p.num_microbatches, p.microbatch_size)
-      if not split:
-        raise ValueError(
-            'MicrobatchStates needs num_microbatches or microbatch_size to '
-            'split the batch; with neither set, states are already '
-            '[M, num_stages, ...]: pass them to PadMicrobatches directly.')
-      return microbatch.StatesToMicrobatches(x, num_mb)
-
-    return tf.nest.map_structure(Split, per_stage_states)
+    return microbatch.SplitStates(per_stage_states, p.num_microbatches,
+                                  p.microbatch_size)
 
   def PadMicrobatches(self, x):
     """[M, S, ...] per-(microbatch, stage) states -> [T, S, ...] state slots.
@@ -389,18 +378,13 @@ class PipelinedLayer(base_layer.BaseLayer):
                 kwargs_no_batch, per_layer_states, names, carried)
     with tf.name_scope(p.name):
       if p.num_microbatches is None and p.microbatch_size is None:
-        num_mb = microbatch.NumPremadeMicrobatches(
-            (args, kwargs, per_layer_states))
-        with py_utils.AuxLossContext(reentrant=True) as aux_ctx:
-          outputs, per_layer_states, carried = (
-              unrolled.RunMicrobatchByMicrobatch(num_mb, *run_args))
-        if aux_ctx.aux_losses:
-          self._AddAuxLoss(stage_call.SumAuxLosses(aux_ctx.aux_losses),
-                           num_mb)
+        outputs, per_layer_states, carried = (
+            unrolled.RunPremadeMicrobatches(
+                p.aux_loss_microbatch_accumulation, *run_args))
       else:
         outputs, per_layer_states, carried = unrolled.Run(*run_args)
-      outputs, per_layer_states = self._AfterAssigning(
-          names, carried, (outputs, per_layer_states))
+      outputs, per_layer_states = self._layout.AfterAssigning(
+          self, names, carried, (outputs, per_layer_states))
     outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
     if not per_layer_states:
       return outputs
@@ -424,21 +408,23 @@ class PipelinedLayer(base_layer.BaseLayer):
                           padded_states, inputs.kwargs, kwargs_no_batch)
     var_names = spec.var_names
     var_values = self._layout.NonTrainableValues(theta, var_names)
+    loop_theta = self._layout.LoopTheta(theta, self._placement)
     with tf.name_scope(p.name):
       try:
-        result = pipeline_loop.Run(spec, self._LoopTheta(theta),
-                                   inputs.args.leaves, state_leaves,
-                                   var_values)
+        result = pipeline_loop.Run(spec, loop_theta, inputs.args.leaves,
+                                   state_leaves, var_values)
       except Exception as e:
         if not inputs.split:
-          e.add_note(_MicrobatchedNote(inputs))
+          e.add_note(microbatch.MicrobatchedNote(inputs))
         raise
       outputs = [microbatch.ToBatch(x) if inputs.split else x
                  for x in result.outputs]
-      self._AddAuxLoss(result.aux_loss, inputs.schedule.num_microbatches)
-      self._AddSummaries(result.summaries)
-      outputs, new_states = self._AfterAssigning(var_names, result.vars,
-                                                 (outputs, result.states))
+      side_outputs.AddAuxLoss(result.aux_loss,
+                              inputs.schedule.num_microbatches,
+                              p.aux_loss_microbatch_accumulation)
+      side_outputs.AddStageSummaries(result.summaries, p.num_stages)
+      outputs, new_states = self._layout.AfterAssigning(
+          self, var_names, result.vars, (outputs, result.states))
     outputs = inputs.args.Rebuild(outputs)
     if padded_states:
       return outputs + tuple(
@@ -462,74 +448,16 @@ class PipelinedLayer(base_layer.BaseLayer):
         var_names=tuple(self._layout.NonTrainableNames(self)),
         remat_policy=self.params.remat_policy)
 
-  def _LoopTheta(self, theta):
-    """The stage-stacked weights the loop carries, placed on the devices."""
-    return self._layout.LoopTheta(theta, self._placement)
-
   def _SplitInputs(self, args, kwargs):
-    """Checks the inputs and splits them into microbatches.
-
-    Returns:
-      A NestedMap: schedule; split (whether the batch was split here); args,
-      the nest.TensorLeaves of the [M, ...] args (the buffer carries only
-      their tensors; None leaves stay None); kwargs, the [M, ...] kwargs.
-    """
-    p = self.params
-    tensors = [x for x in tf.nest.flatten(args) if nest.IsTensor(x)]
-    if not tensors:
-      raise ValueError('PipelinedLayer.FProp needs at least one tensor input.')
-    batch = microbatch.BatchSize(tensors[0])
-    num_mb, split = microbatch.ResolveNumMicrobatches(batch, p.num_microbatches,
-                                                      p.microbatch_size)
-    microbatch.CheckLeadingDims(args, kwargs, batch, num_mb, split)
-    if split:
-      to_mb = lambda x: microbatch.ToMicrobatches(x, num_mb)
-      args, kwargs = nest.MapTensors(to_mb, args), nest.MapTensors(to_mb,
-                                                                   kwargs)
-    args = nest.MapTensors(self._placement.ReplicateLoopDim, args)
-    inputs = NestedMap(schedule=self.Schedule(num_mb), split=split,
-                       args=nest.TensorLeaves(args), kwargs=kwargs)
-    if not split and not self._said_microbatched:
-      logging.info('PipelinedLayer %r: %s', p.name,
-                   _MicrobatchedNote(inputs))
+    """The inputs checked and split (microbatch.SplitInputs); says once
+    how it read inputs that it did not split."""
+    inputs = microbatch.SplitInputs(args, kwargs, self.params,
+                                    self._placement.ReplicateLoopDim)
+    if not inputs.split and not self._said_microbatched:
+      logging.info('PipelinedLayer %r: %s', self.params.name,
+                   microbatch.MicrobatchedNote(inputs))
       self._said_microbatched = True
     return inputs
-
-  # ---------------------------------------------------------------------------
-  # What reaches the caller besides the outputs.
-
-  def _AfterAssigning(self, names, values, outputs):
-    """Writes the final non-trainable values back (see gpipe.stage_vars);
-    returns outputs that run after the writes."""
-    if not names:
-      return outputs
-    assigns = self._layout.AssignOps(self, names, values)
-    with tf.control_dependencies(assigns):
-      return nest.MapTensors(tf.identity, outputs)
-
-  def _AddSummaries(self, accumulated):
-    """Adds `<name>/stage_<i>`: the body's summary averaged over stage i.
-
-    Each is the weighted mean over the valid iterations of stage i (every
-    microbatch, and with circular_repeat > 1 every repeat of the stage), with
-    the summed weight as its weight.
-    """
-    for name, (weighted, weight) in accumulated.items():
-      weighted = tf.reduce_sum(weighted, axis=0)
-      weight = tf.reduce_sum(weight, axis=0)
-      mean = tf.math.divide_no_nan(weighted, weight)
-      for stage in range(self.params.num_stages):
-        py_utils.AddTpuSummaryTensor(f'{name}/stage_{stage}', mean[stage],
-                                     weight[stage])
-
-  def _AddAuxLoss(self, total, num_microbatches):
-    """Adds the pipeline's aux loss to the caller's AuxLossContext."""
-    ctx = py_utils.AuxLossContext.Current()
-    if ctx is None:
-      return
-    if self.params.aux_loss_microbatch_accumulation == 'mean':
-      total = total / num_microbatches
-    ctx.AddLoss(total)
 
 
 LayerwiseShardablePipelinedLayer = PipelinedLayer
@@ -555,12 +483,3 @@ def ValidateParams(p, batch_size=None):
     microbatch.ResolveNumMicrobatches(batch_size, p.num_microbatches,
                                       p.microbatch_size)
 
-
-def _MicrobatchedNote(inputs):
-  """Says how inputs were read when no microbatch param is set."""
-  first = inputs.args.leaves[0]
-  return (f'neither num_microbatches nor microbatch_size is set, so the '
-          f'inputs were taken as already microbatched: '
-          f'M={inputs.schedule.num_microbatches} microbatches of shape '
-          f'{first.shape.as_list()[1:]}. To split a [batch, ...] input, set '
-          'num_microbatches or microbatch_size.')

@@ -122,6 +122,14 @@ class StackedLayout:
 
   # -- Running the body outside the loop. -----------------------------------
 
+  def AfterAssigning(self, layer, names, values, outputs):
+    """Writes the final non-trainable values back (see gpipe.stage_vars);
+    returns outputs that run after the writes."""
+    if not names:
+      return outputs
+    with tf.control_dependencies(self.AssignOps(layer, names, values)):
+      return nest.MapTensors(tf.identity, outputs)
+
   def RunLayerOnBatch(self, body, fn_name, theta, repeat, stage, inputs,
                       kwargs, kwargs_no_batch, var_names, carried):
     """One logical layer on the whole batch; returns (outputs, carried)."""

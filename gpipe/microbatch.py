@@ -18,6 +18,9 @@ import tensorflow as tf
 
 from gpipe import nest
 from gpipe import schedule as schedule_lib
+from lingvo.core import py_utils
+
+NestedMap = py_utils.NestedMap
 
 
 
@@ -224,6 +227,69 @@ def StatesToMicrobatches(x, num_microbatches):
   perm = [1, 0] + list(range(2, x.shape.rank))
   mb = ToMicrobatches(tf.transpose(x, perm), num_microbatches)
   return tf.transpose(mb, [0, 2, 1] + list(range(3, mb.shape.rank)))
+
+
+def SplitStates(per_stage_states, num_microbatches, microbatch_size):
+  """[S, B, ...] states of the whole batch -> [M, S, B/M, ...] (a structure
+  of them), split as the layer's params split its inputs."""
+
+  def Split(x):
+    if not nest.IsTensor(x):
+      return x
+    num_mb, split = ResolveNumMicrobatches(
+        x.shape.as_list()[1], num_microbatches, microbatch_size)
+    if not split:
+      raise ValueError(
+          'MicrobatchStates needs num_microbatches or microbatch_size to '
+          'split the batch; with neither set, states are already '
+          '[M, num_stages, ...]: pass them to PadMicrobatches directly.')
+    return StatesToMicrobatches(x, num_mb)
+
+  return tf.nest.map_structure(Split, per_stage_states)
+
+
+def SplitInputs(args, kwargs, params, replicate_loop_dim):
+  """A pipelined layer's inputs, checked and split into microbatches.
+
+  Args:
+    args: the positional inputs, [B, ...] (or [M, ...] when neither
+      num_microbatches nor microbatch_size is set).
+    kwargs: per-example kwargs, likewise.
+    params: the layer's params.
+    replicate_loop_dim: places a [M, ...] input (sharding.StagePlacement's
+      ReplicateLoopDim).
+
+  Returns:
+    A NestedMap: schedule; split (whether the batch was split here); args,
+    the nest.TensorLeaves of the [M, ...] args (the buffer carries only
+    their tensors; None leaves stay None); kwargs, the [M, ...] kwargs.
+  """
+  tensors = [x for x in tf.nest.flatten(args) if nest.IsTensor(x)]
+  if not tensors:
+    raise ValueError('PipelinedLayer.FProp needs at least one tensor input.')
+  batch = BatchSize(tensors[0])
+  num_mb, split = ResolveNumMicrobatches(batch, params.num_microbatches,
+                                         params.microbatch_size)
+  CheckLeadingDims(args, kwargs, batch, num_mb, split)
+  if split:
+    to_mb = lambda x: ToMicrobatches(x, num_mb)
+    args, kwargs = nest.MapTensors(to_mb, args), nest.MapTensors(to_mb,
+                                                                 kwargs)
+  args = nest.MapTensors(replicate_loop_dim, args)
+  return NestedMap(
+      schedule=schedule_lib.Schedule(params.num_stages, num_mb,
+                                     params.circular_repeat),
+      split=split, args=nest.TensorLeaves(args), kwargs=kwargs)
+
+
+def MicrobatchedNote(inputs):
+  """Says how SplitInputs read inputs when no microbatch param is set."""
+  first = inputs.args.leaves[0]
+  return (f'neither num_microbatches nor microbatch_size is set, so the '
+          f'inputs were taken as already microbatched: '
+          f'M={inputs.schedule.num_microbatches} microbatches of shape '
+          f'{first.shape.as_list()[1:]}. To split a [batch, ...] input, set '
+          'num_microbatches or microbatch_size.')
 
 
 def LayerStatesToBatch(per_layer):

@@ -2,14 +2,19 @@
 
 What `unroll='always'` (and 'eval_only' in eval) runs: no microbatches, no
 loop, no bubbles (inputs that come already microbatched run microbatch by
-microbatch, see RunMicrobatchByMicrobatch). Each logical layer (repeat-major: layer r * S + s) calls
-the body through `stage_call.CallStage` in the caller's own contexts, so aux
-losses, summaries and step seeds behave as in the plain stack.
+microbatch, see RunMicrobatchByMicrobatch). Each logical layer
+(repeat-major: layer r * S + s) calls the body through
+`stage_call.CallStage` in the caller's own contexts, so aux losses,
+summaries and step seeds behave as in the plain stack.
 """
 
 import tensorflow as tf
 
+from gpipe import microbatch
 from gpipe import nest
+from gpipe import side_outputs
+from gpipe import stage_call
+from lingvo.core import py_utils
 
 
 def CheckPerLayerStates(per_layer_states, num_layers):
@@ -87,3 +92,21 @@ def RunMicrobatchByMicrobatch(num_microbatches, layout, body, fn_name, theta,
     outputs.append(out)
     states.append(state)
   return nest.Stack(outputs), nest.Stack(states), carried
+
+
+def RunPremadeMicrobatches(aux_loss_accumulation, *run_args):
+  """RunMicrobatchByMicrobatch on inputs that came [M, ...], their aux losses
+  combined over microbatches as the pipeline combines them.
+
+  Args:
+    aux_loss_accumulation: the aux_loss_microbatch_accumulation param.
+    *run_args: as for Run.
+  """
+  _, _, _, _, args, kwargs, _, per_layer_states, _, _ = run_args
+  num_mb = microbatch.NumPremadeMicrobatches((args, kwargs, per_layer_states))
+  with py_utils.AuxLossContext(reentrant=True) as aux_ctx:
+    result = RunMicrobatchByMicrobatch(num_mb, *run_args)
+  if aux_ctx.aux_losses:
+    side_outputs.AddAuxLoss(stage_call.SumAuxLosses(aux_ctx.aux_losses),
+                            num_mb, aux_loss_accumulation)
+  return result
