@@ -482,4 +482,3 @@ def ValidateParams(p, batch_size=None):
   if batch_size is not None:
     microbatch.ResolveNumMicrobatches(batch_size, p.num_microbatches,
                                       p.microbatch_size)
-
