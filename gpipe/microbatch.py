@@ -23,7 +23,6 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-
 def BatchSize(x):
   """The static leading dim of `x`, or its dynamic one if unknown."""
   dim = x.shape.as_list()[0] if x.shape.rank else None
