@@ -52,7 +52,6 @@ from gpipe import stage_runners
 from gpipe import unrolled
 from lingvo.core import base_layer
 from lingvo.core import gshard_utils
-from lingvo.core import py_utils
 
 # The layer's methods that run the body: under tf.function, autograph traces
 # them (and the body) as written, as a tf.Graph would (see README, TF2).
@@ -237,14 +236,9 @@ class PipelinedLayer(base_layer.BaseLayer):
       iteration = self._placement.ReplicateBookkeeping(
           tf.convert_to_tensor(iteration, tf.int32))
       res = spec.run_stages(
-          spec, self._layout.LoopTheta(theta, self._placement),
+          spec, self._LoopTheta(theta),
           pipeline_loop.StagesAt(spec, iteration, args, var_values))
-      ctx = py_utils.AuxLossContext.Current()
-      if res.aux is not None and ctx is not None:
-        ctx.AddLoss(res.aux)
-      side_outputs.AddStageSummaries(
-          {name: ((value * weight)[None], weight[None])
-           for name, value, weight in res.summaries}, self.params.num_stages)
+      side_outputs.AddOneIterations(res, self.params.num_stages)
       outputs = self._layout.AfterAssigning(self, spec.var_names, res.vars,
                                             res.outputs)
     outputs = tuple(self._placement.SplitStages(o, 0) for o in outputs)
@@ -408,7 +402,7 @@ class PipelinedLayer(base_layer.BaseLayer):
                           padded_states, inputs.kwargs, kwargs_no_batch)
     var_names = spec.var_names
     var_values = self._layout.NonTrainableValues(theta, var_names)
-    loop_theta = self._layout.LoopTheta(theta, self._placement)
+    loop_theta = self._LoopTheta(theta)
     with tf.name_scope(p.name):
       try:
         result = pipeline_loop.Run(spec, loop_theta, inputs.args.leaves,
@@ -447,6 +441,10 @@ class PipelinedLayer(base_layer.BaseLayer):
         global_step=stage_call.CallersGlobalStep(),
         var_names=tuple(self._layout.NonTrainableNames(self)),
         remat_policy=self.params.remat_policy)
+
+  def _LoopTheta(self, theta):
+    """The stage-stacked weights the loop carries, placed on the devices."""
+    return self._layout.LoopTheta(theta, self._placement)
 
   def _SplitInputs(self, args, kwargs):
     """The inputs checked and split (microbatch.SplitInputs); says once

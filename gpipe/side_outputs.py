@@ -46,3 +46,14 @@ def AddAuxLoss(total, num_microbatches, accumulation):
   if accumulation == 'mean':
     total = total / num_microbatches
   ctx.AddLoss(total)
+
+
+def AddOneIterations(result, num_stages):
+  """What one iteration's stages added (a stage_runners.StagesResult, as
+  BodyFProp runs it): the aux losses as one [S] loss, the summaries."""
+  ctx = py_utils.AuxLossContext.Current()
+  if result.aux is not None and ctx is not None:
+    ctx.AddLoss(result.aux)
+  AddStageSummaries({name: ((value * weight)[None], weight[None])
+                     for name, value, weight in result.summaries},
+                    num_stages)
