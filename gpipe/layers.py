@@ -238,7 +238,7 @@ class PipelinedLayer(base_layer.BaseLayer):
       res = spec.run_stages(
           spec, self._LoopTheta(theta),
           pipeline_loop.StagesAt(spec, iteration, args, var_values))
-      side_outputs.AddOneIterations(res, self.params.num_stages)
+      side_outputs.AddIteration(res, self.params.num_stages)
       outputs = self._layout.AfterAssigning(self, spec.var_names, res.vars,
                                             res.outputs)
     outputs = tuple(self._placement.SplitStages(o, 0) for o in outputs)

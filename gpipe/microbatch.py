@@ -13,14 +13,14 @@ Which iteration reads or finishes which microbatch comes from
 gathers.
 """
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 import tensorflow as tf
 
 from gpipe import nest
 from gpipe import schedule as schedule_lib
-from lingvo.core import py_utils
-
-NestedMap = py_utils.NestedMap
 
 
 def BatchSize(x):
@@ -247,6 +247,23 @@ def SplitStates(per_stage_states, num_microbatches, microbatch_size):
   return tf.nest.map_structure(Split, per_stage_states)
 
 
+@dataclasses.dataclass(frozen=True)
+class SplitResult:
+  """A pipelined call's inputs as the loop takes them.
+
+  Attributes:
+    schedule: the Schedule of this call's M.
+    split: whether the batch was split here (else it came [M, ...]).
+    args: the nest.TensorLeaves of the [M, ...] args (the buffer carries
+      only their tensors; None leaves stay None).
+    kwargs: the [M, ...] per-example kwargs.
+  """
+  schedule: schedule_lib.Schedule
+  split: bool
+  args: Any
+  kwargs: Any
+
+
 def SplitInputs(args, kwargs, params, replicate_loop_dim):
   """A pipelined layer's inputs, checked and split into microbatches.
 
@@ -259,9 +276,7 @@ def SplitInputs(args, kwargs, params, replicate_loop_dim):
       ReplicateLoopDim).
 
   Returns:
-    A NestedMap: schedule; split (whether the batch was split here); args,
-    the nest.TensorLeaves of the [M, ...] args (the buffer carries only
-    their tensors; None leaves stay None); kwargs, the [M, ...] kwargs.
+    A SplitResult.
   """
   tensors = [x for x in tf.nest.flatten(args) if nest.IsTensor(x)]
   if not tensors:
@@ -275,7 +290,7 @@ def SplitInputs(args, kwargs, params, replicate_loop_dim):
     args, kwargs = nest.MapTensors(to_mb, args), nest.MapTensors(to_mb,
                                                                  kwargs)
   args = nest.MapTensors(replicate_loop_dim, args)
-  return NestedMap(
+  return SplitResult(
       schedule=schedule_lib.Schedule(params.num_stages, num_mb,
                                      params.circular_repeat),
       split=split, args=nest.TensorLeaves(args), kwargs=kwargs)

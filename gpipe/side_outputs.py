@@ -48,7 +48,7 @@ def AddAuxLoss(total, num_microbatches, accumulation):
   ctx.AddLoss(total)
 
 
-def AddOneIterations(result, num_stages):
+def AddIteration(result, num_stages):
   """What one iteration's stages added (a stage_runners.StagesResult, as
   BodyFProp runs it): the aux losses as one [S] loss, the summaries."""
   ctx = py_utils.AuxLossContext.Current()
