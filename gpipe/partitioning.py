@@ -60,11 +60,29 @@ class Collective:
   computation: str
   loop: int  # index into PartitionedRun.loops, or -1 outside every loop
   op_name: str = ''  # the TensorFlow op it was partitioned from
+  # The devices that take part together: replica groups (all-reduce,
+  # all-gather, ...) or (source, target) pairs (collective-permute).
+  groups: tuple = ()
 
   @property
   def bytes(self):
     """Bytes of its result (a tuple result: all elements), on one device."""
     return TypeBytes(self.shape)
+
+  def MeshAxes(self, mesh_shape):
+    """The device-mesh axes it runs along: those on which the devices of
+    a group (or a permute's source and target) differ, e.g. (0,) for the
+    rotation over a [stages, model] mesh's stage axis. () when it names no
+    groups (all devices in one group on a 1-D mesh: (0,))."""
+    if not self.groups:
+      return tuple(range(len(mesh_shape))) if len(mesh_shape) == 1 else ()
+    axes = set()
+    for group in self.groups:
+      coords = [np.unravel_index(d, mesh_shape) for d in group]
+      for axis in range(len(mesh_shape)):
+        if len({c[axis] for c in coords}) > 1:
+          axes.add(axis)
+    return tuple(sorted(axes))
 
 
 @dataclasses.dataclass
@@ -322,6 +340,33 @@ _CALLEE_RE = re.compile(
     r'\b(?:body|condition|to_apply|calls|true_computation|false_computation)'
     r'=%?([\w.\-]+)')
 _BRANCHES_RE = re.compile(r'branch_computations=\{([^}]*)\}')
+_GROUPS_RE = re.compile(
+    r'(?:replica_groups|source_target_pairs)=(\{(?:\{[\d,]*\},?)*\}|'
+    r'\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)')
+
+
+def DeviceGroups(line):
+  """The device groups of a collective's HLO line, as tuples of ids.
+
+  Reads both spellings: explicit `{{0,1},{2,3}}` (and a permute's
+  `source_target_pairs`) and XLA's iota form `[2,2]<=[4]` or
+  `[2,4]<=[4,2]T(1,0)` (iota over the bracketed dims, transposed, reshaped
+  to [groups, size]).
+  """
+  match = _GROUPS_RE.search(line)
+  if not match:
+    return ()
+  text = match.group(1)
+  if text.startswith('{'):
+    return tuple(tuple(int(d) for d in g.split(',') if d)
+                 for g in re.findall(r'\{([\d,]*)\}', text[1:-1]))
+  shape, dims, perm = re.match(
+      r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text).groups()
+  ints = lambda t: [int(d) for d in t.split(',')]  # pylint: disable=g-long-lambda
+  ids = np.arange(int(np.prod(ints(dims)))).reshape(ints(dims))
+  if perm:
+    ids = ids.transpose(ints(perm))
+  return tuple(tuple(int(d) for d in g) for g in ids.reshape(ints(shape)))
 _WHILE_BODY_RE = re.compile(r'\bbody=%?([\w.\-]+)')
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 
@@ -489,5 +534,6 @@ def AnalyzeHlo(hlo_text):
         collectives.append(
             Collective(kind=kind, shape=match.group('type'), computation=name,
                        loop=owner.get(name, -1),
-                       op_name=op_name.group(1) if op_name else ''))
+                       op_name=op_name.group(1) if op_name else '',
+                       groups=DeviceGroups(line)))
   return collectives, loops

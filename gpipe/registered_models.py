@@ -7,6 +7,8 @@ instead: an unknown name's error lists every registered model and, for a
 name without its module (`CopyLMSmall`), the one it most likely means.
 """
 
+import importlib
+
 from gpipe import quiet
 from gpipe import stage_call
 from lingvo import model_registry
@@ -33,7 +35,24 @@ def GetParams(name, dataset='Train'):
 
 
 def UnknownModelMessage(name, known):
-  """Names the registered models and, if one ends like `name`, that one."""
+  """Names the registered models and, if one ends like `name`, that one;
+  for a name whose module cannot be imported, why not."""
   likely = [k for k in known if k.endswith('.' + name)]
   hint = f' Did you mean {likely[0]}?' if len(likely) == 1 else ''
+  module = name.rpartition('.')[0]
+  if not hint and '.' in module:
+    why = _ImportError(module)
+    if why:
+      hint = (f' Its module {module} cannot be imported ({why}); a model '
+              'of your own is named <module>.<class>, the module '
+              'importable from where you run (Lingvo\'s convention).')
   return (f'Unknown model {name!r}.{hint} Registered: {", ".join(known)}.')
+
+
+def _ImportError(module):
+  """Why `module` cannot be imported, in one line; None if it can."""
+  try:
+    importlib.import_module(module)
+  except Exception as e:  # pylint: disable=broad-except
+    return f'{type(e).__name__}: {e}'.splitlines()[0]
+  return None

@@ -339,8 +339,9 @@ class OverStageDevices(Unplaced):
 class OverMeshAxis(Unplaced):
   """pipeline_stage_mesh_dim: the stage dim over one axis of device_mesh.
 
-  The loop dim is left to the partitioner: the other axes may shard the
-  batch, which a full replicate would undo.
+  Only the stage axis is decided here: the other axes may split the batch
+  or the model dims, which a full replicate would undo, so every
+  annotation leaves the other dims to the partitioner.
   """
 
   def __init__(self, num_stages, device_mesh, mesh_dim):
@@ -355,6 +356,15 @@ class OverMeshAxis(Unplaced):
   def _SplitOne(self, x, stage_dim):
     return SplitStageDim(x, stage_dim, self.num_stages, self._device_mesh,
                          self._mesh_dim)
+
+  def ReplicateLoopDim(self, x):
+    """x whole along its loop dim on every stage; its other dims are left
+    to the other axes (e.g. the batch split over a data axis)."""
+    if not nest.IsTensor(x) or x.shape.rank == 0:
+      return x
+    rank = x.shape.rank
+    return MeshSplit(x, self._device_mesh, [-1] * rank,
+                     unspecified_dims=list(range(1, rank)))
 
   def ReplicateBookkeeping(self, x):
     return Replicate(x)

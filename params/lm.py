@@ -502,7 +502,7 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
                  num_microbatches, dropout_prob, shard_stages_1d,
                  learning_rate, max_steps, max_seq_len=64, batch_major=False,
                  fprop_dtype=None, input_dropout_prob=None,
-                 stack_dtype=tf.float32, optimizer_tpl=None):
+                 stack_dtype=tf.float32, optimizer_tpl=None, mesh=None):
   """Task params of the pipelined copy LM (without input params).
 
   Args:
@@ -515,6 +515,9 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
     stack_dtype: the activations' dtype between stages (the task's
       `stack_dtype`).
     optimizer_tpl: the optimizer params; None: Adam (0.9, 0.98).
+    mesh: a pod_blocks.PodMesh to split the model over (stages on its
+      axis 0, the batch on axis 1, heads and feed-forward width on axis 2),
+      for the batch-major body; None: the stack as shard_stages_1d says.
     (The others name what they set.)
   """
   if model_dim % num_heads:
@@ -523,9 +526,15 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
   if fprop_dtype is not None and not batch_major:
     raise ValueError('CopyLMParams: fprop_dtype is for the batch-major body; '
                      'set batch_major=True.')
+  if mesh is not None and (not batch_major or shard_stages_1d):
+    raise ValueError('CopyLMParams: a mesh is for the batch-major body and '
+                     'replaces shard_stages_1d; set batch_major=True, '
+                     'shard_stages_1d=False.')
   if batch_major:
     block = pod_blocks.PodBlockParams(model_dim, num_heads, hidden_dim,
                                       dropout_prob, fprop_dtype)
+    if mesh is not None:
+      block = pod_blocks.SplitBlockOverMesh(block)
     stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype)
   else:
     block = CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob)
@@ -535,6 +544,9 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
       name='stack', num_stages=num_stages, single_stage_body=stage,
       circular_repeat=circular_repeat, num_microbatches=num_microbatches,
       shard_stages_1d=shard_stages_1d, unroll='never')
+  if mesh is not None:
+    stack.Set(device_mesh=mesh.device_mesh,
+              pipeline_stage_mesh_dim=pod_blocks.PodMesh.STAGE_AXIS)
   p = PipelinedLMTask.Params().Set(
       name=name, vocab_size=vocab_size, model_dim=model_dim, stack=stack,
       max_seq_len=max_seq_len, stack_dtype=stack_dtype,
@@ -654,6 +666,52 @@ class CopyLMPod8x2Adafactor(CopyLMPod8x2):
     return optimizer.XLAShardingAdafactor.Params().Set(
         beta1=0.0, beta2=0.99, factored=True, clipping_threshold=1.0,
         multiply_by_parameter_scale=True, decay_exponent_pow=0.8)
+
+
+@model_registry.RegisterSingleTaskModel
+class CopyLMPod8x4(CopyLMPod8x2):
+  """32 chips as a [8 stages, 4 model] mesh: a 13B LM on 16 GiB chips, Adam.
+
+  Twice CopyLMPod8x2's depth at its width: 8 stages x 2 circular repeats x
+  4 blocks = 64 blocks of width 4096 (32 heads, feed-forward 16384), vocab
+  32000, sequences of 1024: 13.2 billion parameters (49 GiB in float32).
+  The stage dim is split over mesh axis 0 (`pipeline_stage_mesh_dim`);
+  within a stage the 4 chips of axis 2 split the heads and the
+  feed-forward width (`pod_blocks.SplitBlockOverMesh`), so each chip holds
+  1/32 of the stack. 64 sequences a step in 32 microbatches of 2, as
+  CopyLMPod8x2. `python -m gpipe.plan --model lm.CopyLMPod8x4 --num_devices
+  32 --hbm_gib 16 --tpu v5e`.
+
+  No dropout: XLA's SPMD partitioner stops on a stateless random-number
+  op inside a stage whose other mesh axes are split (the random key gets
+  a replicated sharding inside the manual-subgroup region: `Check failed:
+  sharding.IsManualSubgroup()`), so a mesh body draws no random numbers.
+  """
+  MESH = pod_blocks.PodMesh(stages=8, model=4)
+  BLOCKS_PER_STAGE = 4
+
+  def Task(self):
+    return CopyLMParams(
+        vocab_size=self.VOCAB_SIZE, model_dim=4096, num_heads=32,
+        hidden_dim=16384, blocks_per_stage=self.BLOCKS_PER_STAGE,
+        num_stages=self.MESH.stages, circular_repeat=2, num_microbatches=32,
+        dropout_prob=0.0, shard_stages_1d=False,
+        learning_rate=1e-4, max_steps=100000,
+        max_seq_len=2 * self.COPY_LENGTH, batch_major=True,
+        fprop_dtype=tf.bfloat16, optimizer_tpl=self.Optimizer(),
+        mesh=self.MESH)
+
+
+@model_registry.RegisterSingleTaskModel
+class CopyLMPod8x2x4(CopyLMPod8x4):
+  """64 chips as [8 stages, 2 data, 4 model]: CopyLMPod8x4's model on two
+  data-parallel replicas, each step twice the batch (128 sequences, each
+  replica 64: CopyLMPod8x4's step). The replicas hold the same weights and
+  Adam slots (not split over the data axis); their gradients are summed
+  over it once a step, after the pipeline's loops.
+  """
+  MESH = pod_blocks.PodMesh(stages=8, data=2, model=4)
+  BATCH_SIZE = 128
 
 
 def _HeldOut(train_p, data_seed, num_batches):

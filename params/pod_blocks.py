@@ -13,6 +13,10 @@ their gradients leave it float32 and the pipeline accumulates them in
 float32. The stage returns activations in the dtype it was given them.
 """
 
+import dataclasses
+
+import numpy as np
+
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from lingvo import compat as tf
 from lingvo.core import base_layer
@@ -166,6 +170,64 @@ def PodBlockParams(model_dim, num_heads, hidden_dim, dropout_prob,
   if fprop_dtype is not None:
     batch_major_attention.TransformerLayer.SetFPropDtype(p, fprop_dtype)
   return p
+
+
+@dataclasses.dataclass(frozen=True)
+class PodMesh:
+  """A [stages, data, model] device mesh, GShard's way of splitting a pod.
+
+      axis 0 (stages): the pipeline's stage dim (pipeline_stage_mesh_dim);
+          the rotation's collective-permute runs along it.
+      axis 1 (data):   the batch; data-parallel replicas hold the same
+          weights, and their gradients are summed over it once per step.
+      axis 2 (model):  attention heads and the feed-forward hidden dim
+          (Megatron-style: the body all-reduces its activations over it).
+
+  An axis of size 1 splits nothing, so one layout serves [S, 1, M] and
+  [S, D, M] alike. Device ids run row-major: stage s, replica r, model
+  shard m is device (s * data + r) * model + m.
+  """
+  stages: int
+  data: int = 1
+  model: int = 1
+
+  STAGE_AXIS = 0
+  DATA_AXIS = 1
+  MODEL_AXIS = 2
+
+  @property
+  def num_devices(self):
+    return self.stages * self.data * self.model
+
+  @property
+  def device_mesh(self):
+    return np.arange(self.num_devices).reshape(self.stages, self.data,
+                                               self.model)
+
+  def Describe(self):
+    return f'{self.stages} stages x {self.data} data x {self.model} model'
+
+
+def SplitBlockOverMesh(block):
+  """Annotates PodBlockParams for a PodMesh (its device_mesh comes from the
+  pipelined layer, as Lingvo copies it to children).
+
+  Weights: the q/k/v/post projections [d, heads, head_dim] split by heads,
+  the feed-forward [d, hidden] and [hidden, d] by hidden, over the model
+  axis. Activations: batch over the data axis; heads and hidden over the
+  model axis. Inside a pipeline stage the stage axis is manual, so these
+  split only the other two axes.
+  """
+  data, model = PodMesh.DATA_AXIS, PodMesh.MODEL_AXIS
+  atten = block.tr_atten_tpl.atten_tpl
+  atten.weight_split_dims_mapping = [-1, model, -1]
+  atten.activation_split_dims_mapping.blnh = [data, -1, model, -1]
+  atten.activation_split_dims_mapping.bld = [data, -1, -1]
+  ff = block.tr_fflayer_tpl.fflayer_tpl
+  ff.weight_split_dims_mapping_list = [[-1, model], [model, -1]]
+  # The stage runs the feed-forward on tokens as rows ([batch * time, d]).
+  ff.activation_split_dims_mapping_list = [[data, model], [data, -1]]
+  return block
 
 
 def PodStageParams(num_blocks, block, fprop_dtype=None):

@@ -45,6 +45,10 @@ class CandidateReport:
   chip: roofline.Chip
   hbm_bytes: float
   seconds: float  # wall time to lower and compile
+  # The device mesh the stack's stages are placed on: its shape ((N,) for
+  # shard_stages_1d) and the axis of the stage dim.
+  mesh_shape: tuple = ()
+  stage_axis: int = 0
 
   def Bytes(self, kind):
     """Bytes one device holds of the step arguments of `kind`."""
@@ -86,6 +90,18 @@ class CandidateReport:
         if arg.on_stages and tuple(shard) == tuple(arg.spec.shape)
     ]
 
+  def UnderSplit(self):
+    """[(name, per-device shape, annotated shape)] of stage-stacked weights
+    and slots held on more devices than their own annotation splits them
+    over (e.g. replicated over a model axis they should be split on)."""
+    unsplit = set(self.Unsplit())
+    return [
+        (arg.name, tuple(shard), arg.annotated_shard)
+        for arg, shard in zip(self.step.args, self.compiled.param_shard_shapes)
+        if arg.on_stages and arg.annotated_shard and arg.name not in unsplit
+        and np.prod(shard) > np.prod(arg.annotated_shard)
+    ]
+
   def Gathered(self):
     """All-gathers / all-to-alls whose result is a weight's or slot's shape."""
     shapes = [
@@ -102,26 +118,50 @@ class CandidateReport:
           f'{len(unsplit)} stage-stacked weights/slots are not split over '
           f'the devices (e.g. {unsplit[0]}): set shard_stages_1d=True (or '
           'pipeline_stage_mesh_dim with device_mesh) on the PipelinedLayer')
+    under = self.UnderSplit()
+    if under:
+      name, shard, annotated = under[0]
+      problems.append(
+          f'{len(under)} stage-stacked weights/slots are split over fewer '
+          f'devices than their annotation asks (e.g. {name}: '
+          f'{list(shard)} per device, annotated {list(annotated)})')
     for c in self.Gathered():
       problems.append(f'{c.kind} of a weight or slot ({c.shape}, from '
                       f'{c.op_name or "?"})')
     return problems
 
   def LoopSummaries(self):
-    """Per loop: trip count and {kind: [count, bytes]} per iteration."""
+    """Per loop: trip count and, per iteration, {kind: {count, bytes}}
+    and {'kind over axes': {count, bytes}} (`ByMeshAxes`)."""
     summaries = []
     trips = partitioning.LoopTripCounts(self.compiled.hlo)
     for i, body in enumerate(self.compiled.loops):
-      kinds = {}
-      for c in self.compiled.LoopCollectives(i):
-        count, nbytes = kinds.get(c.kind, (0, 0))
-        kinds[c.kind] = (count + 1, nbytes + c.bytes)
+      collectives = self.compiled.LoopCollectives(i)
       summaries.append({
           'iterations': trips.get(body, 1),
-          'collectives': {k: {'count': n, 'bytes': b}
-                          for k, (n, b) in sorted(kinds.items())},
+          'collectives': _CountAndBytes(collectives, lambda c: c.kind),
+          'by_mesh_axes': self.ByMeshAxes(collectives),
       })
     return summaries
+
+  def MeshAxesName(self, axes):
+    """'stage', 'axis 2', 'stage+axis 1', ...: the mesh axes of a group."""
+    return '+'.join('stage' if a == self.stage_axis else f'axis {a}'
+                    for a in axes) or 'all devices'
+
+  def ByMeshAxes(self, collectives):
+    """{'kind over axes': {count, bytes}}: which mesh axes each runs on
+    (the rotation's permutes on the stage axis, a model axis's
+    all-reduces on that axis, ...)."""
+    mesh = self.mesh_shape or (self.compiled.num_devices,)
+    return _CountAndBytes(
+        collectives,
+        lambda c: f'{c.kind} over {self.MeshAxesName(c.MeshAxes(mesh))}')
+
+  @property
+  def outside_by_mesh_axes(self):
+    """ByMeshAxes of the collectives outside the loops (once a step)."""
+    return self.ByMeshAxes(self.compiled.LoopCollectives(-1))
 
   def CollectiveBytesPerStep(self):
     total = {}
@@ -235,7 +275,10 @@ class CandidateReport:
             self.compiled.Cost('bytes accessed'),
         'stored_activation_bytes': self.stored_activation_bytes,
         'permute_bytes_per_iteration': self.permute_bytes_per_iteration,
+        'mesh_shape': list(self.mesh_shape),
+        'stage_axis': self.stage_axis,
         'loops': self.LoopSummaries(),
+        'outside_loops_by_mesh_axes': self.outside_by_mesh_axes,
         'collective_bytes_per_step': self.CollectiveBytesPerStep(),
         'predicted_step_seconds': self.prediction.step_seconds,
         'predicted': self.prediction.ToJson(),
@@ -275,9 +318,23 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
       num_devices,
       reference_proto=reference,
       aliases=step.aliases)
+  mesh, stage_axis = sharding.StagePlacement(
+      stack_p.num_stages, stack_p.shard_stages_1d, stack_p.device_mesh,
+      stack_p.pipeline_stage_mesh_dim).mesh or (np.arange(num_devices), 0)
   return CandidateReport(candidate=candidate, schedule=sched,
                          compiled=compiled, step=step, chip=chip,
-                         hbm_bytes=hbm_bytes, seconds=time.time() - start)
+                         hbm_bytes=hbm_bytes, seconds=time.time() - start,
+                         mesh_shape=tuple(np.shape(mesh)),
+                         stage_axis=stage_axis)
+
+
+def _CountAndBytes(collectives, key):
+  """{key(c): {'count', 'bytes'}} over collectives, sorted by key."""
+  totals = {}
+  for c in collectives:
+    count, nbytes = totals.get(key(c), (0, 0))
+    totals[key(c)] = (count + 1, nbytes + c.bytes)
+  return {k: {'count': n, 'bytes': b} for k, (n, b) in sorted(totals.items())}
 
 
 @contextlib.contextmanager

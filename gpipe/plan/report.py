@@ -190,17 +190,14 @@ def _Wrap(paragraph):
 def _Details(r):
   """A candidate's collectives, buffers, problems and predicted parts."""
   lines = [f'{r.candidate.Describe()} (compiled in {r.seconds:.0f} s):']
+  if len(r.mesh_shape) > 1:
+    lines.append(f'  device mesh {list(r.mesh_shape)}, stages on axis '
+                 f'{r.stage_axis}')
   for i, loop in enumerate(r.LoopSummaries()):
-    kinds = ', '.join(f'{c["count"]} {k} ({Bytes(c["bytes"])})'
-                      for k, c in loop['collectives'].items())
     lines.append(f'  loop {i} ({loop["iterations"]} iterations), per '
-                 f'iteration: {kinds or "no collectives"}')
-  outside = {}
-  for c in r.compiled.LoopCollectives(-1):
-    outside[c.kind] = outside.get(c.kind, 0) + c.bytes
-  lines.append('  outside the loops: ' + (', '.join(
-      f'{k} {Bytes(v)}' for k, v in sorted(outside.items())) or
-                                           'no collectives'))
+                 f'iteration: {_Collectives(loop["by_mesh_axes"])}')
+  lines.append('  outside the loops: ' +
+               _Collectives(r.outside_by_mesh_axes))
   stored = ', '.join(t.split('{')[0] for _, t in r.stored_activations)
   lines.append(f'  stored activations: {Bytes(r.stored_activation_bytes)}'
                f' ({stored or "none found"})')
@@ -226,6 +223,12 @@ def _Details(r):
     lines += textwrap.wrap(paragraph, width=_WIDTH, initial_indent='  ',
                            subsequent_indent='    ', break_on_hyphens=False)
   return lines
+
+
+def _Collectives(by_axes):
+  """'2 all-reduce over axis 2 (1.0 MiB), ...' or 'no collectives'."""
+  return ', '.join(f'{c["count"]} {k} ({Bytes(c["bytes"])})'
+                   for k, c in by_axes.items()) or 'no collectives'
 
 
 def _Sources(plan):

@@ -38,6 +38,10 @@ from gpipe import layers as gpipe_layers
 from gpipe import lingvo_compat
 from gpipe.plan import optimizers
 from lingvo.core import base_layer
+# pylint: disable=g-direct-tensorflow-import
+from tensorflow.compiler.xla import xla_data_pb2
+from tensorflow.python.compiler.xla.experimental import xla_sharding
+# pylint: enable=g-direct-tensorflow-import
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -73,6 +77,10 @@ class Arg:
   kind: str  # WEIGHT, SLOT, INPUT or SCALAR
   spec: tf.TensorSpec
   on_stages: bool = False  # a weight (or its slot) of a pipelined stack
+  # The per-device shape the variable's own sharding annotation asks for
+  # (e.g. a mesh body's weight split over a model axis too); None if the
+  # variable has none.
+  annotated_shard: tuple = None
 
 
 class TrainStep:
@@ -99,7 +107,7 @@ class TrainStep:
     self._num_stages = _StageVariables(root)
     self.weight_args = [
         Arg(name, WEIGHT, tf.TensorSpec(value.shape, value.dtype),
-            name in self._num_stages)
+            name in self._num_stages, AnnotatedShard(variables.get(name)))
         for name, value in self._theta.FlattenItems()
     ]
     self._trainable = [
@@ -128,9 +136,11 @@ class TrainStep:
       for k, slot in enumerate(self.optimizer.Slots(weight.spec)):
         follows = _FollowsWeight(slot, weight.spec.shape.as_list(),
                                  self._num_stages.get(weight.name))
+        same_shape = slot.spec.shape == weight.spec.shape
         self.slot_args.append(
             Arg(f'{weight.name}/{slot.name}', SLOT, slot.spec,
-                weight.on_stages and follows))
+                weight.on_stages and follows,
+                weight.annotated_shard if same_shape else None))
         self._slot_owners.append((i, k))
         self._slot_follows.append(follows)
 
@@ -224,6 +234,31 @@ class TrainStep:
       full[i] = values[k]
     placed = _PlaceLike(self.root, self._theta.Pack(full)).Flatten()
     return [placed[i] for i in self._trainable]
+
+
+def AnnotatedShard(variable):
+  """The per-device shape `variable`'s own XLA sharding attribute asks for.
+
+  Lingvo's layers annotate a variable where they create it (a mesh body's
+  tensor_split_dims_mapping, with the pipeline's stage dim in front); the
+  planner passes weights in as arguments, so it reads the annotation here
+  to check the compiled split against it. None without one.
+  """
+  if variable is None or not hasattr(variable, 'op'):
+    return None
+  try:
+    serialized = xla_sharding.get_op_sharding(variable.op)
+  except (ValueError, AttributeError):
+    return None
+  if not serialized:
+    return None
+  proto = xla_data_pb2.OpSharding()
+  proto.ParseFromString(serialized)
+  shape = variable.shape.as_list()
+  tiles = list(proto.tile_assignment_dimensions)[:len(shape)]
+  if len(tiles) != len(shape):
+    return None
+  return tuple(-(-size // n) for size, n in zip(shape, tiles))
 
 
 def _FollowsWeight(slot, weight_shape, num_stages):

@@ -1,0 +1,173 @@
+"""Where a model keeps its pipelined stack, and how a candidate reshapes it.
+
+A task's pipelined stack is one of:
+
+  GpipeStack     gpipe's PipelinedLayer Params, somewhere in the task's
+                 Params tree (params/lm.py's models): M, R and the remat
+                 policy are that layer's own Params.
+  LingvoClient   a Lingvo layer that builds the pipelined layer itself, in
+                 its __init__, from Params of its own: Lingvo's
+                 `batch_major_attention.PipelinedTransformerLayers`. With
+                 `UseGpipeInLingvo()` it builds gpipe's layer; its
+                 pipelined layer exists only in the built task, so the
+                 stack's Params are read off a built copy.
+
+    FindStack(task_params) -> stack
+    stack.Reshape(task_params, candidate, depth_param)   # a copy's, in place
+    stack.StackParams(task_params)  # the PipelinedLayer Params it amounts to
+
+`FindStack` refuses a task with no pipelined stack or with several, in
+one line.
+"""
+
+import tensorflow as tf
+
+import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import layers as gpipe_layers
+from gpipe import lingvo_compat
+from gpipe import param_checks
+from lingvo.core import batch_major_attention
+from lingvo.core import hyperparams
+
+
+class StackError(ValueError):
+  """The task's stack cannot be planned as asked; said in one line."""
+
+
+class GpipeStack:
+  """gpipe PipelinedLayer Params at `path` in the task's Params."""
+
+  def __init__(self, path):
+    self.path = path
+
+  def StackParams(self, task_params):
+    return _Get(task_params, self.path)
+
+  def Reshape(self, task_params, candidate, depth_param):
+    """Sets M, R and the remat policy, keeping S x R x depth per body."""
+    stack = _Get(task_params, self.path)
+    r0, r = stack.circular_repeat, candidate.circular_repeat
+    body = stack.single_stage_body or stack.stage_parallel_body
+    _KeepDepth(body, depth_param, r0, r, stack.num_stages,
+               '--depth_param NAME')
+    stack.Set(num_microbatches=candidate.num_microbatches,
+              microbatch_size=None, circular_repeat=r,
+              remat_policy=candidate.remat_policy,
+              store_body_intermediates=False)
+
+  def Validate(self, task_params, batch_size):
+    gpipe_layers.ValidateParams(_Get(task_params, self.path), batch_size)
+
+
+class LingvoClient:
+  """Lingvo's PipelinedTransformerLayers at `path`, built on gpipe's layer.
+
+  It names M `num_pipeline_microbatches` and R `circular_repeat`, and its
+  stage (StackedTransformerLayers) holds `num_layers`, scaled to keep the
+  depth when R varies. It passes no remat policy, so the built layer has
+  gpipe's default and only that one can be planned.
+  """
+
+  DEPTH_PARAM = 'num_layers'
+
+  def __init__(self, path):
+    self.path = path
+
+  @staticmethod
+  def Matches(p):
+    return issubclass(p.cls, batch_major_attention.PipelinedTransformerLayers)
+
+  def StackParams(self, task_params):
+    """The Params of the pipelined layer the client builds (in a scratch
+    graph, with gpipe's layer switched in)."""
+    return _BuiltStackParams(task_params.Copy())
+
+  def Reshape(self, task_params, candidate, depth_param):
+    del depth_param  # the client's stage keeps its depth in num_layers
+    client = _Get(task_params, self.path)
+    default = gpipe_layers.PipelinedLayer.Params()
+    if candidate.remat_policy != param_checks.RematPolicy(default):
+      raise StackError(
+          f'remat_policy={candidate.remat_policy!r}: '
+          f'{client.cls.__name__} builds its pipelined layer without a '
+          'remat policy, so it runs gpipe\'s default '
+          f'{param_checks.RematPolicy(default)!r}; plan only that one.')
+    _KeepDepth(client.pipeline_stage, self.DEPTH_PARAM,
+               client.circular_repeat, candidate.circular_repeat,
+               client.num_pipeline_stages, None)
+    client.Set(num_pipeline_microbatches=candidate.num_microbatches,
+               pipeline_microbatch_size=None,
+               circular_repeat=candidate.circular_repeat)
+
+  def Validate(self, task_params, batch_size):
+    del task_params, batch_size  # the built layer checks its own
+
+
+def FindStack(task_params, where):
+  """The one pipelined stack of a task's Params (GpipeStack, LingvoClient).
+
+  Raises:
+    StackError: none, or more than one.
+  """
+  found = list(_FindStacks(task_params, ''))
+  if len(found) != 1:
+    raise StackError(
+        f'{where} has {len(found)} pipelined stacks '
+        f'({", ".join(s.path for s in found) or "none"}); the planner '
+        'plans a model with exactly one: gpipe\'s PipelinedLayer, or '
+        'Lingvo\'s PipelinedTransformerLayers.')
+  return found[0]
+
+
+def _FindStacks(p, path):
+  cls = getattr(p, 'cls', None)
+  if isinstance(cls, type) and issubclass(cls, gpipe_layers.PipelinedLayer):
+    yield GpipeStack(path or '.')
+    return
+  if isinstance(cls, type) and LingvoClient.Matches(p):
+    yield LingvoClient(path or '.')
+    return
+  for name, value in p.IterParams():
+    values = value if isinstance(value, (list, tuple)) else [value]
+    for v in values:
+      if isinstance(v, hyperparams.Params):
+        yield from _FindStacks(v, f'{path}.{name}' if path else name)
+
+
+def _Get(task_params, path):
+  p = task_params
+  if path != '.':
+    for part in path.split('.'):
+      p = p.Get(part)
+  return p
+
+
+def _KeepDepth(body, depth_param, r0, r, num_stages, hint):
+  """Scales body.<depth_param> by r0 / r, so that the stack keeps its depth."""
+  if r == r0:
+    return
+  if depth_param not in body:
+    fix = f'Pass {hint}, or plan' if hint else 'Plan'
+    raise StackError(
+        f'circular_repeat={r} would change the model\'s depth (it has '
+        f'{num_stages} x {r0} stage bodies); the stage body '
+        f'{body.cls.__name__} has no {depth_param!r} param to keep it. '
+        f'{fix} only circular_repeat={r0}.')
+  depth = body.Get(depth_param) * r0
+  if depth % r:
+    raise StackError(
+        f'circular_repeat={r}: {depth} blocks per stage (over all '
+        f'repeats) do not split into {r} repeats.')
+  body.Set(**{depth_param: depth // r})
+
+
+def _BuiltStackParams(task_params):
+  """The Params of the one pipelined layer in the task built from them."""
+  from gpipe.plan import train_step  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default(), lingvo_compat.UseGpipeInLingvo():
+    task = task_params.Instantiate()
+  found = train_step.FindPipelinedLayers(task)
+  if len(found) != 1:
+    raise StackError(f'The built task has {len(found)} pipelined layers; '
+                     'the planner plans a model with exactly one.')
+  return found[0][1].params.Copy()

@@ -1,0 +1,187 @@
+"""The pod LM on a [stages, data, model] device mesh (params.pod_blocks.PodMesh).
+
+A small version of lm.CopyLMPod8x4 / CopyLMPod8x2x4 on a [2, 2, 2] mesh:
+  * on one CPU (the mesh annotations run as identities) the pipelined model
+    equals the unrolled one, loss and every gradient;
+  * planned for 8 virtual devices, each device holds 1/(stages x model) of
+    the stack's weights and slots (the data replicas hold copies), and the
+    collectives run on the axes the mesh gives them: the rotation on the
+    stage axis, the body's all-reduces on the model axis.
+"""
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import partitioning
+from gpipe import stage_call
+from gpipe import trainer
+from gpipe.plan import candidate as candidate_lib
+from gpipe.plan import roofline
+from gpipe.plan import stacks
+from gpipe.plan import targets
+from lingvo.core import base_model
+import params.lm as lm
+from params import pod_blocks
+
+stage_call.EnsureFlagsParsed()
+
+MESH = pod_blocks.PodMesh(stages=2, data=2, model=2)
+DIM, HEADS, HIDDEN, VOCAB, BATCH, M, R = 32, 4, 48, 40, 12, 3, 2
+
+
+def _Cfg():
+  task = lm.CopyLMParams(
+      vocab_size=VOCAB, model_dim=DIM, num_heads=HEADS, hidden_dim=HIDDEN,
+      blocks_per_stage=1, num_stages=MESH.stages, circular_repeat=R,
+      num_microbatches=M, dropout_prob=0.0, shard_stages_1d=False,
+      learning_rate=1e-3, max_steps=10, max_seq_len=16, batch_major=True,
+      mesh=MESH)
+  cfg = base_model.SingleTaskModel.Params(task)
+  cfg.input = lm.CopyTaskInput.Params().Set(vocab_size=VOCAB, copy_length=8,
+                                            batch_size=BATCH)
+  return cfg
+
+
+def test_mesh_lm_equals_the_unrolled_model():
+  """Circular (R=2), M=3: loss and every variable's gradient."""
+  comparison = trainer.CompareWithUnrolled(_Cfg())
+  assert comparison.num_variables > 0
+  assert comparison.Matches(), comparison.Describe()
+
+
+def test_mesh_configs_are_registered_with_their_meshes():
+  for name, mesh, min_devices in (('lm.CopyLMPod8x4', (8, 1, 4), 32),
+                                  ('lm.CopyLMPod8x2x4', (8, 2, 4), 64)):
+    cfg = lm.model_registry.GetParams(name, 'Train')
+    stack = cfg.task.stack
+    assert np.shape(stack.device_mesh) == mesh
+    assert np.size(stack.device_mesh) == min_devices
+    assert stack.pipeline_stage_mesh_dim == pod_blocks.PodMesh.STAGE_AXIS
+    assert not stack.shard_stages_1d
+    atten = stack.single_stage_body.block_tpl.tr_atten_tpl.atten_tpl
+    assert atten.weight_split_dims_mapping == [-1, 2, -1]
+
+
+def test_a_mesh_needs_the_batch_major_body():
+  with pytest.raises(ValueError, match='batch_major=True'):
+    lm.CopyLMParams(
+        vocab_size=8, model_dim=8, num_heads=2, hidden_dim=8,
+        blocks_per_stage=1, num_stages=2, circular_repeat=1,
+        num_microbatches=2, dropout_prob=0.0, shard_stages_1d=False,
+        learning_rate=1e-3, max_steps=1, mesh=MESH)
+
+
+class _TinyMeshTarget(targets.ModelTarget):
+  """The small mesh LM as a planner target (not a registered model)."""
+
+  def __init__(self):  # pylint: disable=super-init-not-called
+    self._cfg = _Cfg()
+    self._stack = stacks.FindStack(self._cfg.task, 'tiny mesh LM')
+    self.name = 'tiny mesh LM'
+    self.batch_size = BATCH
+    self._lingvos_layer = False
+
+
+@pytest.fixture(scope='module')
+def report():
+  if not partitioning.IsAvailable():
+    pytest.skip('needs jax')
+  plan = candidate_lib.MakePlan(
+      _TinyMeshTarget(), [targets.Candidate(M, R)], MESH.num_devices,
+      roofline.CHIPS['v5e'], 16 * 2**30)
+  return plan.reports[0]
+
+
+def test_each_device_holds_its_stage_and_model_share(report):
+  """Stack weights and Adam slots: 1/(stages x model) per device, the
+  heads and the feed-forward width split; nothing replicated that its
+  annotation splits; the same figure as the variables' own annotations."""
+  assert report.schedule.num_stages == MESH.stages
+  stack_args = [(a, tuple(s)) for a, s in
+                zip(report.step.args, report.compiled.param_shard_shapes)
+                if a.on_stages]
+  assert stack_args
+  for arg, shard in stack_args:
+    full = tuple(arg.spec.shape)
+    assert shard[0] == 1 and full[0] == MESH.stages, (arg.name, shard)
+    if arg.name.endswith(('query.w', 'key.w', 'value.w', 'post.w')):
+      # [S, R, d, heads, head_dim]: heads over the model axis.
+      assert shard == (1, R, DIM, HEADS // MESH.model, DIM // HEADS), arg
+    if arg.name.endswith('fc[0].w'):
+      assert shard == (1, R, DIM, HIDDEN // MESH.model), arg
+    if arg.annotated_shard is not None:
+      assert np.prod(shard) <= np.prod(arg.annotated_shard), arg
+  assert report.Problems() == []
+
+
+def test_collectives_run_on_their_mesh_axes(report):
+  """Per iteration: the rotation is a collective-permute on the stage axis
+  only; the body's all-reduces run on the model axis (axis 2)."""
+  assert report.mesh_shape == (2, 2, 2) and report.stage_axis == 0
+  forward, backward = report.LoopSummaries()
+  for loop in (forward, backward):
+    by_axes = loop['by_mesh_axes']
+    permutes = [k for k in by_axes if k.startswith('collective-permute')]
+    assert permutes == ['collective-permute over stage'], by_axes
+    assert 'all-reduce over axis 2' in by_axes, by_axes
+  assert forward['by_mesh_axes']['collective-permute over stage'][
+      'count'] == 2  # the activations and the paddings
+
+
+def test_under_split_stage_weights_are_flagged(report):
+  """Negative control of the check: a weight whose annotation asks for a
+  finer split than the compiled one is a problem, named."""
+  args = list(report.step.args)
+  i = next(k for k, a in enumerate(args) if a.name.endswith('query.w'))
+  shard = tuple(report.compiled.param_shard_shapes[i])
+  finer = shard[:-1] + (1,)
+  args[i] = type(args[i])(args[i].name, args[i].kind, args[i].spec,
+                          args[i].on_stages, finer)
+
+  class _Step:
+    pass
+
+  step = _Step()
+  step.args = args
+  step.aliases = report.step.aliases
+  flagged = candidate_lib.CandidateReport(
+      candidate=report.candidate, schedule=report.schedule,
+      compiled=report.compiled, step=step, chip=report.chip,
+      hbm_bytes=report.hbm_bytes, seconds=0.0,
+      mesh_shape=report.mesh_shape, stage_axis=report.stage_axis)
+  problems = flagged.Problems()
+  assert len(problems) == 1 and 'query.w' in problems[0], problems
+  assert 'fewer devices than their annotation' in problems[0]
+
+
+def test_device_groups_read_both_spellings_and_name_axes():
+  line = ('%ar = f32[4] all-reduce(%x), channel_id=1, '
+          'replica_groups=[4,2]<=[2,2,2]T(0,1,2), to_apply=%add')
+  assert partitioning.DeviceGroups(line) == ((0, 1), (2, 3), (4, 5), (6, 7))
+  line = 'replica_groups=[4,2]<=[2,2,2]T(1,2,0)'
+  assert partitioning.DeviceGroups(line) == ((0, 4), (1, 5), (2, 6), (3, 7))
+  line = 'source_target_pairs={{0,4},{4,0},{1,5}}'
+  pairs = partitioning.DeviceGroups(line)
+  assert pairs == ((0, 4), (4, 0), (1, 5))
+  c = partitioning.Collective('collective-permute', 'f32[2]', 'c', 0,
+                              groups=pairs)
+  assert c.MeshAxes((2, 2, 2)) == (0,)
+  c = partitioning.Collective('all-reduce', 'f32[2]', 'c', 0,
+                              groups=((0, 1), (2, 3), (4, 5), (6, 7)))
+  assert c.MeshAxes((2, 2, 2)) == (2,)
+  c = partitioning.Collective('all-gather', 'f32[2]', 'c', 0,
+                              groups=((0, 2, 1, 3), (4, 6, 5, 7)))
+  assert c.MeshAxes((2, 2, 2)) == (1, 2)
+  assert partitioning.DeviceGroups('%a = f32[2] add(%x, %y)') == ()
+
+
+def test_tf_annotations_reach_the_planners_arguments():
+  """The planner reads each variable's own annotation (AnnotatedShard)."""
+  from gpipe.plan import train_step  # pylint: disable=g-import-not-at-top
+  with tf.Graph().as_default(), candidate_lib.AsOnTpu():
+    task = _Cfg().task.Instantiate()
+    w = task.stack.vars.body.blocks[0].self_atten.atten.query.w
+    assert train_step.AnnotatedShard(w) == (1, R, DIM, HEADS // MESH.model,
+                                            DIM // HEADS)
