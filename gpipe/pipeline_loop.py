@@ -167,7 +167,7 @@ def _Iteration(spec: LoopSpec, loop_theta, state, inp):
   stage_ids = tf.range(sched.num_stages, dtype=tf.int32)
   stage_in = [
       per_stage(StageInputs(sched, it, per_stage(buf),
-                            place.ReplicateLoopDim(
+                            place.ReplicateOverStages(
                                 microbatch.StageZeroInput(x, sched, it))))
       for buf, x in zip(state.buffer, loop_theta.microbatches)
   ]

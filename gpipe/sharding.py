@@ -310,6 +310,11 @@ class Unplaced:
     """x ([M, ...] or [T, ...]) whole on every device: the loop indexes it."""
     return x
 
+  def ReplicateOverStages(self, x):
+    """One microbatch (no loop dim), the same on every stage: stage 0's
+    read before it is broadcast to the stages' slots."""
+    return x
+
   def ReplicateBookkeeping(self, x):
     """A loop counter, index vector or scalar, replicated.
 
@@ -330,6 +335,9 @@ class OverStageDevices(Unplaced):
     return Split(x, stage_dim, self.num_stages)
 
   def ReplicateLoopDim(self, x):
+    return Replicate(x)
+
+  def ReplicateOverStages(self, x):
     return Replicate(x)
 
   def ReplicateBookkeeping(self, x):
@@ -358,13 +366,38 @@ class OverMeshAxis(Unplaced):
                          self._mesh_dim)
 
   def ReplicateLoopDim(self, x):
-    """x whole along its loop dim on every stage; its other dims are left
-    to the other axes (e.g. the batch split over a data axis)."""
+    """An [M, rows, ...] tensor with its loop dim and rows whole on every
+    device; later dims are left to the other axes (a model axis).
+
+    Rows left open get split by propagation over whichever axis comes
+    first, the stage axis included; stage 0's read of them then needs a
+    resharding permute on every iteration. Whole rows cost nothing to
+    split again inside the stage, where the body's own annotations split
+    the batch over a data axis.
+    """
+    return self._WholeIn(x, 2)
+
+  def ReplicateOverStages(self, x):
+    """Stage 0's read of one microbatch, whole in its rows (as its source,
+    ReplicateLoopDim); its gradient is left to the partitioner: a body
+    that splits the batch over a data axis gives it split, and
+    replicating it would all-gather it on every backward iteration."""
+    if not nest.IsTensor(x) or x.shape.rank == 0:
+      return x
+
+    @tf.custom_gradient
+    def Place(v):
+      return self._WholeIn(v, 1), lambda dy: dy
+
+    return Place(x)
+
+  def _WholeIn(self, x, num_dims):
+    """x whole in its first num_dims dims, the others left open."""
     if not nest.IsTensor(x) or x.shape.rank == 0:
       return x
     rank = x.shape.rank
     return MeshSplit(x, self._device_mesh, [-1] * rank,
-                     unspecified_dims=list(range(1, rank)))
+                     unspecified_dims=list(range(min(num_dims, rank), rank)))
 
   def ReplicateBookkeeping(self, x):
     return Replicate(x)

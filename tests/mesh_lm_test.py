@@ -126,6 +126,12 @@ def test_collectives_run_on_their_mesh_axes(report):
     permutes = [k for k in by_axes if k.startswith('collective-permute')]
     assert permutes == ['collective-permute over stage'], by_axes
     assert 'all-reduce over axis 2' in by_axes, by_axes
+    # Stage 0's read and its gradient keep the batch where the body wants
+    # it: nothing is gathered per iteration.
+    assert not [k for k in by_axes if k.startswith('all-gather')], by_axes
+  # The forward loop: the rotation and the body's model-axis all-reduces.
+  assert set(forward['by_mesh_axes']) == {
+      'collective-permute over stage', 'all-reduce over axis 2'}, forward
   assert forward['by_mesh_axes']['collective-permute over stage'][
       'count'] == 2  # the activations and the paddings
 

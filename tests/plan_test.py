@@ -386,7 +386,8 @@ def test_text_report_labels_sources_and_units(linear_plan):
     assert cells[2].split()[:4] == ['16.2', 'KiB', '32.5', 'KiB'], cells
     assert cells[3].endswith(report_lib.Bytes(slot)), cells
     assert ('*' in cells[4]) == (i == best), cells
-  assert 'collective-permute (768 B)' in text  # M=8: 3 x 64 floats
+  # M=8: 3 x 64 floats, on the (only) stage axis.
+  assert '1 collective-permute over stage (768 B)' in text
   assert 'memory traffic (fused step, per device)' in text
   assert "XLA:CPU's unfused bytes accessed (not used)" in text
   assert 'Predicted by a roofline model' in text

@@ -146,7 +146,8 @@ def test_unplaced_annotates_nothing(graph):
   place = sharding.StagePlacement(4)
   x = tf.zeros([4, 6])
   for y in (place.SplitStages(x, 0), place.SplitOwnVariable(x),
-            place.ReplicateLoopDim(x), place.ReplicateBookkeeping(x)):
+            place.ReplicateLoopDim(x), place.ReplicateOverStages(x),
+            place.ReplicateBookkeeping(x)):
     assert y is x
   assert place.mesh is None
 
@@ -160,6 +161,7 @@ def test_over_stage_devices_splits_and_replicates(graph):
   tree = place.SplitStages({'a': tf.zeros([4, 2]), 'b': None}, 0)
   assert _Annotation(tree['a']) == [4, 1] and tree['b'] is None
   assert _Annotation(place.ReplicateLoopDim(x)) == 'replicated'
+  assert _Annotation(place.ReplicateOverStages(x)) == 'replicated'
   assert _Annotation(place.ReplicateBookkeeping(x)) == 'replicated'
   # A stage's own [6, 8] variable: 8 splits over 4 without padding.
   assert _Annotation(place.SplitOwnVariable(tf.zeros([6, 8]))) == [1, 4]
@@ -168,7 +170,11 @@ def test_over_stage_devices_splits_and_replicates(graph):
   assert axis == 0
 
 
-def test_over_mesh_axis_leaves_the_loop_dim_alone(graph):
+def test_over_mesh_axis_decides_only_the_stage_axis_and_rows(graph):
+  """The stage dim split; a [M, rows, ...] tensor's loop dim and rows whole
+  and stage 0's read of one microbatch whole in its rows (its gradient
+  not annotated); every other dim left to the partitioner (the other mesh
+  axes may split the model dims)."""
   del graph
   device_mesh = np.arange(8).reshape(4, 2)
   place = sharding.StagePlacement(4, device_mesh=device_mesh, mesh_dim=0)
@@ -176,6 +182,19 @@ def test_over_mesh_axis_leaves_the_loop_dim_alone(graph):
   y = place.SplitStages(x, 0)
   assert _Annotation(y)[:2] == [4, 1]
   assert list(y.op.get_attr('unspecified_dims')) == [1]
-  assert place.ReplicateLoopDim(x) is x
+  looped = place.ReplicateLoopDim(tf.zeros([3, 4, 6]))
+  # Tiles [1, 1, 1] of its dims, all 8 devices holding each.
+  assert _Annotation(looped) == [1, 1, 1, 8]
+  assert list(looped.op.get_attr('unspecified_dims')) == [2]
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    read = place.ReplicateOverStages(x)
+  annotated = read
+  if annotated.op.type == 'IdentityN':  # tf.custom_gradient's wrapper
+    annotated = annotated.op.inputs[0]
+  assert _Annotation(annotated) == [1, 1, 8]
+  assert list(annotated.op.get_attr('unspecified_dims')) == [1]
+  dx = tape.gradient(read, x, output_gradients=tf.ones([4, 6]))
+  assert dx.op.type != 'XlaSharding'
   assert _Annotation(place.ReplicateBookkeeping(x)) == 'replicated'
   assert place.mesh[1] == 0
