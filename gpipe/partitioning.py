@@ -85,6 +85,19 @@ class Collective:
     return tuple(sorted(axes))
 
 
+def AxesName(axes, stage_axis=0):
+  """'stage', 'axis 2', 'stage+axis 1', ...: mesh axes a collective runs
+  along, the pipeline's stage axis by that name."""
+  return '+'.join('stage' if a == stage_axis else f'axis {a}'
+                  for a in axes) or 'all devices'
+
+
+def KindOverAxes(collective, mesh_shape, stage_axis=0):
+  """'collective-permute over stage', 'all-reduce over axis 2', ..."""
+  axes = collective.MeshAxes(mesh_shape)
+  return f'{collective.kind} over {AxesName(axes, stage_axis)}'
+
+
 @dataclasses.dataclass
 class PartitionedRun:
   """The partitioned module, its results and how it splits the tensors."""

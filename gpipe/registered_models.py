@@ -34,6 +34,19 @@ def GetParams(name, dataset='Train'):
       raise LookupError(UnknownModelMessage(name, known)) from e
 
 
+def ImportModules(modules):
+  """Imports each module (a --model_module): models of the user's own that
+  register under names their module path does not start with.
+
+  Raises:
+    LookupError: one cannot be imported; the message says why.
+  """
+  for module in modules:
+    why = _ImportError(module)
+    if why:
+      raise LookupError(f'--model_module {module} cannot be imported ({why}).')
+
+
 def UnknownModelMessage(name, known):
   """Names the registered models and, if one ends like `name`, that one;
   for a name whose module cannot be imported, why not."""

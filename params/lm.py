@@ -29,6 +29,8 @@ Registered models (`model_registry.GetParams('lm.<Name>', 'Train')`):
 
 import math
 
+import numpy as np
+
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers as gpipe_layers
 from gpipe import sharding
@@ -290,25 +292,37 @@ class PipelinedLMTask(base_model.BaseTask):
   # -- Where the vocab-sized weights and the loss live. ------------------------
   #
   # On a stack whose stages are spread over devices (shard_stages_1d or
-  # pipeline_stage_mesh_dim), the rest of the model is spread over the same
-  # devices: the embedding and softmax weights (and so their gradients and
-  # optimizer slots) are split by vocab, and each chip embeds and scores its
-  # 1/S of the sequences, so the logits [tokens, vocab] are never whole on
-  # one chip. On an unsplit stack nothing is annotated.
+  # pipeline_stage_mesh_dim), the rest of the model is spread over every
+  # device the stack spans (all of a mesh's, not only one stage axis): the
+  # embedding and softmax weights (and so their gradients and optimizer
+  # slots) are split by vocab, and each chip embeds and scores its 1/N of
+  # the sequences, so the logits [tokens, vocab] are never whole on one
+  # chip. On an unsplit stack nothing is annotated.
 
   def SplitsStages(self):
     """True if the stack spreads its stages over devices."""
     sp = self.params.stack
     return sp.shard_stages_1d or sp.pipeline_stage_mesh_dim is not None
 
+  def NumStackDevices(self):
+    """The devices the stack spans: S, a mesh's size, or 1 (unsplit)."""
+    sp = self.params.stack
+    if sp.shard_stages_1d:
+      return sp.num_stages
+    if sp.pipeline_stage_mesh_dim is not None:
+      return int(np.size(sp.device_mesh))
+    return 1
+
   def _OverStageDevices(self, x, dim):
-    """x split on `dim` over the devices of the stack's stages, if split."""
+    """x split on `dim` over every device of the stack, if it is split."""
     sp = self.params.stack
     if sp.shard_stages_1d:
       return sharding.Split(x, dim, sp.num_stages)
     if sp.pipeline_stage_mesh_dim is not None:
-      return sharding.SplitStageDim(x, dim, sp.num_stages, sp.device_mesh,
-                                    sp.pipeline_stage_mesh_dim)
+      # The mesh's devices in its own order, as one axis.
+      return sharding.MeshSplit(
+          x, np.reshape(sp.device_mesh, [-1]),
+          [0 if d == dim else -1 for d in range(x.shape.rank)])
     return x
 
   def _TableTheta(self, layer_theta):
@@ -678,9 +692,12 @@ class CopyLMPod8x4(CopyLMPod8x2):
   The stage dim is split over mesh axis 0 (`pipeline_stage_mesh_dim`);
   within a stage the 4 chips of axis 2 split the heads and the
   feed-forward width (`pod_blocks.SplitBlockOverMesh`), so each chip holds
-  1/32 of the stack. 64 sequences a step in 32 microbatches of 2, as
-  CopyLMPod8x2. `python -m gpipe.plan --model lm.CopyLMPod8x4 --num_devices
-  32 --hbm_gib 16 --tpu v5e`.
+  1/32 of the stack; the embedding, softmax and loss are split over all
+  32. 64 sequences a step in 32 microbatches of 2, as CopyLMPod8x2; the
+  activations passed between stages are bfloat16 (`stack_dtype`, as the
+  body computes), which halves the history the loop stores. `python -m
+  gpipe.plan --model lm.CopyLMPod8x4 --num_devices 32 --hbm_gib 16 --tpu
+  v5e`: a 14.4 GiB peak per chip, under a v5e's 16 GB (14.9 GiB).
 
   No dropout: XLA's SPMD partitioner stops on a stateless random-number
   op inside a stage whose other mesh axes are split (the random key gets
@@ -698,8 +715,8 @@ class CopyLMPod8x4(CopyLMPod8x2):
         dropout_prob=0.0, shard_stages_1d=False,
         learning_rate=1e-4, max_steps=100000,
         max_seq_len=2 * self.COPY_LENGTH, batch_major=True,
-        fprop_dtype=tf.bfloat16, optimizer_tpl=self.Optimizer(),
-        mesh=self.MESH)
+        fprop_dtype=tf.bfloat16, stack_dtype=tf.bfloat16,
+        optimizer_tpl=self.Optimizer(), mesh=self.MESH)
 
 
 @model_registry.RegisterSingleTaskModel
@@ -714,6 +731,38 @@ class CopyLMPod8x2x4(CopyLMPod8x4):
   BATCH_SIZE = 128
 
 
+@model_registry.RegisterSingleTaskModel
+class CopyLMMeshSmall(CopyLMPod8x4):
+  """CopyLMPod8x4 in small, to check on a CPU: [2 stages, 2 model] (4 devices).
+
+  The same layout (the batch-major body split over the model axis, the
+  stage dim over mesh axis 0, 2 circular repeats) at width 32 (4 heads,
+  feed-forward 48), float32, 12 sequences of 16 tokens in 3 microbatches:
+  `python -m gpipe.check_partitioning --model lm.CopyLMMeshSmall` runs a
+  training step partitioned on 4 virtual devices against the same step on
+  one.
+  """
+  MESH = pod_blocks.PodMesh(stages=2, model=2)
+  VOCAB_SIZE = 40
+  COPY_LENGTH = 8
+  BATCH_SIZE = 12
+
+  def Task(self):
+    return CopyLMParams(
+        vocab_size=self.VOCAB_SIZE, model_dim=32, num_heads=4, hidden_dim=48,
+        blocks_per_stage=1, num_stages=self.MESH.stages, circular_repeat=2,
+        num_microbatches=3, dropout_prob=0.0, shard_stages_1d=False,
+        learning_rate=1e-3, max_steps=100,
+        max_seq_len=2 * self.COPY_LENGTH, batch_major=True, mesh=self.MESH)
+
+
+@model_registry.RegisterSingleTaskModel
+class CopyLMMeshSmallData(CopyLMMeshSmall):
+  """CopyLMPod8x2x4 in small: CopyLMMeshSmall on [2 stages, 2 data, 2
+  model] (8 devices), the batch split over the data axis too."""
+  MESH = pod_blocks.PodMesh(stages=2, data=2, model=2)
+
+
 def _HeldOut(train_p, data_seed, num_batches):
   """Held-out copy data: num_batches fixed batches; the evaler and decoder
   read all of them for every checkpoint (num_samples)."""
@@ -725,23 +774,29 @@ def ParameterBytes(task):
   """(total bytes, bytes one device holds) of a built task's variables.
 
   On a stack that spreads its S stages over devices, each device holds 1/S
-  of the stage-stacked body's variables (split on their stage dim) and of
-  the embedding tables and softmax (split by vocab; a dim that does not
-  divide is padded), and the final layer norm whole. On an unsplit stack
-  every device holds everything.
+  of the stage-stacked body's variables (split on their stage dim; a mesh
+  body's own model-axis split is not counted here: the planner measures
+  it), 1/N of the embedding tables and softmax (split by vocab over the
+  stack's N devices; a dim that does not divide is padded), and the final
+  layer norm whole. On an unsplit stack every device holds everything.
   """
-  num_devices = task.params.stack.num_stages if task.SplitsStages() else 1
-  split_dims = {id(v): 0 for v in task.stack.vars.Flatten()}
-  split_dims.update(
-      {id(v): 0 for v in (task.emb.vars.wm, task.pos_emb.vars.wm)})
-  split_dims.update(
-      {id(v): v.shape.rank - 1 for v in task.softmax.vars.Flatten()})
+  if task.SplitsStages():
+    num_stages = task.params.stack.num_stages
+    num_devices = task.NumStackDevices()
+  else:
+    num_stages = num_devices = 1
+  # id(variable) -> (dim, devices it is split over)
+  split = {id(v): (0, num_stages) for v in task.stack.vars.Flatten()}
+  split.update({id(v): (0, num_devices)
+                for v in (task.emb.vars.wm, task.pos_emb.vars.wm)})
+  split.update({id(v): (v.shape.rank - 1, num_devices)
+                for v in task.softmax.vars.Flatten()})
   total = per_device = 0
   for v in task.vars.Flatten():
     shape = v.shape.as_list()
     total += math.prod(shape) * v.dtype.size
-    if id(v) in split_dims:
-      dim = split_dims[id(v)]
-      shape[dim] = -(-shape[dim] // num_devices)
+    if id(v) in split:
+      dim, n = split[id(v)]
+      shape[dim] = -(-shape[dim] // n)
     per_device += math.prod(shape) * v.dtype.size
   return total, per_device

@@ -1,6 +1,7 @@
 """The pod LM on a [stages, data, model] device mesh (params.pod_blocks.PodMesh).
 
-A small version of lm.CopyLMPod8x4 / CopyLMPod8x2x4 on a [2, 2, 2] mesh:
+lm.CopyLMMeshSmallData, the small version of lm.CopyLMPod8x2x4 on a
+[2, 2, 2] mesh:
   * on one CPU (the mesh annotations run as identities) the pipelined model
     equals the unrolled one, loss and every gradient;
   * planned for 8 virtual devices, each device holds 1/(stages x model) of
@@ -9,39 +10,49 @@ A small version of lm.CopyLMPod8x4 / CopyLMPod8x2x4 on a [2, 2, 2] mesh:
     stage axis, the body's all-reduces on the model axis.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
+from gpipe import check_model
+from gpipe import check_partitioning
 from gpipe import partitioning
 from gpipe import stage_call
+from gpipe import tpu_build
 from gpipe import trainer
 from gpipe.plan import candidate as candidate_lib
 from gpipe.plan import roofline
-from gpipe.plan import stacks
 from gpipe.plan import targets
-from lingvo.core import base_model
 import params.lm as lm
 from params import pod_blocks
 
 stage_call.EnsureFlagsParsed()
 
+MODEL = 'lm.CopyLMMeshSmallData'
 MESH = pod_blocks.PodMesh(stages=2, data=2, model=2)
-DIM, HEADS, HIDDEN, VOCAB, BATCH, M, R = 32, 4, 48, 40, 12, 3, 2
+DIM, HEADS, HIDDEN, BATCH, M, R = 32, 4, 48, 12, 3, 2
 
 
 def _Cfg():
-  task = lm.CopyLMParams(
-      vocab_size=VOCAB, model_dim=DIM, num_heads=HEADS, hidden_dim=HIDDEN,
-      blocks_per_stage=1, num_stages=MESH.stages, circular_repeat=R,
-      num_microbatches=M, dropout_prob=0.0, shard_stages_1d=False,
-      learning_rate=1e-3, max_steps=10, max_seq_len=16, batch_major=True,
-      mesh=MESH)
-  cfg = base_model.SingleTaskModel.Params(task)
-  cfg.input = lm.CopyTaskInput.Params().Set(vocab_size=VOCAB, copy_length=8,
-                                            batch_size=BATCH)
-  return cfg
+  return lm.model_registry.GetParams(MODEL, 'Train')
+
+
+def test_the_small_mesh_configs_are_the_pod_ones_in_small():
+  """Their mesh, body annotations and sizes: what the tests below assume."""
+  for name, mesh in ((MODEL, (2, 2, 2)), ('lm.CopyLMMeshSmall', (2, 1, 2))):
+    cfg = lm.model_registry.GetParams(name, 'Train')
+    stack = cfg.task.stack
+    assert np.shape(stack.device_mesh) == mesh
+    assert (stack.num_stages, stack.circular_repeat,
+            stack.num_microbatches) == (MESH.stages, R, M)
+    assert cfg.input.batch_size == BATCH and cfg.task.model_dim == DIM
+    block = stack.single_stage_body.block_tpl
+    assert block.tr_atten_tpl.atten_tpl.weight_split_dims_mapping == [
+        -1, 2, -1]
+    assert block.tr_fflayer_tpl.hidden_dim == HIDDEN
 
 
 def test_mesh_lm_equals_the_unrolled_model():
@@ -73,23 +84,13 @@ def test_a_mesh_needs_the_batch_major_body():
         learning_rate=1e-3, max_steps=1, mesh=MESH)
 
 
-class _TinyMeshTarget(targets.ModelTarget):
-  """The small mesh LM as a planner target (not a registered model)."""
-
-  def __init__(self):  # pylint: disable=super-init-not-called
-    self._cfg = _Cfg()
-    self._stack = stacks.FindStack(self._cfg.task, 'tiny mesh LM')
-    self.name = 'tiny mesh LM'
-    self.batch_size = BATCH
-    self._lingvos_layer = False
-
 
 @pytest.fixture(scope='module')
 def report():
   if not partitioning.IsAvailable():
     pytest.skip('needs jax')
   plan = candidate_lib.MakePlan(
-      _TinyMeshTarget(), [targets.Candidate(M, R)], MESH.num_devices,
+      targets.ModelTarget(MODEL), [targets.Candidate(M, R)], MESH.num_devices,
       roofline.CHIPS['v5e'], 16 * 2**30)
   return plan.reports[0]
 
@@ -186,8 +187,92 @@ def test_device_groups_read_both_spellings_and_name_axes():
 def test_tf_annotations_reach_the_planners_arguments():
   """The planner reads each variable's own annotation (AnnotatedShard)."""
   from gpipe.plan import train_step  # pylint: disable=g-import-not-at-top
-  with tf.Graph().as_default(), candidate_lib.AsOnTpu():
+  with tf.Graph().as_default(), tpu_build.AsOnTpu():
     task = _Cfg().task.Instantiate()
     w = task.stack.vars.body.blocks[0].self_atten.atten.query.w
     assert train_step.AnnotatedShard(w) == (1, R, DIM, HEADS // MESH.model,
                                             DIM // HEADS)
+
+
+# -- python -m gpipe.check_partitioning --model on the small mesh LM. ---------
+
+
+@pytest.fixture(scope='module')
+def checked():
+  if not partitioning.IsAvailable():
+    pytest.skip('needs jax')
+  cfg, stack = check_model.ModelStack(MODEL)
+  return check_model.CheckModelPartitioning(cfg, stack, MESH.num_devices)
+
+
+def test_the_model_partitioned_equals_it_on_one_device(checked):
+  """The loss and every trainable weight's gradient, 8 devices vs 1."""
+  names = checked.step.ResultNames()
+  assert names[0] == 'loss' and len(names) == len(checked.expected) > 10
+  for name, got, want in zip(names, checked.run.outputs, checked.expected):
+    assert np.abs(want).max() > 0, f'{name} is all zero: nothing checked'
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_the_check_finds_each_weight_split_as_annotated(checked):
+  """Stack weights 1/stages and their heads or hidden width 1/model per
+  device; the vocab-sized weights split over all 8 devices; no problem."""
+  shapes = {name: (full, shard)
+            for name, full, shard in checked.WeightShapes()}
+  full, shard = shapes['stack.body.blocks[0].self_atten.atten.query.w']
+  assert full == (MESH.stages, R, DIM, HEADS, DIM // HEADS)
+  assert shard == (1, R, DIM, HEADS // MESH.model, DIM // HEADS)
+  full, shard = shapes['stack.body.blocks[0].fflayer.fflayer.fc[1].w']
+  assert shard == (1, R, HIDDEN // MESH.model, DIM)
+  full, shard = shapes['emb.wm']
+  assert shard == (-(-full[0] // MESH.num_devices), DIM)
+  assert checked.Problems(1e-5) == []
+  assert checked.mesh_shape == (2, 2, 2) and checked.stage_axis == 0
+  assert checked.CountsByAxes(0)['collective-permute over stage'] == 2
+
+
+def test_the_check_names_a_weight_split_less_than_annotated(checked):
+  """Negative control: an annotation asking for a finer split than the
+  run's is a failed check naming the weight."""
+  step = checked.step
+  i = step.weight_names.index('stack.body.blocks[0].self_atten.atten.key.w')
+  annotated = list(step.annotated_shards)
+  annotated[i] = (1, R, DIM, 1, DIM // HEADS)
+  finer = dataclasses.replace(
+      checked, step=dataclasses.replace(step, annotated_shards=annotated))
+  problems = finer.Problems(1e-5)
+  assert len(problems) == 1, problems
+  assert problems[0].startswith('WEIGHTS SPLIT LESS THAN ANNOTATED: '
+                                'stack.body.blocks[0].self_atten.atten.key.w')
+
+
+def test_check_partitioning_command_takes_a_model(checked, monkeypatch,
+                                                  capsys):
+  """--model prints the check's summary by mesh axis and its verdict."""
+  monkeypatch.setattr(check_model, 'CheckModelPartitioning',
+                      lambda cfg, stack, n: checked)
+  assert check_partitioning.main(['--model', MODEL]) == 0
+  out = capsys.readouterr().out
+  assert 'a [2, 2, 2] mesh with the stages on axis 0' in out
+  assert '2 collective-permute over stage' in out
+  assert out.strip().endswith('OK')
+
+
+@pytest.mark.parametrize('argv, said', [
+    (['--model', 'lm.Nope'], "--model lm.Nope: Unknown model 'lm.Nope'."),
+    (['--model', MODEL, '--num_devices', '4'],
+     '--num_devices 4 does not match the layer: its device_mesh has 8 '
+     'devices. Use --num_devices 8.'),
+    (['--model', MODEL, '--model_module', 'no_such_module'],
+     '--model_module no_such_module cannot be imported '
+     "(ModuleNotFoundError: No module named 'no_such_module')."),
+])
+def test_check_partitioning_refuses_a_bad_model_in_one_line(argv, said,
+                                                            capsys):
+  assert check_partitioning.main(argv) == 2
+  # (Lingvo's registry prints what it imports; run as a command, those
+  # lines are quieted: quiet_test.)
+  err = [line for line in capsys.readouterr().err.splitlines()
+         if 'error' in line]
+  assert len(err) == 1 and err[0].startswith(
+      f'check_partitioning: error: {said}'), err

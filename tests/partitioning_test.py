@@ -31,6 +31,7 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import check_partitioning
 from gpipe import layers
+from gpipe import partitioned_step
 from gpipe import partitioning
 from gpipe import sharding
 from lingvo.core import py_utils
@@ -263,10 +264,11 @@ def test_check_partitioning_command(capsys):
 
 
 def test_weights_held_whole_are_reported_not_split():
-  report = check_partitioning.Report(
+  report = partitioned_step.Report(
       run=types.SimpleNamespace(param_shard_shapes=[(4, 8, 8), (1, 8)]),
-      step=types.SimpleNamespace(
-          weight_names=['body.w', 'body.b'], num_weights=2,
+      step=partitioned_step.PipelineStep(
+          fn=None, weight_names=['body.w', 'body.b'], grad_names=[],
+          num_inputs=0, variables=[],
           args=[np.zeros([4, 8, 8]), np.zeros([4, 8])]),
       expected=[], num_stages=4)
   assert report.UnsplitWeights() == ['body.w']

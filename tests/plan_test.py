@@ -43,6 +43,7 @@ from gpipe import lingvo_compat
 from gpipe import partitioning
 from gpipe import plan
 from gpipe import sharding
+from gpipe import tpu_build
 from gpipe.plan import candidate as candidate_lib
 from gpipe.plan import optimizers
 from gpipe.plan import plot
@@ -656,7 +657,7 @@ def test_lingvos_own_layer_is_built_for_the_same_step():
   its stage weights annotated as on a TPU (the planner lowers as for one)."""
   target = plan.LayerTarget(LayerParams(), [(BATCH, DIM)],
                             lingvos_layer=True)
-  with candidate_lib.AsOnTpu():
+  with tpu_build.AsOnTpu():
     step = target.Build(plan.Candidate(NUM_MICROBATCHES, 1), 'num_blocks')
   (_, stack), = train_step.FindPipelinedLayers(step.root)
   assert type(stack) is lingvo_compat.LingvosOwnLayer()

@@ -53,7 +53,6 @@ _EXPORTS = {
     'LayerTarget': 'targets',
     'CandidateReport': 'candidate',
     'PlanCandidate': 'candidate',
-    'AsOnTpu': 'candidate',
     'MakePlan': 'candidate',
     'Plan': 'report',
     'main': 'cli',

@@ -12,27 +12,25 @@ skipped; anything else that fails while building or compiling one is the
 model's or XLA's error, and MakePlan raises it as a CandidateError.
 """
 
-import contextlib
 import dataclasses
 import functools
 import re
 import time
 
-from absl import flags as absl_flags
 import numpy as np
 
 from gpipe import check_partitioning
 from gpipe import layers as gpipe_layers
+from gpipe import partitioned_step
 from gpipe import partitioning
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
 from gpipe import spmd_worker
-from gpipe import stage_call
+from gpipe import tpu_build
 from gpipe.plan import roofline
 from gpipe.plan import targets
 from gpipe.plan import train_step
 from gpipe.plan.report import Plan
-from lingvo.core import scatter_update
 
 
 @dataclasses.dataclass
@@ -144,11 +142,6 @@ class CandidateReport:
       })
     return summaries
 
-  def MeshAxesName(self, axes):
-    """'stage', 'axis 2', 'stage+axis 1', ...: the mesh axes of a group."""
-    return '+'.join('stage' if a == self.stage_axis else f'axis {a}'
-                    for a in axes) or 'all devices'
-
   def ByMeshAxes(self, collectives):
     """{'kind over axes': {count, bytes}}: which mesh axes each runs on
     (the rotation's permutes on the stage axis, a model axis's
@@ -156,7 +149,7 @@ class CandidateReport:
     mesh = self.mesh_shape or (self.compiled.num_devices,)
     return _CountAndBytes(
         collectives,
-        lambda c: f'{c.kind} over {self.MeshAxesName(c.MeshAxes(mesh))}')
+        lambda c: partitioning.KindOverAxes(c, mesh, self.stage_axis))
 
   @property
   def outside_by_mesh_axes(self):
@@ -293,7 +286,7 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
                   depth_param='num_blocks'):
   """Lowers, partitions and compiles one candidate; a CandidateReport."""
   start = time.time()
-  with AsOnTpu():  # Lingvo's layers annotate their weights when built for one
+  with tpu_build.AsOnTpu():  # Lingvo's layers annotate their weights when built for one
     step = target.Build(candidate, depth_param)
   stacks = train_step.FindPipelinedLayers(step.root)
   stack_p = stacks[0][1].params
@@ -310,7 +303,7 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
     with sharding.SpmdPartitioning(False):
       return step(*args)
 
-  with AsOnTpu():
+  with tpu_build.AsOnTpu():
     partitioned = partitioning.LowerFromShapes(Partitioned, step.specs)
     reference = partitioning.LowerFromShapes(Unpartitioned, step.specs)
   compiled = partitioning.CompileFromShapes(
@@ -318,14 +311,10 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
       num_devices,
       reference_proto=reference,
       aliases=step.aliases)
-  mesh, stage_axis = sharding.StagePlacement(
-      stack_p.num_stages, stack_p.shard_stages_1d, stack_p.device_mesh,
-      stack_p.pipeline_stage_mesh_dim).mesh or (np.arange(num_devices), 0)
   return CandidateReport(candidate=candidate, schedule=sched,
                          compiled=compiled, step=step, chip=chip,
                          hbm_bytes=hbm_bytes, seconds=time.time() - start,
-                         mesh_shape=tuple(np.shape(mesh)),
-                         stage_axis=stage_axis)
+                         **partitioned_step.StackMesh(stack_p, num_devices))
 
 
 def _CountAndBytes(collectives, key):
@@ -335,31 +324,6 @@ def _CountAndBytes(collectives, key):
     count, nbytes = totals.get(key(c), (0, 0))
     totals[key(c)] = (count + 1, nbytes + c.bytes)
   return {k: {'count': n, 'bytes': b} for k, (n, b) in sorted(totals.items())}
-
-
-@contextlib.contextmanager
-def AsOnTpu():
-  """Lingvo layers build the code they would build for a TPU job.
-
-  Lingvo picks some ops by --xla_device: on a TPU, e.g., a projection of a
-  [time, batch, dim] input is an einsum; elsewhere a broadcasting matmul
-  whose weight gradient materializes one [dim, hidden] product per time
-  step before summing them; and weights get the sharding annotations
-  their layers attach only for a TPU. The planner describes the TPU
-  program, so it builds and lowers with xla_device='tpu' (and asserts off,
-  as on a TPU). Lingvo's row writes (scatter_update, e.g. in its
-  Recurrent) are the functional kind: TensorFlow's InplaceUpdate op has no
-  XLA kernel.
-  """
-  stage_call.EnsureFlagsParsed()
-  flags = absl_flags.FLAGS
-  saved = flags.xla_device, flags.enable_asserts
-  flags.xla_device, flags.enable_asserts = 'tpu', False
-  try:
-    with scatter_update.SetInplaceUpdate(False):
-      yield
-  finally:
-    flags.xla_device, flags.enable_asserts = saved
 
 
 class CandidateError(RuntimeError):

@@ -15,7 +15,7 @@ import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import check_partitioning
 from gpipe import param_checks
 from gpipe import partitioning
-from gpipe import remat
+from gpipe import registered_models
 from gpipe import stage_call
 from gpipe.plan import candidate as candidate_lib
 from gpipe.plan import flags
@@ -31,8 +31,14 @@ def _Target(parser, args):
     if args.input_shape:
       parser.error('--input_shape goes with --params; a --model has its own '
                    'input generator.')
+    try:
+      registered_models.ImportModules(args.model_module)
+    except LookupError as e:
+      raise targets.PlanError(str(e)) from None
     return targets.ModelTarget(args.model,
                                lingvos_layer=args.pipeline_layer == 'lingvo')
+  if args.model_module:
+    parser.error('--model_module goes with --model.')
   if not args.input_shape:
     parser.error('--params needs --input_shape (one per input).')
   return targets.LayerTarget(_LoadParams(args.params), args.input_shape,

@@ -82,6 +82,9 @@ def Parse(argv=None):
   what = parser.add_mutually_exclusive_group(required=True)
   what.add_argument('--model', help='a registered Lingvo model, e.g. '
                     'lm.CopyLMPod8x2')
+  parser.add_argument('--model_module', action='append', default=[],
+                      help='with --model: a module to import first, which '
+                      'registers models of your own; repeat for several')
   what.add_argument('--params', help='PipelinedLayer Params, or a function '
                     'returning them: module.attribute of an importable '
                     'module, or path/to/file.py:attribute')

@@ -169,20 +169,11 @@ class TrainStep:
     slots = list(flat[n_w:n_w + n_s])
     inputs = self._input_specs.Pack(list(flat[n_w + n_s:n_w + n_s + n_i]))
     global_step, learning_rate = flat[n_w + n_s + n_i:]
-    weights = self._Place(weights)
     # Read and written where they live: an aliased slot's input and output
     # must agree, which propagation alone need not make them.
     slots = self._PlaceSlots(slots)
-    with tf.GradientTape() as tape:
-      tape.watch(weights)
-      with py_utils.GlobalStepContext(global_step):
-        py_utils.ResetStepSeed()
-        loss = self._loss_fn(self._theta.Pack(weights), inputs)
-    trainable = [weights[i] for i in self._trainable]
-    grads = [
-        tf.convert_to_tensor(g) if g is not None else tf.zeros_like(w)
-        for g, w in zip(tape.gradient(loss, trainable), trainable)
-    ]
+    loss, trainable, grads = self._LossAndGradients(weights, inputs,
+                                                    global_step)
     if self.clip_norm > 0:
       grads, _ = tf.clip_by_global_norm(grads, self.clip_norm)
     slots_of = {i: [] for i in self._trainable}
@@ -196,6 +187,35 @@ class TrainStep:
       new_slots += new_ws
     new_weights = self._PlaceTrainable(new_weights)
     return [loss] + new_weights + self._PlaceSlots(new_slots)
+
+  def Gradients(self, *flat):
+    """(loss, *gradients of the trainable weights) of flat = (*weights,
+    *inputs) at global step 0: the step up to its update, unclipped, to
+    check a partitioned run of it against one device."""
+    n_w = len(self.weight_args)
+    inputs = self._input_specs.Pack(list(flat[n_w:]))
+    loss, _, grads = self._LossAndGradients(
+        list(flat[:n_w]), inputs, tf.constant(0, tf.int64))
+    return [loss] + grads
+
+  def _LossAndGradients(self, weights, inputs, global_step):
+    """(loss, placed trainable weights, their gradients)."""
+    weights = self._Place(weights)
+    with tf.GradientTape() as tape:
+      tape.watch(weights)
+      with py_utils.GlobalStepContext(global_step):
+        py_utils.ResetStepSeed()
+        loss = self._loss_fn(self._theta.Pack(weights), inputs)
+    trainable = [weights[i] for i in self._trainable]
+    grads = [
+        tf.convert_to_tensor(g) if g is not None else tf.zeros_like(w)
+        for g, w in zip(tape.gradient(loss, trainable), trainable)
+    ]
+    return loss, trainable, grads
+
+  @property
+  def trainable_args(self):
+    return [self.weight_args[i] for i in self._trainable]
 
   def _PlaceSlots(self, values):
     """Annotates slot values (slot_args order) that follow their weight.
@@ -346,14 +366,17 @@ def FindPipelinedLayers(layer, path=''):
   return found
 
 
-def TaskStep(task, input_specs):
-  """The training step of a built Lingvo task with its own optimizer."""
+def TaskStep(task, input_specs, own_optimizer=True):
+  """The training step of a built Lingvo task with its own optimizer (or,
+  for a step only its Gradients are taken of, plain SGD)."""
 
   def Loss(theta, batch):
     with py_utils.TaskCallScope(task):
       metrics, _ = task.FPropTower(theta, batch)
     return metrics['loss'][0]
 
+  if not own_optimizer:
+    return TrainStep(task, input_specs, Loss, optimizers.Sgd())
   optimizer, clip_norm = LearnerOf(task.params)
   return TrainStep(task, input_specs, Loss, optimizer, clip_norm)
 
