@@ -15,6 +15,16 @@ name):
 M is the client's `num_pipeline_microbatches`, R its `circular_repeat`; R
 varies at a fixed depth through its stage's `num_layers`; the remat policy
 is gpipe's default (the client passes none).
+
+`GShardUniTransformerLM` is the other kind Lingvo users have: a task its
+GShard builder pipelines (`gshard_builder.UniTransformer` with
+`num_spmd_pipeline_stages` > 1). The builder places the stage dim nowhere;
+the planner builds it with the stages over num_stages devices. M is the
+task's `num_spmd_pipeline_microbatches`; R is 1 (the builder has no
+circular repeat):
+
+    python -m gpipe.plan --model examples.lingvo_client_lm.GShardUniTransformerLM \\
+        --num_devices 2 --num_microbatches 2,4
 """
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
@@ -23,6 +33,7 @@ from lingvo import model_registry
 from lingvo.core import base_model
 from lingvo.core import base_model_params
 from lingvo.core import batch_major_attention
+from lingvo.core import gshard_builder
 from lingvo.core import layers
 from lingvo.core import optimizer
 from lingvo.core import py_utils
@@ -84,6 +95,48 @@ class PipelinedTransformerLM(base_model_params.SingleTaskModelParams):
         num_pipeline_microbatches=4, circular_repeat=1, shard_stages_1d=True)
     p = ClientLMTask.Params().Set(name='client_lm', vocab_size=16,
                                   model_dim=16, stack=stack)
+    p.train.learning_rate = 1e-3
+    p.train.optimizer = optimizer.Adam.Params()
+    return p
+
+
+class CopyTaskTgtInput(lm.CopyTaskInput):
+  """The copy task with the fields UniTransformer reads: one segment a row."""
+
+  def _InputBatch(self):
+    batch = super()._InputBatch()
+    ids = batch.ids
+    batch.segment_ids = tf.ones_like(ids)
+    batch.segment_pos = tf.broadcast_to(
+        tf.range(py_utils.GetShape(ids)[1]), py_utils.GetShape(ids))
+    return batch
+
+
+@model_registry.RegisterSingleTaskModel
+class GShardUniTransformerLM(base_model_params.SingleTaskModelParams):
+  """Lingvo's GShard UniTransformer (dense builder, relative-bias
+  attention, as Lingvo's own test model), 2 pipeline stages of one
+  Transformer layer each, 4 microbatches."""
+
+  def Train(self):
+    return CopyTaskTgtInput.Params().Set(vocab_size=16, copy_length=4,
+                                         batch_size=8)
+
+  def Task(self):
+    builder = gshard_builder.DenseBuilder.Params().Set(
+        device_mesh_shape=[1, 1], device_mesh=None, dtype=tf.float32,
+        relative_attention_type='bias', relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        relative_attention_use_universal_1d_position=True,
+        num_devices=1, model_dim=16, attention_num_heads=2, ff_dim=32,
+        attention_key_value_dim=8, attention_combine_dims=True,
+        dropout_rate=0.0)
+    p = gshard_builder.UniTransformer.Params().Set(
+        name='gshard_lm', builder=builder, dtype=tf.float32,
+        gated_gelu=False, positional_embedding=False, batch_size=8,
+        sequence_length=8, max_length=8, vocab_size=16,
+        num_transformer_layers=2, num_spmd_pipeline_stages=2,
+        num_spmd_pipeline_microbatches=4)
     p.train.learning_rate = 1e-3
     p.train.optimizer = optimizer.Adam.Params()
     return p

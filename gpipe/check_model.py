@@ -15,12 +15,12 @@ that should split its heads) is named.
 """
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
-from gpipe import lingvo_compat
 from gpipe import partitioned_step
 from gpipe import registered_models
 from gpipe import sharding
@@ -29,8 +29,15 @@ from gpipe.plan import stacks
 from gpipe.plan import train_step
 
 
-def ModelStack(name):
-  """(model params, the Params of its pipelined layer).
+@dataclasses.dataclass(frozen=True)
+class Model:
+  cfg: object  # the registered model's Params (task and input)
+  stack: object  # where its pipelined stack is (gpipe.plan.stacks)
+  stack_params: object  # the PipelinedLayer Params the stack amounts to
+
+
+def FindModel(name):
+  """The registered model `name` and its pipelined stack, as a Model.
 
   Raises:
     ValueError: no such model, or not one pipelined stack in it; one line.
@@ -38,21 +45,24 @@ def ModelStack(name):
   try:
     cfg = registered_models.GetParams(name, 'Train')
     stack = stacks.FindStack(cfg.task, f'{name} task')
-    return cfg, stack.StackParams(cfg.task)
+    return Model(cfg, stack, stack.StackParams(cfg.task))
   except (LookupError, stacks.StackError) as e:
     raise ValueError(f'--model {name}: {e}') from None
 
 
 @contextlib.contextmanager
-def _AsForTpuWithGpipe():
-  with tpu_build.AsOnTpu(), lingvo_compat.UseGpipeInLingvo():
+def _AsForTpuOnGpipe(model):
+  """Built as for a TPU, with gpipe's layer switched in as the planner
+  switches it for this kind of stack."""
+  with tpu_build.AsOnTpu(), model.stack.Switch():
     yield
 
 
-def BuildModelStep(cfg, seed=0):
+def BuildModelStep(model, seed=0):
   """A partitioned_step.PipelineStep of the model's training step."""
+  cfg = model.cfg
   graph = tf.Graph()
-  with graph.as_default(), _AsForTpuWithGpipe():
+  with graph.as_default(), _AsForTpuOnGpipe(model):
     tf.compat.v1.set_random_seed(seed)
     task = cfg.task.Instantiate()
     batch = cfg.input.Instantiate().GetPreprocessedInputBatch()
@@ -73,16 +83,16 @@ def BuildModelStep(cfg, seed=0):
       result_names=['loss'] + [f'd loss/d {n}' for n in grad_names])
 
 
-def CheckModelPartitioning(cfg, stack_params, num_devices, seed=0):
+def CheckModelPartitioning(model, num_devices, seed=0):
   """Partitions one training step of the model; a partitioned_step.Report."""
-  step = BuildModelStep(cfg, seed)
+  step = BuildModelStep(model, seed)
   # Built for a TPU, the stages would run in their manual region, which
   # one device without the partitioner cannot run: the reference says not.
-  with _AsForTpuWithGpipe(), sharding.SpmdPartitioning(False):
+  with _AsForTpuOnGpipe(model), sharding.SpmdPartitioning(False):
     expected = partitioned_step.RunUnpartitioned(step)
-  with _AsForTpuWithGpipe():
+  with _AsForTpuOnGpipe(model):
     run = partitioned_step.RunStepPartitioned(step, num_devices)
   return partitioned_step.Report(
       run=run, step=step, expected=expected,
-      num_stages=stack_params.num_stages,
-      **partitioned_step.StackMesh(stack_params, num_devices))
+      num_stages=model.stack_params.num_stages,
+      **partitioned_step.StackMesh(model.stack_params, num_devices))

@@ -367,13 +367,13 @@ def _CheckModel(args):
   from gpipe import registered_models  # pylint: disable=g-import-not-at-top
   try:
     registered_models.ImportModules(args.model_module)
-    cfg, stack = check_model.ModelStack(args.model)
-    num_devices = CheckDevices(stack, args.num_devices)
+    model = check_model.FindModel(args.model)
+    num_devices = CheckDevices(model.stack_params, args.num_devices)
   except (ValueError, LookupError) as e:
     print(f'check_partitioning: error: {e}', file=sys.stderr)
     return 2
   try:
-    report = check_model.CheckModelPartitioning(cfg, stack, num_devices)
+    report = check_model.CheckModelPartitioning(model, num_devices)
   except RuntimeError as e:  # XLA's partitioner or compiler gave up
     print(f'check_partitioning: error: {PartitionerMessage(e)}',
           file=sys.stderr)

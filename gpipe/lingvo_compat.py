@@ -21,12 +21,36 @@ from lingvo.core import gshard_layers
 _LINGVO_LAYER = gshard_layers.LayerwiseShardablePipelinedLayer
 
 
-class UseGpipeInLingvo:
-  """Makes Lingvo build gpipe's layer; as a context manager, until exit."""
+class StagesOverDevicesLayer(layers.PipelinedLayer):
+  """gpipe's layer, its stage dim over num_stages devices unless told.
 
-  def __init__(self):
+  Lingvo's GShard builders (`MoEBuilder.ShardablePipeline`) create the
+  pipelined layer with neither shard_stages_1d nor pipeline_stage_mesh_dim,
+  so its stage-stacked weights live whole on every device. Built as this
+  class, such a layer gets shard_stages_1d; a layer whose Params place
+  its stages keeps that place.
+  """
+
+  def __init__(self, params):
+    if not params.shard_stages_1d and params.pipeline_stage_mesh_dim is None:
+      params = params.Copy().Set(shard_stages_1d=True)
+    super().__init__(params)
+
+
+class UseGpipeInLingvo:
+  """Makes Lingvo build gpipe's layer; as a context manager, until exit.
+
+  With `split_unplaced_stages`, the layer built is StagesOverDevicesLayer:
+  a builder's stack that places its stages nowhere gets them split over
+  num_stages devices (as a pod run needs; the planner builds such a model
+  this way).
+  """
+
+  def __init__(self, split_unplaced_stages=False):
     self._previous = gshard_layers.LayerwiseShardablePipelinedLayer
-    gshard_layers.LayerwiseShardablePipelinedLayer = layers.PipelinedLayer
+    gshard_layers.LayerwiseShardablePipelinedLayer = (
+        StagesOverDevicesLayer if split_unplaced_stages else
+        layers.PipelinedLayer)
 
   def __enter__(self):
     return self
@@ -38,7 +62,8 @@ class UseGpipeInLingvo:
 
 def LingvoBuildsGpipe():
   """True while Lingvo's pipeline layer name means gpipe's layer."""
-  return gshard_layers.LayerwiseShardablePipelinedLayer is layers.PipelinedLayer
+  return issubclass(gshard_layers.LayerwiseShardablePipelinedLayer,
+                    layers.PipelinedLayer)
 
 
 def LingvosOwnLayer():

@@ -16,6 +16,7 @@ from gpipe import lingvo_compat
 from lingvo.core import batch_major_attention
 from lingvo.core import gshard_layers
 from lingvo.core import py_utils
+from tests import bodies
 
 DIM, HEADS, TIME = 8, 2, 4
 
@@ -43,6 +44,26 @@ def test_the_switch_applies_and_undoes():
       layer = _Params(2, 2, 1, 'never').Instantiate()
     assert type(layer.pipeline) is layers.PipelinedLayer  # pylint: disable=unidiomatic-typecheck
   assert gshard_layers.LayerwiseShardablePipelinedLayer is lingvos
+
+
+def test_the_splitting_switch_places_only_unplaced_stages():
+  """split_unplaced_stages: a client that places its stages nowhere gets
+  shard_stages_1d; one that places them keeps its placement."""
+  with lingvo_compat.UseGpipeInLingvo(split_unplaced_stages=True):
+    assert lingvo_compat.LingvoBuildsGpipe()
+    with tf.Graph().as_default():
+      unplaced = _Params(2, 2, 1, 'never', shard_stages_1d=False)
+      unplaced = unplaced.Instantiate().pipeline
+      mesh = gshard_layers.LayerwiseShardablePipelinedLayer.Params().Set(
+          name='mesh', num_stages=2,
+          single_stage_body=bodies.DenseBody.Params().Set(dim=DIM),
+          device_mesh=np.arange(4).reshape(2, 2), pipeline_stage_mesh_dim=0)
+      mesh = mesh.Instantiate()
+  assert isinstance(unplaced, lingvo_compat.StagesOverDevicesLayer)
+  assert unplaced.params.shard_stages_1d
+  assert not mesh.params.shard_stages_1d
+  assert mesh.params.pipeline_stage_mesh_dim == 0
+  assert not lingvo_compat.LingvoBuildsGpipe()
 
 
 def _Step(layer, x, paddings):

@@ -201,8 +201,8 @@ def test_tf_annotations_reach_the_planners_arguments():
 def checked():
   if not partitioning.IsAvailable():
     pytest.skip('needs jax')
-  cfg, stack = check_model.ModelStack(MODEL)
-  return check_model.CheckModelPartitioning(cfg, stack, MESH.num_devices)
+  return check_model.CheckModelPartitioning(check_model.FindModel(MODEL),
+                                            MESH.num_devices)
 
 
 def test_the_model_partitioned_equals_it_on_one_device(checked):
@@ -250,7 +250,7 @@ def test_check_partitioning_command_takes_a_model(checked, monkeypatch,
                                                   capsys):
   """--model prints the check's summary by mesh axis and its verdict."""
   monkeypatch.setattr(check_model, 'CheckModelPartitioning',
-                      lambda cfg, stack, n: checked)
+                      lambda model, n: checked)
   assert check_partitioning.main(['--model', MODEL]) == 0
   out = capsys.readouterr().out
   assert 'a [2, 2, 2] mesh with the stages on axis 0' in out

@@ -10,6 +10,7 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 from gpipe import layers as gpipe_layers
+from gpipe import lingvo_compat
 from gpipe import partitioning
 from gpipe import plan
 from gpipe.plan import candidate as candidate_lib
@@ -90,3 +91,58 @@ def test_an_unknown_module_is_said_in_one_line(capsys):
       "error: --model no_such_pkg.params.Model: Unknown model"), errors
   assert ("module no_such_pkg.params cannot be imported "
           "(ModuleNotFoundError: No module named 'no_such_pkg')") in errors[0]
+
+
+# -- A task Lingvo's GShard builder pipelines (gshard_builder.UniTransformer).
+
+GSHARD_MODEL = 'examples.lingvo_client_lm.GShardUniTransformerLM'
+
+
+def test_a_gshard_builder_task_is_found_with_its_stages_split():
+  """The builder's pipelined layer is built with its stage dim over the
+  stages' devices (the builder sets no placement); M is the task's."""
+  task = registered_models.GetParams(GSHARD_MODEL, 'Train').task
+  stack = stacks.FindStack(task, 'gshard task')
+  assert isinstance(stack, stacks.GshardClient) and stack.path == '.'
+  p = stack.StackParams(task)
+  assert p.cls is lingvo_compat.StagesOverDevicesLayer
+  assert p.num_stages == 2 and p.shard_stages_1d
+  stack.Reshape(task, targets.Candidate(2, 1), 'num_blocks')
+  assert task.num_spmd_pipeline_microbatches == 2
+
+
+def test_a_gshard_builder_task_plans_only_r1_and_the_default_policy():
+  task = registered_models.GetParams(GSHARD_MODEL, 'Train').task
+  stack = stacks.FindStack(task, 'gshard task')
+  with pytest.raises(stacks.StackError,
+                     match='without circular repeats; plan only '
+                     'circular_repeat=1'):
+    stack.Reshape(task, targets.Candidate(4, 2), 'num_blocks')
+  with pytest.raises(stacks.StackError, match='plan only that one'):
+    stack.Reshape(task, targets.Candidate(4, 1, 'save_all'), 'num_blocks')
+
+
+def test_the_gshard_builder_task_is_planned_through_the_switch():
+  """Its step, with the softmax weights read from theta (the task's
+  read_vars_from_theta), partitions with each stage weight on its device
+  and the rotation on the stage axis."""
+  if not partitioning.IsAvailable():
+    pytest.skip('needs jax')
+  target = targets.ModelTarget(GSHARD_MODEL)
+  result = candidate_lib.MakePlan(
+      target, [targets.Candidate(4, 1), targets.Candidate(4, 2)], 2,
+      roofline.CHIPS['v5e'], 2**30)
+  report, = result.reports
+  (_, reason), = result.skipped
+  assert 'plan only circular_repeat=1' in reason
+  (_, layer), = train_step.FindPipelinedLayers(report.step.root)
+  assert isinstance(layer, lingvo_compat.StagesOverDevicesLayer)
+  staged = [(a, s) for a, s in zip(report.step.args,
+                                   report.compiled.param_shard_shapes)
+            if a.on_stages]
+  assert staged
+  for arg, shard in staged:
+    assert shard[0] == 1 and arg.spec.shape[0] == 2, (arg.name, shard)
+  assert report.Problems() == []
+  forward = report.LoopSummaries()[0]
+  assert set(forward['by_mesh_axes']) == {'collective-permute over stage'}

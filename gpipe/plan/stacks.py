@@ -11,10 +11,17 @@ A task's pipelined stack is one of:
                  `UseGpipeInLingvo()` it builds gpipe's layer; its
                  pipelined layer exists only in the built task, so the
                  stack's Params are read off a built copy.
+  GshardClient   a task built by Lingvo's GShard builder with
+                 `num_spmd_pipeline_stages` > 1 (`gshard_builder.
+                 UniTransformer`): the builder makes the pipelined layer
+                 in the task's __init__, its stage dim placed nowhere, so
+                 it is built with its stages over num_stages devices
+                 (lingvo_compat.StagesOverDevicesLayer).
 
     FindStack(task_params) -> stack
     stack.Reshape(task_params, candidate, depth_param)   # a copy's, in place
     stack.StackParams(task_params)  # the PipelinedLayer Params it amounts to
+    with stack.Switch(): task = task_params.Instantiate()  # on gpipe
 
 `FindStack` refuses a task with no pipelined stack or with several, in
 one line.
@@ -58,6 +65,10 @@ class GpipeStack:
   def Validate(self, task_params, batch_size):
     gpipe_layers.ValidateParams(_Get(task_params, self.path), batch_size)
 
+  @staticmethod
+  def Switch():
+    return lingvo_compat.UseGpipeInLingvo()
+
 
 class LingvoClient:
   """Lingvo's PipelinedTransformerLayers at `path`, built on gpipe's layer.
@@ -80,18 +91,16 @@ class LingvoClient:
   def StackParams(self, task_params):
     """The Params of the pipelined layer the client builds (in a scratch
     graph, with gpipe's layer switched in)."""
-    return _BuiltStackParams(task_params.Copy())
+    return _BuiltStackParams(task_params.Copy(), self.Switch())
+
+  @staticmethod
+  def Switch():
+    return lingvo_compat.UseGpipeInLingvo()
 
   def Reshape(self, task_params, candidate, depth_param):
     del depth_param  # the client's stage keeps its depth in num_layers
     client = _Get(task_params, self.path)
-    default = gpipe_layers.PipelinedLayer.Params()
-    if candidate.remat_policy != param_checks.RematPolicy(default):
-      raise StackError(
-          f'remat_policy={candidate.remat_policy!r}: '
-          f'{client.cls.__name__} builds its pipelined layer without a '
-          'remat policy, so it runs gpipe\'s default '
-          f'{param_checks.RematPolicy(default)!r}; plan only that one.')
+    _OnlyTheDefaultPolicy(candidate, client.cls.__name__)
     _KeepDepth(client.pipeline_stage, self.DEPTH_PARAM,
                client.circular_repeat, candidate.circular_repeat,
                client.num_pipeline_stages, None)
@@ -101,6 +110,49 @@ class LingvoClient:
 
   def Validate(self, task_params, batch_size):
     del task_params, batch_size  # the built layer checks its own
+
+
+class GshardClient(LingvoClient):
+  """A task Lingvo's GShard builder pipelines (gshard_builder.UniTransformer
+  and its kin: `num_spmd_pipeline_stages` > 1), built on gpipe's layer.
+
+  M is the task's `num_spmd_pipeline_microbatches` (the builder splits the
+  batch into microbatches before the pipeline); the builder makes no
+  circular repeat and passes no remat policy, so only R = 1 and gpipe's
+  default policy can be planned. Its stage dim, which the builder places
+  nowhere, is split over num_stages devices.
+  """
+
+  @staticmethod
+  def Matches(p):
+    return ('builder' in p and 'num_spmd_pipeline_stages' in p and
+            (p.num_spmd_pipeline_stages or 1) > 1)
+
+  @staticmethod
+  def Switch():
+    return lingvo_compat.UseGpipeInLingvo(split_unplaced_stages=True)
+
+  def Reshape(self, task_params, candidate, depth_param):
+    del depth_param  # the builder keeps the depth in num_transformer_layers
+    task = _Get(task_params, self.path)
+    _OnlyTheDefaultPolicy(candidate, task.cls.__name__)
+    if candidate.circular_repeat != 1:
+      raise StackError(
+          f'circular_repeat={candidate.circular_repeat}: '
+          f'{task.cls.__name__}\'s GShard builder pipelines without '
+          'circular repeats; plan only circular_repeat=1.')
+    task.Set(num_spmd_pipeline_microbatches=candidate.num_microbatches)
+
+
+def _OnlyTheDefaultPolicy(candidate, client_name):
+  """Raises StackError unless the candidate's policy is gpipe's default: a
+  Lingvo client builds its pipelined layer without a remat policy."""
+  default = param_checks.RematPolicy(gpipe_layers.PipelinedLayer.Params())
+  if candidate.remat_policy != default:
+    raise StackError(
+        f'remat_policy={candidate.remat_policy!r}: {client_name} builds '
+        'its pipelined layer without a remat policy, so it runs gpipe\'s '
+        f'default {default!r}; plan only that one.')
 
 
 def FindStack(task_params, where):
@@ -114,8 +166,9 @@ def FindStack(task_params, where):
     raise StackError(
         f'{where} has {len(found)} pipelined stacks '
         f'({", ".join(s.path for s in found) or "none"}); the planner '
-        'plans a model with exactly one: gpipe\'s PipelinedLayer, or '
-        'Lingvo\'s PipelinedTransformerLayers.')
+        'plans a model with exactly one: gpipe\'s PipelinedLayer, '
+        'Lingvo\'s PipelinedTransformerLayers, or a GShard builder\'s '
+        'task with num_spmd_pipeline_stages > 1.')
   return found[0]
 
 
@@ -126,6 +179,9 @@ def _FindStacks(p, path):
     return
   if isinstance(cls, type) and LingvoClient.Matches(p):
     yield LingvoClient(path or '.')
+    return
+  if isinstance(cls, type) and GshardClient.Matches(p):
+    yield GshardClient(path or '.')
     return
   for name, value in p.IterParams():
     values = value if isinstance(value, (list, tuple)) else [value]
@@ -161,10 +217,11 @@ def _KeepDepth(body, depth_param, r0, r, num_stages, hint):
   body.Set(**{depth_param: depth // r})
 
 
-def _BuiltStackParams(task_params):
-  """The Params of the one pipelined layer in the task built from them."""
+def _BuiltStackParams(task_params, switch):
+  """The Params of the one pipelined layer in the task built from them
+  (with `switch`, a lingvo_compat.UseGpipeInLingvo)."""
   from gpipe.plan import train_step  # pylint: disable=g-import-not-at-top
-  with tf.Graph().as_default(), lingvo_compat.UseGpipeInLingvo():
+  with tf.Graph().as_default(), switch:
     task = task_params.Instantiate()
   found = train_step.FindPipelinedLayers(task)
   if len(found) != 1:

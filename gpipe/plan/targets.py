@@ -39,9 +39,10 @@ class ModelTarget:
   """A registered Lingvo model whose task holds one pipelined stack.
 
   The stack is gpipe's PipelinedLayer in the task's Params, or a Lingvo
-  client that builds one (PipelinedTransformerLayers; see gpipe.plan.
-  stacks): the task is built with `UseGpipeInLingvo()`, so either way the
-  step runs gpipe's layer. With `lingvos_layer`, it runs Lingvo's own
+  client that builds one (PipelinedTransformerLayers, a GShard builder's
+  task; see gpipe.plan.stacks): the task is built with gpipe's layer
+  switched in (`stack.Switch()`), so either way the step runs gpipe's
+  layer. With `lingvos_layer`, it runs Lingvo's own
   LayerwiseShardablePipelinedLayer from the same Params instead (all but
   the remat policy: Lingvo's layer always recomputes), to plan both side
   by side.
@@ -77,7 +78,7 @@ class ModelTarget:
       _SwapForLingvosLayer(cfg.task, self.name)
     with tf.Graph().as_default(), contextlib.ExitStack() as switch:
       if not self._lingvos_layer:
-        switch.enter_context(lingvo_compat.UseGpipeInLingvo())
+        switch.enter_context(self._stack.Switch())
       task = cfg.task.Instantiate()
     return train_step.TaskStep(task, train_step.InputSpecs(cfg.input))
 

@@ -30,6 +30,7 @@ weights passed in as theta.
 """
 
 import dataclasses
+import inspect
 
 import tensorflow as tf
 
@@ -372,13 +373,25 @@ def TaskStep(task, input_specs, own_optimizer=True):
 
   def Loss(theta, batch):
     with py_utils.TaskCallScope(task):
-      metrics, _ = task.FPropTower(theta, batch)
+      predictions = _PredictionsFromTheta(task, theta, batch)
+      metrics, _ = task.ComputeLoss(theta, predictions, batch)
     return metrics['loss'][0]
 
   if not own_optimizer:
     return TrainStep(task, input_specs, Loss, optimizers.Sgd())
   optimizer, clip_norm = LearnerOf(task.params)
   return TrainStep(task, input_specs, Loss, optimizer, clip_norm)
+
+
+def _PredictionsFromTheta(task, theta, batch):
+  """task.ComputePredictions (as FPropTower calls it), every weight read
+  from theta: the step's weights are its arguments. A task that reads
+  some variables itself unless told (GShard's UniTransformer: the softmax
+  weights) is told, by its `read_vars_from_theta`."""
+  parameters = inspect.signature(task.ComputePredictions).parameters
+  if 'read_vars_from_theta' in parameters:
+    return task.ComputePredictions(theta, batch, read_vars_from_theta=True)
+  return task.ComputePredictions(theta, batch)
 
 
 def LayerStep(layer, input_shapes, optimizer=None):
