@@ -20,10 +20,13 @@ import tensorflow as tf
 from gpipe import check_model
 from gpipe import check_partitioning
 from gpipe import partitioning
+from gpipe import plan
 from gpipe import stage_call
 from gpipe import tpu_build
 from gpipe import trainer
 from gpipe.plan import candidate as candidate_lib
+from gpipe.plan import cli as plan_cli
+from gpipe.plan import flags as plan_flags
 from gpipe.plan import roofline
 from gpipe.plan import targets
 import params.lm as lm
@@ -276,3 +279,64 @@ def test_check_partitioning_refuses_a_bad_model_in_one_line(argv, said,
          if 'error' in line]
   assert len(err) == 1 and err[0].startswith(
       f'check_partitioning: error: {said}'), err
+
+
+# -- python -m gpipe.plan --mesh: trading stages for other mesh axes. ---------
+
+
+def test_plan_trades_stages_for_a_data_axis_at_the_same_depth():
+  """Mesh 4x1x2 with R=1: 4 stages of one block (the model's 2 stages x 2
+  repeats x 1 block), each stage weight on its 2 devices, split by heads
+  over the model axis; 4x2x1 with R=2 would need half a block per stage
+  body: skipped, said why. The table shows each candidate's mesh."""
+  if not partitioning.IsAvailable():
+    pytest.skip('needs jax')
+  result = candidate_lib.MakePlan(
+      targets.ModelTarget(MODEL),
+      [targets.Candidate(M, 1, 'recompute', (4, 1, 2)),
+       targets.Candidate(M, 2, 'recompute', (4, 2, 1))],
+      MESH.num_devices, roofline.CHIPS['v5e'], 16 * 2**30)
+  report, = result.reports
+  (skipped, reason), = result.skipped
+  assert skipped.mesh == (4, 2, 1)
+  assert reason.endswith('4 blocks in all do not split into 4 x 2 stage '
+                         'bodies.'), reason
+  assert report.mesh_shape == (4, 1, 2) and report.schedule.num_stages == 4
+  assert report.Problems() == []
+  shards = {a.name: (tuple(a.spec.shape), tuple(s)) for a, s in zip(
+      report.step.args, report.compiled.param_shard_shapes) if a.on_stages}
+  full, shard = shards['stack.body.blocks[0].self_atten.atten.query.w']
+  assert full == (4, DIM, HEADS, DIM // HEADS), full
+  assert shard == (1, DIM, HEADS // 2, DIM // HEADS), shard
+  rows = result.Render().splitlines()
+  assert 'mesh' in rows[4].split() and rows[6].split()[0] == '4x1x2', rows
+
+
+def test_plan_command_makes_a_candidate_per_mesh():
+  _, args = plan_flags.Parse(['--model', MODEL, '--mesh', '2x2x2,4x1x2',
+                              '--circular_repeat', '1,2'])
+  _, num_devices, candidates = plan_cli._Candidates(None, args)  # pylint: disable=protected-access
+  assert num_devices == 8
+  assert [(c.mesh, c.circular_repeat) for c in candidates] == [
+      ((2, 2, 2), 1), ((2, 2, 2), 2), ((4, 1, 2), 1), ((4, 1, 2), 2)]
+
+
+def _PlanErrors(argv, capsys):
+  code = plan.main(argv)
+  return code, [line for line in capsys.readouterr().err.splitlines()
+                if 'error' in line]
+
+
+@pytest.mark.parametrize('argv, said', [
+    (['--model', MODEL, '--mesh', '2x4'],
+     "--mesh 2x4: the model's device_mesh has 3 axes (shape 2x2x2); give 3 "
+     'sizes.'),
+    (['--model', MODEL, '--mesh', '2x2x4'],
+     '--mesh 2x2x4 has 16 devices, not --num_devices 8.'),
+    (['--model', 'lm.CopyLMPod8x2', '--mesh', '4x2'],
+     '--mesh: the pipelined stack is not placed on a device mesh'),
+])
+def test_plan_refuses_a_mesh_it_cannot_trade_for(argv, said, capsys):
+  code, errors = _PlanErrors(argv, capsys)
+  assert code == 2 and len(errors) == 1, errors
+  assert errors[0].startswith(f'error: {said}'), errors

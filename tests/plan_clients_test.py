@@ -36,7 +36,8 @@ def test_the_client_is_found_and_reshaped_by_its_own_params():
   assert task.stack.num_pipeline_microbatches == 2
   assert task.stack.circular_repeat == 2
   assert task.stack.pipeline_stage.num_layers == 1
-  with pytest.raises(stacks.StackError, match='do not split into 4 repeats'):
+  with pytest.raises(stacks.StackError,
+                     match='do not split into 2 x 4 stage bodies'):
     stack.Reshape(task, targets.Candidate(2, 4), 'num_blocks')  # 2 % 4
 
 

@@ -28,6 +28,7 @@ from gpipe import sharding
 from gpipe import spmd_worker
 from gpipe import tpu_build
 from gpipe.plan import roofline
+from gpipe.plan import stacks
 from gpipe.plan import targets
 from gpipe.plan import train_step
 from gpipe.plan.report import Plan
@@ -288,8 +289,8 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
   start = time.time()
   with tpu_build.AsOnTpu():  # Lingvo's layers annotate their weights when built for one
     step = target.Build(candidate, depth_param)
-  stacks = train_step.FindPipelinedLayers(step.root)
-  stack_p = stacks[0][1].params
+  pipelined = train_step.FindPipelinedLayers(step.root)
+  stack_p = pipelined[0][1].params
   sched = schedule_lib.Schedule(
       num_stages=stack_p.num_stages,
       num_microbatches=candidate.num_microbatches,
@@ -358,9 +359,7 @@ def CheckCandidate(target, candidate):
   the model's own.
   """
   p = target.stack_params.Copy()
-  p.Set(num_microbatches=candidate.num_microbatches, microbatch_size=None,
-        circular_repeat=candidate.circular_repeat,
-        remat_policy=candidate.remat_policy, store_body_intermediates=False)
+  stacks.SetSchedule(p, candidate)
   try:
     gpipe_layers.ValidateParams(p, target.batch_size)
   except ValueError as e:

@@ -11,6 +11,8 @@ import sys
 import time
 import traceback
 
+import numpy as np
+
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import check_partitioning
 from gpipe import param_checks
@@ -71,12 +73,42 @@ def _Candidates(parser, args):
                             '--num_microbatches.')
   policy0 = param_checks.RematPolicy(stack)
   candidates = [
-      targets.Candidate(m, r, policy)
+      targets.Candidate(m, r, policy, mesh)
+      for mesh in _Meshes(stack, args.mesh, num_devices)
       for policy in (args.remat_policy or [policy0])
       for r in (args.circular_repeat or [stack.circular_repeat])
       for m in (args.num_microbatches or [m0])
   ]
   return target, num_devices, candidates
+
+
+def _Meshes(stack, meshes, num_devices):
+  """The --mesh candidates, checked against the stack; [None] without.
+
+  Raises:
+    targets.PlanError: the stack is not on a mesh, or a mesh has another
+      rank or size than the stack's.
+  """
+  if not meshes:
+    return [None]
+  if stack.pipeline_stage_mesh_dim is None:
+    raise targets.PlanError(
+        '--mesh: the pipelined stack is not placed on a device mesh '
+        '(pipeline_stage_mesh_dim with device_mesh); its stages are over '
+        'num_stages devices, so there is no other axis to trade them for.')
+  rank = np.ndim(stack.device_mesh)
+  for mesh in meshes:
+    name = targets.MeshName(mesh)
+    if len(mesh) != rank:
+      raise targets.PlanError(
+          f'--mesh {name}: the model\'s device_mesh has {rank} axes '
+          f'(shape {targets.MeshName(np.shape(stack.device_mesh))}); give '
+          f'{rank} sizes.')
+    if int(np.prod(mesh)) != num_devices:
+      raise targets.PlanError(
+          f'--mesh {name} has {int(np.prod(mesh))} devices, not '
+          f'--num_devices {num_devices}.')
+  return [tuple(m) for m in meshes]
 
 
 def main(argv=None):

@@ -64,6 +64,24 @@ def _Shape(text):
   return tuple(_IntList(text))
 
 
+def _MeshList(text):
+  """'8x1x4,4x2x4' -> [(8, 1, 4), (4, 2, 4)]."""
+  meshes = []
+  for shape in (t for t in text.split(',') if t):
+    try:
+      dims = tuple(int(d) for d in shape.split('x'))
+    except ValueError:
+      dims = ()
+    if not dims or min(dims) < 1:
+      raise argparse.ArgumentTypeError(
+          f'expected mesh shapes like 8x1x4,4x2x4, got {text!r}')
+    meshes.append(dims)
+  if not meshes:
+    raise argparse.ArgumentTypeError(
+        f'expected mesh shapes like 8x1x4,4x2x4, got {text!r}')
+  return meshes
+
+
 def _PolicyList(text):
   values = [v for v in text.split(',') if v]
   unknown = [v for v in values if v not in remat.POLICIES]
@@ -109,6 +127,12 @@ def Parse(argv=None):
   parser.add_argument('--remat_policy', type=_PolicyList, default=None,
                       help='candidates, e.g. recompute,save_all (default: '
                       'the model\'s); see gpipe.remat')
+  parser.add_argument('--mesh', type=_MeshList, default=None,
+                      help='candidate device meshes for a model on a mesh, '
+                      'e.g. 8x1x4,4x2x4: the stage axis gives num_stages '
+                      '(depth kept), the others what the body splits over '
+                      'them; each of --num_devices devices (default: the '
+                      'model\'s own)')
   parser.add_argument('--depth_param', default='num_blocks',
                       help='stage-body param holding its depth, scaled to '
                       'keep S x R x depth fixed as circular_repeat varies')

@@ -13,6 +13,7 @@ import textwrap
 from gpipe import partitioning
 from gpipe.plan import roofline
 from gpipe.plan import train_step
+from gpipe.plan import targets
 
 GIB = 2**30
 _WIDTH = 100  # the explanations' line width
@@ -63,6 +64,11 @@ class Plan:
       return None
     return min(ok, key=lambda i: self.reports[i].prediction.step_seconds)
 
+  def MeshesVary(self):
+    """Whether the candidates' device meshes differ (--mesh)."""
+    return len({r.mesh_shape for r in self.reports} |
+               {c.mesh for c, _ in self.skipped if c.mesh}) > 1
+
   def SkippedReasons(self):
     """One line per skipped candidate: what and why."""
     return [f'{c.Describe()}: {reason}' for c, reason in self.skipped]
@@ -80,6 +86,7 @@ class Plan:
             'num_microbatches': c.num_microbatches,
             'circular_repeat': c.circular_repeat,
             'remat_policy': c.remat_policy,
+            'mesh_shape': list(c.mesh) if c.mesh else None,
             'reason': reason
         } for c, reason in self.skipped],
         'recommended': self.recommended,
@@ -112,7 +119,9 @@ def _Columns(plan):
   """(group, header, width, cell(report, index)) of each table column."""
   chip = plan.chip
   rec = plan.recommended
-  return [
+  meshes = [] if not plan.MeshesVary() else [
+      ('candidate', 'mesh', 7, lambda r, i: targets.MeshName(r.mesh_shape))]
+  return meshes + [
       ('candidate', 'M', 4, lambda r, i: r.candidate.num_microbatches),
       ('candidate', 'R', 3, lambda r, i: r.candidate.circular_repeat),
       ('candidate', 'remat', 9, lambda r, i: r.candidate.remat_policy),

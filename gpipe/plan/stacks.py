@@ -27,6 +27,7 @@ A task's pipelined stack is one of:
 one line.
 """
 
+import numpy as np
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
@@ -51,16 +52,15 @@ class GpipeStack:
     return _Get(task_params, self.path)
 
   def Reshape(self, task_params, candidate, depth_param):
-    """Sets M, R and the remat policy, keeping S x R x depth per body."""
+    """Sets M, R, the remat policy and the mesh, keeping S x R x depth per
+    body."""
     stack = _Get(task_params, self.path)
-    r0, r = stack.circular_repeat, candidate.circular_repeat
     body = stack.single_stage_body or stack.stage_parallel_body
-    _KeepDepth(body, depth_param, r0, r, stack.num_stages,
-               '--depth_param NAME')
-    stack.Set(num_microbatches=candidate.num_microbatches,
-              microbatch_size=None, circular_repeat=r,
-              remat_policy=candidate.remat_policy,
-              store_body_intermediates=False)
+    num_stages = (candidate.mesh[stack.pipeline_stage_mesh_dim]
+                  if candidate.mesh else stack.num_stages)
+    _KeepDepth(body, depth_param, (stack.num_stages, stack.circular_repeat),
+               (num_stages, candidate.circular_repeat), '--depth_param NAME')
+    SetSchedule(stack, candidate)
 
   def Validate(self, task_params, batch_size):
     gpipe_layers.ValidateParams(_Get(task_params, self.path), batch_size)
@@ -102,8 +102,8 @@ class LingvoClient:
     client = _Get(task_params, self.path)
     _OnlyTheDefaultPolicy(candidate, client.cls.__name__)
     _KeepDepth(client.pipeline_stage, self.DEPTH_PARAM,
-               client.circular_repeat, candidate.circular_repeat,
-               client.num_pipeline_stages, None)
+               (client.num_pipeline_stages, client.circular_repeat),
+               (client.num_pipeline_stages, candidate.circular_repeat), None)
     client.Set(num_pipeline_microbatches=candidate.num_microbatches,
                pipeline_microbatch_size=None,
                circular_repeat=candidate.circular_repeat)
@@ -144,9 +144,29 @@ class GshardClient(LingvoClient):
     task.Set(num_spmd_pipeline_microbatches=candidate.num_microbatches)
 
 
+def SetSchedule(stack_params, candidate):
+  """Sets a candidate's M, R, remat policy and mesh on PipelinedLayer
+  Params (the depth is the caller's: see _KeepDepth)."""
+  stack_params.Set(num_microbatches=candidate.num_microbatches,
+                   microbatch_size=None,
+                   circular_repeat=candidate.circular_repeat,
+                   remat_policy=candidate.remat_policy,
+                   store_body_intermediates=False)
+  if candidate.mesh:
+    stack_params.Set(
+        num_stages=candidate.mesh[stack_params.pipeline_stage_mesh_dim],
+        device_mesh=np.arange(np.prod(candidate.mesh)).reshape(
+            candidate.mesh))
+
+
 def _OnlyTheDefaultPolicy(candidate, client_name):
-  """Raises StackError unless the candidate's policy is gpipe's default: a
-  Lingvo client builds its pipelined layer without a remat policy."""
+  """Raises StackError unless the candidate's policy is gpipe's default
+  and its mesh the client's own: a Lingvo client builds its pipelined
+  layer without a remat policy, on a mesh of its own making."""
+  if candidate.mesh:
+    raise StackError(f'mesh {candidate.mesh}: {client_name} builds its '
+                     'pipelined layer on a mesh of its own; plan it without '
+                     '--mesh.')
   default = param_checks.RematPolicy(gpipe_layers.PipelinedLayer.Params())
   if candidate.remat_policy != default:
     raise StackError(
@@ -198,23 +218,28 @@ def _Get(task_params, path):
   return p
 
 
-def _KeepDepth(body, depth_param, r0, r, num_stages, hint):
-  """Scales body.<depth_param> by r0 / r, so that the stack keeps its depth."""
-  if r == r0:
+def _KeepDepth(body, depth_param, shape0, shape, hint):
+  """Scales body.<depth_param> by S0 R0 / (S R), so that the stack keeps its
+  depth; shape0 = (S0, R0) is the stack's own, shape = (S, R) the
+  candidate's."""
+  (s0, r0), (s, r) = shape0, shape
+  if s * r == s0 * r0:
     return
+  what = (f'circular_repeat={r}' if s == s0 else
+          f'{s} stages x circular_repeat={r}')
   if depth_param not in body:
     fix = f'Pass {hint}, or plan' if hint else 'Plan'
     raise StackError(
-        f'circular_repeat={r} would change the model\'s depth (it has '
-        f'{num_stages} x {r0} stage bodies); the stage body '
-        f'{body.cls.__name__} has no {depth_param!r} param to keep it. '
-        f'{fix} only circular_repeat={r0}.')
-  depth = body.Get(depth_param) * r0
-  if depth % r:
+        f'{what} would change the model\'s depth (it has {s0} x {r0} '
+        f'stage bodies); the stage body {body.cls.__name__} has no '
+        f'{depth_param!r} param to keep it. {fix} only {s0 * r0} stage '
+        'bodies in all.')
+  depth = body.Get(depth_param) * s0 * r0
+  if depth % (s * r):
     raise StackError(
-        f'circular_repeat={r}: {depth} blocks per stage (over all '
-        f'repeats) do not split into {r} repeats.')
-  body.Set(**{depth_param: depth // r})
+        f'{what}: {depth} blocks in all do not split into {s} x {r} stage '
+        'bodies.')
+  body.Set(**{depth_param: depth // (s * r)})
 
 
 def _BuiltStackParams(task_params, switch):

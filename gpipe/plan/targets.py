@@ -28,10 +28,19 @@ class Candidate:
   num_microbatches: int
   circular_repeat: int
   remat_policy: str = 'recompute'
+  # The device mesh's shape, its stage axis giving num_stages (a model on
+  # a mesh only); None: the model's own.
+  mesh: tuple = None
 
   def Describe(self):
+    mesh = f' mesh {MeshName(self.mesh)}' if self.mesh else ''
     return (f'M={self.num_microbatches} R={self.circular_repeat} '
-            f'{self.remat_policy}')
+            f'{self.remat_policy}{mesh}')
+
+
+def MeshName(shape):
+  """'8x1x4' for (8, 1, 4)."""
+  return 'x'.join(str(n) for n in shape)
 
 
 
