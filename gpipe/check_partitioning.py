@@ -353,11 +353,7 @@ def main(argv=None):
           DescribeInputError(params, args.input_shape, e), file=sys.stderr)
     return 2
   except RuntimeError as e:  # XLA's partitioner or compiler gave up
-    print(f'check_partitioning: error: {PartitionerMessage(e)}',
-          file=sys.stderr)
-    if args.verbose:
-      print(e, file=sys.stderr)
-    return 1
+    return _SayPartitioningFailed(e, args.verbose)
   return _Print(report, args.tolerance)
 
 
@@ -375,12 +371,17 @@ def _CheckModel(args):
   try:
     report = check_model.CheckModelPartitioning(model, num_devices)
   except RuntimeError as e:  # XLA's partitioner or compiler gave up
-    print(f'check_partitioning: error: {PartitionerMessage(e)}',
-          file=sys.stderr)
-    if args.verbose:
-      print(e, file=sys.stderr)
-    return 1
+    return _SayPartitioningFailed(e, args.verbose)
   return _Print(report, args.tolerance)
+
+
+def _SayPartitioningFailed(error, verbose):
+  """XLA's partitioner or compiler gave up: why, in one line; exit 1."""
+  print(f'check_partitioning: error: {PartitionerMessage(error)}',
+        file=sys.stderr)
+  if verbose:
+    print(error, file=sys.stderr)
+  return 1
 
 
 def _Print(report, tolerance):

@@ -222,6 +222,30 @@ def test_stored_activations_are_the_buffer_history(reports):
     assert report.stored_activation_bytes <= report.per_device_bytes['temp']
 
 
+_STORED_HLO = """
+ENTRY %main (p: bf16[2]) -> f32[] {
+  %init.1 = (s32[], bf16[3,2]{1,0}, bf16[3,2]{1,0}, f32[3,4]{1,0}) tuple(%a, %b, %c, %d)
+  %while.1 = (s32[], bf16[3,2]{1,0}, bf16[3,2]{1,0}, f32[3,4]{1,0}) while(%init.1), condition=%cond.1, body=%forward, backend_config={"known_trip_count":{"n":"3"}}
+  %gte.1 = bf16[3,2]{1,0} get-tuple-element(%while.1), index=1
+  %gte.2 = bf16[3,2]{1,0} get-tuple-element(%while.1), index=2
+  %gte.3 = f32[3,4]{1,0} get-tuple-element(%while.1), index=3
+  %convert.1 = f32[3,2]{1,0} fusion(%gte.2), kind=kLoop, calls=%wrapped_convert
+  %reshape.1 = f32[3,2,2]{2,1,0} reshape(%gte.3)
+  %init.2 = (s32[], bf16[3,2]{1,0}, f32[3,2]{1,0}, f32[3,2,2]{2,1,0}) tuple(%e, %gte.1, %convert.1, %reshape.1)
+  %while.2 = (s32[], bf16[3,2]{1,0}, f32[3,2]{1,0}, f32[3,2,2]{2,1,0}) while(%init.2), condition=%cond.2, body=%backward
+}
+"""
+
+
+def test_stored_activations_reach_the_backward_loop_as_is_or_converted():
+  """A stack the backward loop takes in as is, or converted whole
+  (XLA:CPU widens a bfloat16 stack so), counts in the forward loop's type;
+  one reshaped into other dims on its way does not."""
+  from gpipe.plan import loops  # pylint: disable=g-import-not-at-top
+  assert loops.StoredActivations(_STORED_HLO, 'forward') == [
+      (12, 'bf16[3,2]{1,0}'), (12, 'bf16[3,2]{1,0}')]
+
+
 def test_loop_flops_split_the_step(reports):
   for report in reports:
     # Forward loop: one matmul per iteration; backward: the recomputed

@@ -25,8 +25,8 @@ from gpipe import partitioned_step
 from gpipe import partitioning
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
-from gpipe import spmd_worker
 from gpipe import tpu_build
+from gpipe.plan import loops
 from gpipe.plan import roofline
 from gpipe.plan import stacks
 from gpipe.plan import targets
@@ -169,11 +169,11 @@ class CandidateReport:
   @property
   def permute_bytes_per_iteration(self):
     """Collective-permute bytes per iteration of the forward (first) loop."""
-    loops = self.LoopSummaries()
-    if not loops:
+    summaries = self.LoopSummaries()
+    if not summaries:
       return 0
-    return loops[0]['collectives'].get('collective-permute',
-                                       {}).get('bytes', 0)
+    return summaries[0]['collectives'].get('collective-permute',
+                                          {}).get('bytes', 0)
 
   @property
   def flops_per_device(self):
@@ -186,7 +186,7 @@ class CandidateReport:
   @functools.cached_property
   def loop_flops(self):
     """Per loop (forward, backward): FLOPs per device, all iterations."""
-    return LoopFlops(self.compiled.hlo, self.compiled.loops)
+    return loops.LoopFlops(self.compiled.hlo, self.compiled.loops)
 
   @functools.cached_property
   def stored_activations(self):
@@ -194,7 +194,7 @@ class CandidateReport:
     backward loop (see StoredActivations)."""
     if not self.compiled.loops:
       return []
-    return StoredActivations(self.compiled.hlo, self.compiled.loops[0])
+    return loops.StoredActivations(self.compiled.hlo, self.compiled.loops[0])
 
   @property
   def stored_activation_bytes(self):
@@ -387,95 +387,3 @@ def MakePlan(target, candidates, num_devices, chip, hbm_bytes,
       raise CandidateError(candidate, e, target.DescribeError(e)) from e
   return Plan(num_devices=num_devices, chip=chip, hbm_bytes=hbm_bytes,
               reports=reports, skipped=skipped)
-
-
-@functools.lru_cache(maxsize=1)
-def _CostClient():
-  """jaxlib's CPU client: cost analysis of HLO text needs one device."""
-  import jax  # pylint: disable=g-import-not-at-top
-  return jax.devices('cpu')[0].client
-
-
-def LoopFlops(hlo_text, bodies):
-  """FLOPs of each while loop (by body computation), all iterations.
-
-  XLA's cost analysis of the loop's body as the module's entry (nested
-  loops counted per iteration, as for the whole module), times the loop's
-  trip count: the per-loop split of the module's FLOPs, which tells the
-  work the bubbles waste from the work outside the loops.
-  """
-  trips = partitioning.LoopTripCounts(hlo_text)
-  return [
-      trips[body] * spmd_worker.LoopAwareCost(
-          _CostClient(), _WithEntry(hlo_text, body))['flops']
-      for body in bodies
-  ]
-
-
-def _WithEntry(hlo_text, computation):
-  """The HLO module's text with `computation` as its entry."""
-  lines = []
-  for line in hlo_text.splitlines():
-    if line.startswith('ENTRY '):
-      line = line[len('ENTRY '):]
-    elif line.startswith((f'%{computation} ', f'{computation} ')):
-      line = 'ENTRY ' + line
-    lines.append(line)
-  return '\n'.join(lines)
-
-
-_NAME = r'%?([\w.\-]+)'
-_WHILE_RE = re.compile(rf'^\s*{_NAME}\s*=.*\swhile\({_NAME}\)')
-_BODY_RE = re.compile(rf'\bbody={_NAME}')
-_TUPLE_RE = re.compile(rf'^\s*{_NAME}\s*=.*\stuple\(([^)]*)\)')
-_GTE_RE = re.compile(
-    rf'^\s*{_NAME}\s*=\s*(\S+)\s+get-tuple-element\({_NAME}\),'
-    r'\s*index=(\d+)')
-
-
-def StoredActivations(hlo_text, forward_body):
-  """[(bytes, HLO type)]: what the forward loop stores for the backward loop.
-
-  Read off the partitioned per-device module: the results of the forward
-  while loop (body `forward_body`) that hold one slice per iteration
-  (leading dim = its trip count: the buffer history, and with a storing
-  remat policy the body's saved activations) and that another while loop
-  (the backward loop) takes in as is. The loop's other results (the
-  outputs' rows, the carried weights) are not stored activations; a stored
-  stack that reaches the backward loop through another instruction is not
-  found and stays among the other temporaries.
-  """
-  whiles, tuples, results = [], {}, {}
-  for line in hlo_text.splitlines():
-    loop = _WHILE_RE.match(line)
-    if loop and ' while(' in line:
-      whiles.append((loop.group(1), loop.group(2),
-                     _BODY_RE.search(line).group(1), line))
-      continue
-    gte = _GTE_RE.match(line)
-    if gte:
-      results[gte.group(1)] = (gte.group(3), int(gte.group(4)), gte.group(2))
-      continue
-    tup = _TUPLE_RE.match(line)
-    if tup:
-      tuples[tup.group(1)] = set(re.findall(r'%?([\w.\-]+)',
-                                            re.sub(r'/\*.*?\*/', '',
-                                                   tup.group(2))))
-  forward = [(name, line) for name, _, body, line in whiles
-             if body == forward_body]
-  if not forward:
-    return []
-  name, line = forward[0]
-  trips = spmd_worker.TripCount(line)
-  taken_in = set()
-  for other, init, _, _ in whiles:
-    if other != name:
-      taken_in |= tuples.get(init, set()) | {init}
-  stored = {}
-  for result, (source, index, hlo_type) in results.items():
-    shapes = partitioning.ShapesOf(hlo_type)
-    if (source == name and result in taken_in and len(shapes) == 1 and
-        shapes[0][:1] == (trips,)):
-      stored[index] = (partitioning.TypeBytes(hlo_type), hlo_type)
-  return [stored[i] for i in sorted(stored)]
-
