@@ -61,9 +61,8 @@ class CellGraph:
     captures: the outer tensors the cell reads (other than its arguments).
     differentiable: per group ('theta', 'state', 'inputs', 'captures'), the
       flat indices whose gradients Backward returns.
-    forward_ops, gradient_ops: the ops of the two parts (for policies; of
-      the gradient part only those the gradients need; the
-      gradient part is built when first needed).
+    forward_ops, gradient_ops: the ops of the two parts that their results
+      need (for policies; the gradient part is built when first needed).
     stored: names of the activations the forward loop stores.
 
   Activations are the tensors that depend on the float state and inputs;
@@ -94,8 +93,11 @@ class CellGraph:
       self.extras_spec = tf.nest.pack_sequence_as(
           extras, [tf.TensorSpec(e.shape, e.dtype) for e in flat_extras])
       _CheckStaticShapes(flat_extras)
-      self.forward_ops = list(graph.get_operations())
-      _CheckNoVariableWrites(self.forward_ops)
+      every_op = list(graph.get_operations())
+      _CheckNoVariableWrites(every_op)
+      # What the outputs need: a vectorized body leaves its one-stage trace
+      # behind, unused (and so never imported into the loops).
+      self.forward_ops = _OpsNeededBy(flat_new + flat_extras, every_op)
 
     captured = _WithVariablesReadOutside(graph.captures)
     self.captures = [ext for ext, _ in captured]
@@ -275,7 +277,7 @@ class CellGraph:
 
 # Stateful random ops draw anew each time they run. (Their stateless
 # counterparts, tf.random.stateless_*, compute from a seed tensor.)
-_STATEFUL_RANDOM_OPS = frozenset([
+STATEFUL_RANDOM_OPS = frozenset([
     'RandomUniform', 'RandomUniformInt', 'RandomStandardNormal',
     'TruncatedNormal', 'ParameterizedTruncatedNormal', 'Multinomial',
     'RandomGamma', 'RandomPoisson', 'RandomPoissonV2', 'RandomShuffle',
@@ -295,7 +297,7 @@ _VARIABLE_READS = frozenset([
 def _CheckNoStatefulRandomOps(ops):
   """The backward pass recomputes the cell: it must draw what the forward
   pass drew, which a stateful random op does not."""
-  found = sorted({op.type for op in ops if op.type in _STATEFUL_RANDOM_OPS})
+  found = sorted({op.type for op in ops if op.type in STATEFUL_RANDOM_OPS})
   if found:
     raise ValueError(
         'Recurrent cell_fn (for a PipelinedLayer: its body) draws random '

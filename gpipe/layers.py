@@ -50,6 +50,7 @@ from gpipe import side_outputs
 from gpipe import stage_call
 from gpipe import stage_runners
 from gpipe import unrolled
+from gpipe import vectorized_stages
 from lingvo.core import base_layer
 from lingvo.core import gshard_utils
 
@@ -119,6 +120,13 @@ class PipelinedLayer(base_layer.BaseLayer):
     p.Define(
         'store_body_intermediates', False,
         'True is remat_policy=\'save_all\' (the older name).')
+    p.Define(
+        'vectorize_stages', 'auto',
+        'auto | always | never: on one device, run the S stages of an '
+        'iteration as one computation vectorized over the stage dim '
+        '(gpipe.vectorized_stages; auto falls back to one stage after '
+        'another, once, with a log line, where the body cannot be '
+        'vectorized). Partitioned, each device runs its own stage anyway.')
     return p
 
   def __init__(self, params):
@@ -128,6 +136,8 @@ class PipelinedLayer(base_layer.BaseLayer):
     param_checks.Normalize(p)
     stage_call.EnsureFlagsParsed()  # Lingvo bodies read flags.
     self._said_microbatched = False
+    self._vectorizing = vectorized_stages.Vectorizing(p.vectorize_stages,
+                                                      p.name)
     self._layout = layouts.For(p, repeats.For(p.circular_repeat))
     self._placement = sharding.StagePlacement(
         p.num_stages, p.shard_stages_1d, p.device_mesh,
@@ -431,7 +441,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     return pipeline_loop.LoopSpec(
         schedule=sched, body=self._body, fn_name=fn_name,
         run_stages=stage_runners.For(self._layout.stage_parallel,
-                                     self._placement),
+                                     self._placement, self._vectorizing),
         manual_mesh=stage_runners.ManualMesh(self._layout.stage_parallel,
                                              self._placement),
         repeats=self._layout.repeats, placement=self._placement,

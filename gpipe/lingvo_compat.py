@@ -75,13 +75,15 @@ def AsLingvosOwnLayer(params):
   """Lingvo's own layer's Params from gpipe PipelinedLayer Params.
 
   Lingvo's layer has every Params name gpipe's has but the remat policy
-  (remat_policy, store_body_intermediates: it always recomputes), so the
+  (remat_policy, store_body_intermediates: it always recomputes) and
+  vectorize_stages (it always vectorizes), so the
   same stack can be built with either layer, e.g. to plan both side by
   side (python -m gpipe.plan --pipeline_layer lingvo).
   """
   lingvo_p = _LINGVO_LAYER.Params()
   for name, value in params.IterParams():
-    if name in ('remat_policy', 'store_body_intermediates', 'cls'):
+    if name in ('remat_policy', 'store_body_intermediates',
+                'vectorize_stages', 'cls'):
       continue
     lingvo_p.Set(**{name: value.Copy() if hasattr(value, 'Copy') else value})
   return lingvo_p

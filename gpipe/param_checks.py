@@ -9,6 +9,7 @@ from gpipe import remat
 from gpipe import schedule as schedule_lib
 
 _UNROLL_VALUES = ('never', 'eval_only', 'always')
+_VECTORIZE_VALUES = ('auto', 'always', 'never')
 _AUX_LOSS_ACCUMULATIONS = ('mean', 'sum')
 _BOOL_PARAMS = ('shard_stages_1d', 'per_stage_vars',
                 'store_body_intermediates')
@@ -37,6 +38,9 @@ def Check(p):
   if p.unroll not in _UNROLL_VALUES:
     raise ValueError(f'unroll must be one of {_UNROLL_VALUES}, got '
                      f'{p.unroll!r}.')
+  if p.vectorize_stages not in _VECTORIZE_VALUES:
+    raise ValueError(f'vectorize_stages must be one of {_VECTORIZE_VALUES}, '
+                     f'got {p.vectorize_stages!r}.')
   if p.remat_policy not in remat.POLICIES:
     raise ValueError(f'remat_policy must be one of {tuple(remat.POLICIES)}, '
                      f'got {p.remat_policy!r}.')

@@ -55,6 +55,7 @@ class _Stacks(threading.local):
     super().__init__()
     self.partitioning = []
     self.manual_mesh_dims = []
+    self.vectorized = 0  # depth of VectorizedOverStages contexts
 
 
 _STACKS = _Stacks()
@@ -92,8 +93,8 @@ def Split(x, dim, num_devices):
   """
   if not nest.IsTensor(x) or num_devices <= 1:
     return x
-  tiles = [1] * x.shape.rank
-  tiles[dim] = num_devices
+  tiles = [1] * (_STACKS.vectorized + x.shape.rank)
+  tiles[_STACKS.vectorized + dim] = num_devices
   return xla_sharding.tile(x, np.arange(num_devices).reshape(tiles),
                            use_sharding_op=True)
 
@@ -115,6 +116,22 @@ def CopySharding(source, x):
   if not nest.IsTensor(x):
     return x
   return xla_sharding.copy_sharding(source, x, use_sharding_op=True)
+
+
+@contextlib.contextmanager
+def VectorizedOverStages():
+  """Inside, tensors are one stage's, to be vectorized over a leading stage
+  dim (gpipe.vectorized_stages): every annotation made here (this
+  module's and Lingvo's gshard_utils.MeshSplit) gets a leading dim, kept
+  whole, so that it fits the vectorized tensor's rank. Vectorized runs
+  are for one device, where the annotations split nothing anyway.
+  """
+  _STACKS.vectorized += 1
+  try:
+    with gshard_utils.MeshSplitDimPrefixContext(-1):
+      yield
+  finally:
+    _STACKS.vectorized -= 1
 
 
 def MeshSplit(x, device_mesh, tensor_split_dims_mapping,
@@ -142,13 +159,14 @@ def MeshSplit(x, device_mesh, tensor_split_dims_mapping,
         f'tensor_split_dims_mapping {mapping} has {len(mapping)} entries but '
         f'the tensor has rank {x.shape.rank}.')
   manual = list(_STACKS.manual_mesh_dims)
+  lead = _STACKS.vectorized
   return xla_sharding.mesh_split(
       x,
       device_mesh,
-      mapping,
+      [-1] * lead + mapping,
       use_sharding_op=True,
       manual_mesh_dims=manual or None,
-      unspecified_dims=list(unspecified_dims or []))
+      unspecified_dims=[d + lead for d in unspecified_dims or []])
 
 
 def SplitStageDim(x, stage_dim, num_stages, device_mesh=None, mesh_dim=None):

@@ -5,7 +5,9 @@ In each iteration all S stages compute, each on its own slot of the
 
   * `RunOneByOne` (one device, no partitioner): the stages one after
     another on their slices, results stacked back to [S, ...]. The manual-
-    sharding ops below have no single-device kernel.
+    sharding ops below have no single-device kernel. Where the body allows,
+    a layer runs its stages vectorized instead, all in one computation
+    (gpipe.vectorized_stages).
   * `RunInManualRegion` (SPMD partitioning): [S, ...] tensors, stage dim
     split, become each device's own [...] slice, the body runs once, and its
     results go back to [S, ...]: each device computes exactly its stage.
@@ -71,14 +73,19 @@ def ManualMesh(stage_parallel, placement):
   return placement.mesh if sharding.IsSpmdPartitioning() else None
 
 
-def For(stage_parallel, placement):
-  """The runner for a layout (stage-parallel or not) and a placement."""
+def For(stage_parallel, placement, one_device=None):
+  """The runner for a layout (stage-parallel or not) and a placement.
+
+  one_device: the runner of a single-stage body on one device (no
+  partitioner), e.g. gpipe.vectorized_stages.Vectorizing; RunOneByOne if
+  None.
+  """
   if stage_parallel:
     return RunTogether
   mesh = ManualMesh(stage_parallel, placement)
   if mesh is not None:
     return lambda spec, theta, it: RunInManualRegion(spec, theta, it, mesh)
-  return RunOneByOne
+  return one_device or RunOneByOne
 
 
 def _Kwargs(spec, slice_fn):

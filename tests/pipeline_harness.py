@@ -55,6 +55,7 @@ class Case:
   remat_policy: str = 'recompute'
   store_body_intermediates: bool = False
   unroll: str = 'never'
+  vectorize_stages: str = 'auto'  # on one device: all stages at once
   seed: int = 0
 
   @property
@@ -86,6 +87,7 @@ class Case:
         remat_policy=self.remat_policy,
         store_body_intermediates=self.store_body_intermediates,
         unroll=self.unroll,
+        vectorize_stages=self.vectorize_stages,
         random_seed=1234 + self.seed,
         **body)
 

@@ -143,17 +143,21 @@ def _TensorListElementShapes(while_op):
   return shapes
 
 
+@pytest.mark.parametrize('vectorize', ['auto', 'never'])
 @pytest.mark.parametrize('policy', ['recompute', 'save_dots', 'save_all'])
-def test_a_circular_pipeline_stores_no_weights_per_iteration(policy):
+def test_a_circular_pipeline_stores_no_weights_per_iteration(policy,
+                                                             vectorize):
   """S=2, R=2 DenseBody (w [5, 5]) on [2, 3, 5] microbatches.
 
   The forward loop's stacks are the buffer, the stacked outputs and the
   stored activations: none has a weight's shape. save_dots and save_all
-  store each stage's tanh input/output ([2, 3, 5] each): more stacks than
-  recompute, the same count as each other here.
+  store each stage's tanh input or output ([2, 3, 5] a stage: 60 elements
+  for the two stages, as two stacks stage by stage or one [2, 2, 3, 5]
+  vectorized), recompute nothing more.
   """
   case = harness.Case(num_stages=2, num_microbatches=4, circular_repeat=2,
-                      batch=8, example_shape=(3, D), remat_policy=policy)
+                      batch=8, example_shape=(3, D), remat_policy=policy,
+                      vectorize_stages=vectorize)
   with tf.Graph().as_default() as graph:
     layer = case.Params().Instantiate()
     x = tf.ones([8, 3, D])
@@ -165,18 +169,22 @@ def test_a_circular_pipeline_stores_no_weights_per_iteration(policy):
     assert len(forward) == 1
     shapes = _TensorListElementShapes(forward[0])
   assert all(s[-2:] != (D, D) for s in shapes), shapes
-  stored = len(shapes) - len(_BaselineShapes())
-  assert stored == {'recompute': 0, 'save_dots': 2, 'save_all': 2}[policy]
+  elements = lambda stacks: sum(int(np.prod(s)) for s in stacks)
+  stored = elements(shapes) - elements(_BaselineShapes(vectorize))
+  per_stage = 2 * 3 * D
+  assert stored == {'recompute': 0, 'save_dots': 2 * per_stage,
+                    'save_all': 2 * per_stage}[policy], shapes
 
 
 _BASELINE = {}
 
 
-def _BaselineShapes():
-  """The recompute loop's stacks (computed once)."""
-  if 'shapes' not in _BASELINE:
+def _BaselineShapes(vectorize):
+  """The recompute loop's stacks (computed once a path)."""
+  if vectorize not in _BASELINE:
     case = harness.Case(num_stages=2, num_microbatches=4, circular_repeat=2,
-                        batch=8, example_shape=(3, D))
+                        batch=8, example_shape=(3, D),
+                        vectorize_stages=vectorize)
     with tf.Graph().as_default() as graph:
       layer = case.Params().Instantiate()
       y = layer.FProp(layer.theta, tf.ones([8, 3, D]))
@@ -184,8 +192,8 @@ def _BaselineShapes():
       (forward,) = [op for op in graph.get_operations()
                     if op.type in ('While', 'StatelessWhile') and
                     'gradients' not in op.name]
-      _BASELINE['shapes'] = _TensorListElementShapes(forward)
-  return _BASELINE['shapes']
+      _BASELINE[vectorize] = _TensorListElementShapes(forward)
+  return _BASELINE[vectorize]
 
 
 def test_policies_give_the_same_numbers_bit_for_bit():
