@@ -267,21 +267,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     """[M, S, ...] per-(microbatch, stage) states -> [T, S, ...] state slots.
 
     Slot [i, s] is the state stage s reads and writes at iteration i: that
-    of the microbatch it works on then (and, when circular, every repeat of
-    stage s starts from the same [m, s] state). S=3, M=4, R=1, cells are
-    the microbatch whose state the slot holds::
-
-        iteration  0  1  2  3  4  5
-        stage 0    0  1  2  3  .  .
-        stage 1    .  0  1  2  3  .
-        stage 2    .  .  0  1  2  3      ('.' = bubble: never written)
-
-    S=2, M=2, R=2 (cells: microbatch/repeat; repeats keep separate slots)::
-
-        iteration    0    1    2    3    4
-        stage 0    0/0  1/0  0/1  1/1    .
-        stage 1      .  0/0  1/0  0/1  1/1
-
+    of the microbatch it works on then (diagrams: microbatch.PadStates).
     The padded states are opaque to the caller: pass them to FPropFn call
     after call; UnpadStates gives each layer's state back.
     """
@@ -451,6 +437,12 @@ class PipelinedLayer(base_layer.BaseLayer):
         global_step=stage_call.CallersGlobalStep(),
         var_names=tuple(self._layout.NonTrainableNames(self)),
         remat_policy=self.params.remat_policy)
+
+  @property
+  def vectorizing(self):
+    """How the stages run on one device (vectorized_stages.Vectorizing):
+    its `reason` says why they run one after another, once known."""
+    return self._vectorizing
 
   def _LoopTheta(self, theta):
     """The stage-stacked weights the loop carries, placed on the devices."""

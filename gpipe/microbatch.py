@@ -180,6 +180,12 @@ def PadStates(x, schedule: schedule_lib.Schedule):
       stage 0    0  1  2  .
       stage 1    .  0  1  2      ('.' = bubble: holds microbatch 0's
                                   state, read but never written)
+
+  S=2, M=2, R=2 (cells: microbatch/repeat; each repeat its own slot)::
+
+      iteration    0    1    2    3    4
+      stage 0    0/0  1/0  0/1  1/1    .
+      stage 1      .  0/0  1/0  0/1  1/1
   """
   if not nest.IsTensor(x):
     return x

@@ -13,12 +13,15 @@ The numbers are the same up to float rounding (the same ops, batched), and
 so are the step seeds, the aux losses, summaries and non-trainable
 variables: every stage's own, as stage by stage.
 
-What cannot be vectorized runs stage by stage (`gpipe.stage_runners.
-RunOneByOne`), decided once per layer and said in one log line
-(`Vectorizing`): an op TensorFlow's vectorizer does not know, a stateful
-random op (vectorized, it would draw other numbers), or a custom gradient
-(the vectorizer rewrites the op and its gradient with it). The layer's
-`vectorize_stages` param can force either path.
+An op TensorFlow's vectorizer has no batched form for (e.g. the stateless
+random ops of dropout) runs once per stage inside the vectorized
+computation, in a loop of its own. What cannot be vectorized at all runs
+stage by stage (`gpipe.stage_runners.RunOneByOne`), decided once per layer
+and said in one log line (`Vectorizing`): a body the vectorizer stops on,
+a stateful random op (vectorized, it would draw other numbers), a custom
+gradient (the vectorizer rewrites the op and drops its gradient), or,
+under XLA, control flow whose condition differs between stages. The
+layer's `vectorize_stages` param can force either path.
 """
 
 import contextlib
@@ -54,13 +57,16 @@ class Vectorizing:
     self.mode = mode  # checked with the layer's other params
     self.owner = owner
     self.reason = None  # why the body runs stage by stage, once known
+    self.vectorized = False  # whether a call has run vectorized
 
   def __call__(self, spec, theta, it):
     if (self.mode == 'never' or self.reason is not None or
         spec.schedule.num_stages == 1 or tf.executing_eagerly()):
       return stage_runners.RunOneByOne(spec, theta, it)
     try:
-      return RunVectorized(spec, theta, it)
+      result = RunVectorized(spec, theta, it)
+      self.vectorized = True
+      return result
     except CannotVectorize as e:
       if self.mode == 'always':
         raise ValueError(
@@ -133,7 +139,8 @@ def RunVectorized(spec, theta, it):
 def _VectorizedMap(fn, leaves, num_stages):
   """fn over the leading [num_stages] dim of each leaf, vectorized.
 
-  tf.vectorized_map, built in the graph at hand: under XLA it would wrap
+  As tf.vectorized_map, an op without a batched form running in a loop
+  over the stages; built in the graph at hand: under XLA it would wrap
   the vectorization in a function of its own, which keeps the traced,
   unvectorized body in its graph, and XLA compiles that too (its
   one-stage sharding annotations do not fit the vectorized ranks). Here
@@ -145,7 +152,7 @@ def _VectorizedMap(fn, leaves, num_stages):
     return fn([tf.gather(x, i) for x in leaves])
 
   return pfor_ops._pfor_impl(  # pylint: disable=protected-access
-      LoopFn, num_stages, fallback_to_while_loop=False)
+      LoopFn, num_stages, fallback_to_while_loop=True)
 
 
 def _CallOneStage(spec, x):
