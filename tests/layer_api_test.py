@@ -51,6 +51,8 @@ def _FProp(p, batch=4, **kwargs):
     (dict(num_stages=0), r'num_stages must be an integer >= 1, got 0'),
     (dict(circular_repeat=0), r'circular_repeat must be an integer >= 1, got 0'),
     (dict(unroll='sometimes'), r"unroll must be one of .*'sometimes'"),
+    (dict(vectorize_stages='yes'), r"vectorize_stages must be one of "
+     r"\('auto', 'always', 'never'\), got 'yes'"),
     (dict(aux_loss_microbatch_accumulation='max'),
      r"aux_loss_microbatch_accumulation must be one of .*'max'"),
     (dict(microbatch_size=2),

@@ -363,12 +363,6 @@ def test_data_dependent_control_flow_vectorizes_in_graph_mode_only(caplog):
   _AssertAllClose((y, grads), want[:2], 'jit')
 
 
-def test_vectorize_stages_takes_three_values():
-  with pytest.raises(ValueError, match=r"vectorize_stages must be one of "
-                     r"\('auto', 'always', 'never'\), got 'yes'"):
-    _Params(bodies.DenseBody, 'yes').Instantiate()
-
-
 def test_one_stage_and_partitioned_layers_do_not_vectorize():
   """S=1 has nothing to vectorize; partitioned, each device runs its own
   stage (the manual region), never the vectorized path."""
