@@ -247,7 +247,8 @@ class PipelinedLayer(base_layer.BaseLayer):
           tf.convert_to_tensor(iteration, tf.int32))
       res = spec.run_stages(
           spec, self._LoopTheta(theta),
-          pipeline_loop.StagesAt(spec, iteration, args, var_values))
+          pipeline_loop.StagesAt(spec, pipeline_loop.RowsAt(sched, iteration),
+                                 args, var_values))
       side_outputs.AddIteration(res, self.params.num_stages)
       outputs = self._layout.AfterAssigning(self, spec.var_names, res.vars,
                                             res.outputs)

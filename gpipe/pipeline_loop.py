@@ -134,8 +134,11 @@ def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
   loop_theta = NestedMap(
       weights=theta,
       microbatches=[place.ReplicateLoopDim(x) for x in mb_leaves])
+  # What each stage does in each iteration, a [T, S] table row per
+  # iteration: computed once here, not in every iteration.
   inputs = NestedMap(
       iteration=tf.range(sched.num_iterations, dtype=tf.int32),
+      rows=StageTables(sched),
       states=[place.SplitStages(x, 1) for x in state_leaves])
   _, final, extras = recurrent.Recurrent(
       loop_theta, state0, inputs,
@@ -164,9 +167,9 @@ def _Iteration(spec: LoopSpec, loop_theta, state, inp):
   theta = loop_theta.weights
   per_stage = place.SplitStages  # [S] vectors live with their stages
   it = place.ReplicateBookkeeping(inp.iteration)
-  stage_ids = tf.range(sched.num_stages, dtype=tf.int32)
+  rows = inp.rows.Transform(place.ReplicateBookkeeping)
   stage_in = [
-      per_stage(StageInputs(sched, it, per_stage(buf),
+      per_stage(StageInputs(rows.reads, per_stage(buf),
                             place.ReplicateOverStages(
                                 microbatch.StageZeroInput(x, sched, it))))
       for buf, x in zip(state.buffer, loop_theta.microbatches)
@@ -175,8 +178,8 @@ def _Iteration(spec: LoopSpec, loop_theta, state, inp):
   num_args = len(args)
   args += tuple(tf.nest.pack_sequence_as(spec.states, inp.states))
   res = spec.run_stages(spec, theta,
-                        StagesAt(spec, it, args, list(state.vars)))
-  valid = per_stage(sched.IsValid(it, stage_ids))
+                        StagesAt(spec, rows, args, list(state.vars)))
+  valid = per_stage(rows.valid)
   outs, state_outs = res.outputs[:num_args], res.outputs[num_args:]
   new_buffer = [
       per_stage(RotateStages(per_stage(MaskBubbles(valid, o, x))))
@@ -229,29 +232,35 @@ def LastStageOutputs(finished, place):
   return Slot0(place.SplitStages(finished, 1))
 
 
-def StagesAt(spec: LoopSpec, iteration, args, var_values):
-  """Iteration `iteration`'s work for the stage runners.
+def StageTables(sched):
+  """Schedule.StageTables as [T, S] tensors: int32, step seeds int64."""
+  dtypes = dict(seed_offset=tf.int64, valid=tf.bool, reads=tf.bool)
+  return NestedMap({name: tf.constant(table, dtypes.get(name, tf.int32))
+                    for name, table in sched.StageTables().items()})
+
+
+def RowsAt(sched, iteration):
+  """Row `iteration` (a scalar tensor) of StageTables: one iteration's
+  work, for callers that drive their own loop."""
+  return StageTables(sched).Transform(lambda t: tf.gather(t, iteration))
+
+
+def StagesAt(spec: LoopSpec, rows, args, var_values):
+  """An iteration's work for the stage runners, from its StageRows.
 
   Each stage's microbatch (clamped into range on bubbles), repeat and step
-  seed, from the schedule; each device computes its own entries from the
-  replicated iteration.
+  seed; each device takes its own entries of the replicated rows.
   """
-  sched = spec.schedule
   per_stage = spec.placement.SplitStages
-  stage_ids = tf.range(sched.num_stages, dtype=tf.int32)
-  mb_ids = per_stage(tf.clip_by_value(
-      sched.MicrobatchId(iteration, stage_ids), 0,
-      sched.num_microbatches - 1))
-  seeds = per_stage(spec.base_seed + tf.cast(
-      sched.StepSeedOffset(sched.LayerId(iteration, stage_ids), mb_ids),
-      spec.base_seed.dtype))
+  seeds = per_stage(spec.base_seed +
+                    tf.cast(rows.seed_offset, spec.base_seed.dtype))
   return stage_runners.IterationStages(
-      args=tuple(args), mb_ids=mb_ids,
-      repeat_ids=per_stage(sched.RepeatId(iteration, stage_ids)),
-      seeds=seeds, var_values=list(var_values))
+      args=tuple(args), mb_ids=per_stage(rows.microbatch),
+      repeat_ids=per_stage(rows.repeat), seeds=seeds,
+      var_values=list(var_values))
 
 
-def StageInputs(sched, iteration, rotated, stage0_input):
+def StageInputs(reads, rotated, stage0_input):
   """The stages' inputs: the rotated buffer, stage 0 maybe a fresh input.
 
   The carried buffer is last iteration's outputs already rotated by one
@@ -260,11 +269,8 @@ def StageInputs(sched, iteration, rotated, stage0_input):
   whenever the schedule says it reads one: always when linear (the wrapped
   slot is dropped), in the first S iterations of each R * S block when
   circular (otherwise it keeps the wrapped slot: the microbatch's next
-  repeat).
+  repeat). `reads` ([S] bools, the schedule's StageRow) says where.
   """
-  num_stages = sched.num_stages
-  reads = tf.logical_and(
-      tf.equal(tf.range(num_stages), 0), sched.StageZeroReadsInput(iteration))
   return _SelectFresh(reads, stage0_input, rotated)
 
 

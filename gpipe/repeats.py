@@ -56,6 +56,17 @@ class Linear:
     del repeat_ids
     return value
 
+  def TakeForEachStage(self, value, repeat_ids):
+    """[S, R, ...] -> [S, ...]: stage s's repeat_ids[s], as one gather.
+
+    For all stages at once on one device (gpipe.vectorized_stages): it
+    reads one repeat's weights per stage, where TakeByOneHot reads all R;
+    its gradient, a scatter into the [S, R, ...] weights' shape, is not for
+    a partitioner, which never sees this path.
+    """
+    del repeat_ids
+    return value
+
 
 class Circular(Linear):
   """R > 1 repeats, each stage's values [R, ...]."""
@@ -94,3 +105,6 @@ class Circular(Linear):
     num_stages = value.shape.as_list()[1]
     index = tf.stack([repeat_ids, tf.range(num_stages)], axis=-1)
     return tf.gather_nd(value, index)
+
+  def TakeForEachStage(self, value, repeat_ids):
+    return tf.gather(value, repeat_ids, axis=1, batch_dims=1)

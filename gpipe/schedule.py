@@ -39,7 +39,6 @@ gpipe.schedule_plot):
 """
 
 import argparse
-
 import dataclasses
 import numbers
 import os
@@ -165,6 +164,33 @@ class Schedule:
     seed: not on num_stages, the schedule or which device runs it.
     """
     return (layer * self.num_microbatches + microbatch) * STEP_SEEDS_PER_CALL
+
+  def StageRow(self, iteration, stage):
+    """What `stage` does at `iteration` (Python ints), by name:
+
+        microbatch   its microbatch, clamped into [0, M) (bubbles: any)
+        repeat       its circular repeat
+        seed_offset  StepSeedOffset of its (layer, microbatch)
+        valid        False on bubbles
+        reads        whether it takes a fresh microbatch (stage 0 only)
+    """
+    microbatch = min(max(self.MicrobatchId(iteration, stage), 0),
+                     self.num_microbatches - 1)
+    return dict(
+        microbatch=microbatch,
+        repeat=self.RepeatId(iteration, stage),
+        seed_offset=self.StepSeedOffset(self.LayerId(iteration, stage),
+                                        microbatch),
+        valid=bool(self.IsValid(iteration, stage)),
+        reads=stage == 0 and bool(self.StageZeroReadsInput(iteration)))
+
+  def StageTables(self):
+    """{name: [T][S] table} of StageRow: the loop reads a row of each per
+    iteration instead of computing it."""
+    rows = [[self.StageRow(i, s) for s in range(self.num_stages)]
+            for i in range(self.num_iterations)]
+    return {name: [[cell[name] for cell in row] for row in rows]
+            for name in rows[0][0]}
 
   # -- Per microbatch quantities.
 

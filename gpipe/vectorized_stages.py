@@ -89,6 +89,8 @@ def RunVectorized(spec, theta, it):
   kwargs = {k: nest.MapTensors(
       lambda t: microbatch.SliceForStages(t, it.mb_ids), v)
             for k, v in spec.mb_kwargs.items()}
+  theta = tf.nest.map_structure(
+      lambda t: spec.repeats.TakeForEachStage(t, it.repeat_ids), theta)
   per_stage = dict(theta=theta, args=it.args, kwargs=kwargs, seed=it.seeds,
                    repeat=it.repeat_ids, vars=list(it.var_values))
   leaves, rebuild = _TensorLeaves(per_stage)
@@ -156,12 +158,12 @@ def _VectorizedMap(fn, leaves, num_stages):
 
 
 def _CallOneStage(spec, x):
-  """The body on one stage's slice, as RunOneByOne calls it."""
+  """The body on one stage's slice (its repeat's weights already taken),
+  as RunOneByOne calls it."""
   kw = dict(x['kwargs'])
   kw.update(spec.kwargs_no_batch)
   return stage_call.CallStage(
-      spec.body, spec.fn_name,
-      spec.repeats.TakeByOneHot(x['theta'], x['repeat']), x['args'], kw,
+      spec.body, spec.fn_name, x['theta'], x['args'], kw,
       where='every stage at once (vectorized)', var_names=spec.var_names,
       var_values=[spec.repeats.Take(v, x['repeat']) for v in x['vars']],
       context=stage_call.StageContext(x['seed'], spec.global_step))

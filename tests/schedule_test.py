@@ -381,6 +381,35 @@ def test_per_slot_functions_match_simulator(s, m, r):
 
 
 @pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
+def test_stage_tables_match_simulator(s, m, r):
+  """The [T][S] tables the loop reads, against the simulator: on valid
+  slots the cell's microbatch and repeat; on bubbles a microbatch in range;
+  stage 0 reads where the simulator says, no other stage ever."""
+  sched = Schedule(s, m, r)
+  sim = _Simulate(s, m, r)
+  tables = sched.StageTables()
+  assert set(tables) == {'microbatch', 'repeat', 'seed_offset', 'valid',
+                         'reads'}
+  for name, table in tables.items():
+    assert len(table) == sim.num_iterations and all(
+        len(row) == s for row in table), name
+  for i in range(sim.num_iterations):
+    for stage in range(s):
+      cell = sim.table[i][stage]
+      mb = tables['microbatch'][i][stage]
+      assert 0 <= mb < m, (i, stage)
+      assert tables['valid'][i][stage] == (cell is not None), (i, stage)
+      assert tables['reads'][i][stage] == (stage == 0 and
+                                           sim.reads_input[i]), (i, stage)
+      if cell is None:
+        continue
+      assert (mb, tables['repeat'][i][stage]) == cell, (i, stage)
+      layer = cell[1] * s + stage
+      assert tables['seed_offset'][i][stage] == (
+          (layer * m + mb) * schedule.STEP_SEEDS_PER_CALL), (i, stage)
+
+
+@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
 def test_per_microbatch_functions_match_simulator(s, m, r):
   sched = Schedule(s, m, r)
   sim = _Simulate(s, m, r)
