@@ -23,8 +23,10 @@ is:
 
     split inputs       gpipe.microbatch         [B, ...] -> [M, B/M, ...]
     run the loop       gpipe.pipeline_loop      T iterations over the buffer
-      each iteration   gpipe.stage_runners      every stage once, through
-                       gpipe.stage_call         the one body call site
+      each iteration   gpipe.stage_runners      every stage once (on one
+                       gpipe.vectorized_stages  device: all as one
+                       gpipe.stage_call         computation), through the
+                                                one body call site
     reassemble         gpipe.microbatch         [M, B/M, ...] -> [B, ...]
 
 What varies is delegated: where the weights live (`gpipe.layouts`), which

@@ -41,6 +41,7 @@ from gpipe import sharding
 from gpipe import stage_call
 from gpipe import stage_runners
 
+
 class CannotVectorize(ValueError):
   """The body cannot run vectorized over the stages; says why."""
 
@@ -98,8 +99,7 @@ def RunVectorized(spec, theta, it):
 
   def OneStage(sliced):
     x = rebuild(sliced)
-    traced['ops_before'] = len(tf.compat.v1.get_default_graph().
-                               get_operations())
+    ops_before = len(tf.compat.v1.get_default_graph().get_operations())
     res = _CallOneStage(spec, x)
     outputs, traced['outputs'] = _TensorLeaves(res.outputs)
     traced['shapes'] = [o.shape for o in outputs]
@@ -107,7 +107,7 @@ def RunVectorized(spec, theta, it):
     traced['aux'] = aux is not None
     traced['names'] = [name for name, _, _ in res.summaries]
     traced['ops'] = tf.compat.v1.get_default_graph().get_operations()[
-        traced['ops_before']:]
+        ops_before:]
     return dict(
         outputs=outputs,
         aux=tf.constant(0.0, tf.float32) if aux is None else aux,
