@@ -116,7 +116,9 @@ def test_stage_inputs_follow_the_schedule(s, m, r):
   with tf.Graph().as_default():
     rotated = tf.constant(np.arange(s, dtype=np.float32)[:, None])
     fresh = tf.constant([-1.0])
-    got = [pipeline_loop.StageInputs(sched, tf.constant(i), rotated, fresh)
+    # Iteration i's row of the loop's tables says where stage 0 reads.
+    got = [pipeline_loop.StageInputs(
+        pipeline_loop.RowsAt(sched, tf.constant(i)).reads, rotated, fresh)
            for i in range(sched.num_iterations)]
     with tf.compat.v1.Session() as sess:
       got = sess.run(got)
