@@ -66,8 +66,8 @@ def BuildModelStep(model, seed=0):
     tf.compat.v1.set_random_seed(seed)
     task = cfg.task.Instantiate()
     batch = cfg.input.Instantiate().GetPreprocessedInputBatch()
-    specs = batch.Transform(lambda t: tf.TensorSpec(t.shape, t.dtype))
-    step = train_step.TaskStep(task, specs, own_optimizer=False)
+    step = train_step.TaskStep(task, train_step.SpecsOf(batch),
+                               own_optimizer=False)
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       weights = sess.run(task.theta.Flatten())

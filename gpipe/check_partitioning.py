@@ -370,6 +370,10 @@ def _CheckModel(args):
     return 2
   try:
     report = check_model.CheckModelPartitioning(model, num_devices)
+  except ValueError as e:  # e.g. an input generator of dynamic shapes
+    print(f'check_partitioning: error: --model {args.model}: '
+          f'{TensorFlowMessage(e)}', file=sys.stderr)
+    return 2
   except RuntimeError as e:  # XLA's partitioner or compiler gave up
     return _SayPartitioningFailed(e, args.verbose)
   return _Print(report, args.tolerance)

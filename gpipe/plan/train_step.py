@@ -416,8 +416,13 @@ def InputSpecs(input_params):
   Builds the generator in a scratch graph; every shape must be static.
   """
   with tf.Graph().as_default():
-    batch = input_params.Instantiate().GetPreprocessedInputBatch()
-    specs = batch.Transform(lambda t: tf.TensorSpec(t.shape, t.dtype))
+    return SpecsOf(input_params.Instantiate().GetPreprocessedInputBatch())
+
+
+def SpecsOf(batch):
+  """TensorSpecs of an input batch (a NestedMap of tensors), each shape
+  checked static."""
+  specs = batch.Transform(lambda t: tf.TensorSpec(t.shape, t.dtype))
   for name, spec in specs.FlattenItems():
     if not spec.shape.is_fully_defined():
       raise ValueError(
