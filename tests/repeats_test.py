@@ -63,6 +63,37 @@ def test_take_per_stage_picks_each_stages_repeat():
   np.testing.assert_array_equal(got, values[ids, np.arange(S)])
 
 
+@pytest.mark.parametrize('mode', ['eager', 'graph', 'jit'])
+def test_take_for_each_stage_and_its_gradient_against_numpy(mode):
+  """Both builds (gather in graph mode, one-hot sum under XLA) pick
+  value[s, ids[s]] and put the cotangent back there, zeros elsewhere."""
+  rng = np.random.RandomState(2)
+  values = rng.normal(size=[S, R, 3, 2]).astype(np.float32)
+  ids = np.array([2, 0, 1, 2], np.int32)
+  cotangent = rng.normal(size=[S, 3, 2]).astype(np.float32)
+
+  def Step(v, i, dy):
+    with tf.GradientTape() as tape:
+      tape.watch(v)
+      picked = repeats.For(R).TakeForEachStage(v, i)
+    return picked, tape.gradient(picked, v, output_gradients=dy)
+
+  args = [tf.constant(values), tf.constant(ids), tf.constant(cotangent)]
+  if mode == 'eager':
+    picked, grad = Step(*args)
+  elif mode == 'jit':
+    picked, grad = tf.function(Step, jit_compile=True)(*args)
+  else:
+    with tf.Graph().as_default():
+      fetch = Step(*[tf.constant(a.numpy()) for a in args])
+      with tf.compat.v1.Session() as sess:
+        picked, grad = sess.run(fetch)
+  np.testing.assert_array_equal(picked, values[np.arange(S), ids])
+  want = np.zeros_like(values)
+  want[np.arange(S), ids] = cotangent
+  np.testing.assert_array_equal(grad, want)
+
+
 def test_circular_variable_prefix_adds_the_repeat_dim():
   with repeats.For(R).VariablePrefix():
     assert py_utils.GetVariableShapePrefixes() == [R]
