@@ -11,15 +11,22 @@ from gpipe import partitioning
 from lingvo.core import scatter_update
 
 
-def Median(fn, warmup, reps):
-  for _ in range(warmup):
-    fn()
-  times = []
+def Interleaved(steps, warmup, reps):
+  """Median seconds of each step, timed in rotation: one run of each per
+  round, so a slow spell of a shared machine falls on all of them alike and
+  their ratios hold from one run of the benchmarks to the next."""
+  for step in steps:
+    for _ in range(warmup):
+      step.Run()
+  times = [[] for _ in steps]
   for _ in range(reps):
-    began = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - began)
-  return statistics.median(times)
+    for step, took in zip(steps, times):
+      began = time.perf_counter()
+      step.Run()
+      took.append(time.perf_counter() - began)
+  for step in steps:
+    step.Close()
+  return [statistics.median(t) for t in times]
 
 
 def TrainStep(forward, variables, x):
@@ -45,10 +52,14 @@ class GraphStep:
       self.sess = tf.compat.v1.Session(graph=self.graph)
       self.sess.run(tf.compat.v1.global_variables_initializer())
 
-  def Time(self, warmup, reps):
-    t = Median(lambda: self.sess.run(self.fetch), warmup, reps)
+  def Run(self):
+    self.sess.run(self.fetch)
+
+  def Close(self):
     self.sess.close()
-    return t
+
+  def Time(self, warmup, reps):
+    return Interleaved([self], warmup, reps)[0]
 
 
 class JitStep:
@@ -86,8 +97,11 @@ class JitStep:
       out = self.fn(self.weights, self.x)
     out[0].numpy()
 
+  def Close(self):
+    pass
+
   def Time(self, warmup, reps):
-    return Median(self.Run, warmup, reps)
+    return Interleaved([self], warmup, reps)[0]
 
 
 def NoInplaceUpdate():

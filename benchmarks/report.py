@@ -100,7 +100,9 @@ def Markdown(cfg, overhead, failures, memory, remat_rows, compile_rows,
       '', '```', f'.venv/bin/python -m benchmarks.run{cfg.flag}', '```', '',
       f'({seconds / 60:.1f} minutes). Every figure is a ratio of two '
       'measurements of this run; times are medians of '
-      f'{cfg.reps} repetitions after {cfg.warmup} warm-up runs. Bodies: a '
+      f'{cfg.reps} repetitions after {cfg.warmup} warm-up runs, the steps '
+      'compared in a row of sections 1-2 timed in rotation (one run of each '
+      'per round). Bodies: a '
       'residual MLP block; sections 1-2: ' + '; '.join(
           f'{b.name}, width {b.dim}, hidden {b.hidden}, batch {b.batch}'
           for b in cfg.bodies) + f'; sections 3-5: width {cfg.dim}, hidden '
