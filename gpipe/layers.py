@@ -40,6 +40,7 @@ from absl import logging
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import layer_params
 from gpipe import layouts
 from gpipe import microbatch
 from gpipe import nest
@@ -75,60 +76,11 @@ class PipelinedLayer(base_layer.BaseLayer):
 
   @classmethod
   def Params(cls):
+    """Lingvo's Params and gpipe's own; gpipe.layer_params says what each
+    one means."""
     p = super().Params()
-    p.Define('num_stages', 1, 'Number of pipeline stages S.')
-    p.Define(
-        'single_stage_body', None,
-        'Params of one stage. Its variables get a leading [num_stages] dim '
-        '([num_stages, circular_repeat] when circular).')
-    p.Define(
-        'stage_parallel_body', None,
-        'Params of a layer that computes all stages at once: its inputs and '
-        'weights have a leading num_stages dim. Excludes single_stage_body.')
-    p.Define(
-        'num_microbatches', None,
-        'Split the batch into this many microbatches. If neither this nor '
-        'microbatch_size is set, the inputs are already [M, ...].')
-    p.Define('microbatch_size', None,
-             'Split the batch into microbatches of this size.')
-    p.Define(
-        'shard_stages_1d', False,
-        'Split the stage dim of weights and buffer over num_stages devices.')
-    p.Define(
-        'pipeline_stage_mesh_dim', None,
-        'Split the stage dim over this axis of device_mesh (instead of '
-        'shard_stages_1d); the body annotates its tensors without the stage '
-        'dim.')
-    p.Define('per_stage_vars', False,
-             'Separate variables per stage (children body_iter_00000, ...). '
-             'With single_stage_body only.')
-    p.Define('circular_repeat', 1,
-             'R > 1 makes the pipeline circular: each microbatch passes '
-             'through the S stages R times (S * R layers in all).')
-    p.Define('unroll', 'eval_only',
-             'never | eval_only | always: run the layers one after another '
-             'instead of pipelining (always, or in eval only).')
-    p.Define('aux_loss_microbatch_accumulation', 'mean',
-             'mean | sum: how aux losses added by the body combine over '
-             'microbatches.')
-    p.Define(
-        'remat_policy', 'recompute',
-        'What the forward pass stores per iteration for the backward pass '
-        '(gpipe.remat): recompute (only the buffer: activation memory = '
-        'buffer x iterations, the forward runs twice), save_dots (also the '
-        'body\'s matmul/einsum outputs; the elementwise rest is recomputed) '
-        'or save_all (every activation the gradient reads; nothing is '
-        'recomputed). Weights are never stored per iteration.')
-    p.Define(
-        'store_body_intermediates', False,
-        'True is remat_policy=\'save_all\' (the older name).')
-    p.Define(
-        'vectorize_stages', 'auto',
-        'auto | always | never: on one device, run the S stages of an '
-        'iteration as one computation vectorized over the stage dim '
-        '(gpipe.vectorized_stages; auto falls back to one stage after '
-        'another, once, with a log line, where the body cannot be '
-        'vectorized). Partitioned, each device runs its own stage anyway.')
+    layer_params.DefineLingvos(p)
+    layer_params.DefineGpipes(p)
     return p
 
   def __init__(self, params):
@@ -439,7 +391,8 @@ class PipelinedLayer(base_layer.BaseLayer):
         base_seed=stage_call.NextStepSeed(),
         global_step=stage_call.CallersGlobalStep(),
         var_names=tuple(self._layout.NonTrainableNames(self)),
-        remat_policy=self.params.remat_policy)
+        remat_policy=self.params.remat_policy,
+        skip_bubbles=self.params.skip_bubbles)
 
   @property
   def vectorizing(self):

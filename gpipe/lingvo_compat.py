@@ -15,8 +15,10 @@ Importing gpipe alone changes nothing in Lingvo. Params built before the
 switch keep the class they name (`p.cls`).
 """
 
+from gpipe import layer_params
 from gpipe import layers
 from lingvo.core import gshard_layers
+from lingvo.core import hyperparams
 
 _LINGVO_LAYER = gshard_layers.LayerwiseShardablePipelinedLayer
 
@@ -74,16 +76,17 @@ def LingvosOwnLayer():
 def AsLingvosOwnLayer(params):
   """Lingvo's own layer's Params from gpipe PipelinedLayer Params.
 
-  Lingvo's layer has every Params name gpipe's has but the remat policy
-  (remat_policy, store_body_intermediates: it always recomputes) and
-  vectorize_stages (it always vectorizes), so the
-  same stack can be built with either layer, e.g. to plan both side by
+  Lingvo's layer has every Params name gpipe's has but gpipe's own
+  (gpipe.layer_params.DefineGpipes: the remat policy, as it always
+  recomputes; vectorize_stages, as it always vectorizes; skip_bubbles), so
+  the same stack can be built with either layer, e.g. to plan both side by
   side (python -m gpipe.plan --pipeline_layer lingvo).
   """
   lingvo_p = _LINGVO_LAYER.Params()
+  own = hyperparams.Params()
+  layer_params.DefineGpipes(own)
   for name, value in params.IterParams():
-    if name in ('remat_policy', 'store_body_intermediates',
-                'vectorize_stages', 'cls'):
+    if name in own or name == 'cls':
       continue
     lingvo_p.Set(**{name: value.Copy() if hasattr(value, 'Copy') else value})
   return lingvo_p

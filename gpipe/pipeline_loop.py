@@ -67,6 +67,8 @@ class LoopSpec:
     var_names: the body's non-trainable variables the loop carries.
     remat_policy: what the forward pass stores for the backward pass (the
       name of a gpipe.remat policy).
+    skip_bubbles: on one device, run the fill and drain iterations on the
+      stages that hold their useful work only (Schedule.Phases).
   """
   schedule: schedule_lib.Schedule
   body: stage_call.Body
@@ -83,6 +85,7 @@ class LoopSpec:
   global_step: Optional[tf.Tensor]
   var_names: Tuple[str, ...]
   remat_policy: str
+  skip_bubbles: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -127,7 +130,7 @@ def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
   # stage's device, and returns no history of the buffer: the backward
   # loop reads it, nothing else does, so no [T, S, ...] gradient of it is
   # ever made.
-  state0 = NestedMap(
+  state = NestedMap(
       buffer=[place.SplitStages(microbatch.BubbleFiller(x, sched.num_stages))
               for x in mb_leaves],
       vars=[place.SplitStages(tf.stop_gradient(v)) for v in var_values])
@@ -140,31 +143,77 @@ def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
       iteration=tf.range(sched.num_iterations, dtype=tf.int32),
       rows=StageTables(sched),
       states=[place.SplitStages(x, 1) for x in state_leaves])
+  pieces = []
+  for phase in _Phases(spec):
+    state, extras = _RunPhase(spec, phase, loop_theta, state,
+                              _PhaseRows(inputs, phase))
+    pieces.append(extras)
+  outputs = [place.ReplicateLoopDim(LastStageOutputs(x, place))
+             for x in _Concat([e.outputs for e in pieces])]
+  summaries = {name: tuple(_Concat([e.summaries[name] for e in pieces]))
+               for name in pieces[0].summaries}
+  return LoopResult(
+      outputs=outputs,
+      states=[place.SplitStages(x, 1)
+              for x in _Concat([e.states for e in pieces])],
+      aux_loss=tf.add_n([tf.reduce_sum(e.aux_loss) for e in pieces]),
+      summaries=summaries,
+      vars=state.vars)
+
+
+def _Phases(spec):
+  """The loop's phases: one, or with skip_bubbles on one device, the fill
+  and drain iterations on the stages that hold their useful slots only
+  (Schedule.Phases)."""
+  sched = spec.schedule
+  if spec.skip_bubbles and stage_runners.RunsAnyStageRange(spec.run_stages):
+    return sched.Phases()
+  return [schedule_lib.Phase(0, sched.num_iterations, 0, sched.num_stages)]
+
+
+def _PhaseRows(inputs, phase):
+  """The phase's rows of the loop's [T, ...] inputs."""
+  if phase.begin == 0 and phase.end == inputs.iteration.shape[0]:
+    return inputs
+  return inputs.Transform(lambda x: x[phase.begin:phase.end])
+
+
+def _Concat(pieces):
+  """Per-phase lists of tensors -> one list, each concatenated along dim 0."""
+  if len(pieces) == 1:
+    return list(pieces[0])
+  return [tf.concat(parts, 0) for parts in zip(*pieces)]
+
+
+def _RunPhase(spec, phase, loop_theta, state0, inputs):
+  """The phase's iterations as one loop: (final state, extras).
+
+  Its finished microbatches' outputs are [k, S, ...], k of them (a loop
+  holds at least one row; the spare one is dropped).
+  """
+  finished = spec.schedule.OutputIndexPerIteration()[phase.begin:phase.end]
+  done = [m for m in finished if m >= 0]
+  first = done[0] if done else 0
+  rows = recurrent.Rows(tuple(m - first if m >= 0 else -1 for m in finished),
+                        max(len(done), 1))
   _, final, extras = recurrent.Recurrent(
       loop_theta, state0, inputs,
-      lambda th, st, inp: _Iteration(spec, th, st, inp),
+      lambda th, st, inp: _Iteration(spec, phase, th, st, inp),
       remat_policy=spec.remat_policy,
       manual_boundary=sharding.ManualBoundary.For(spec.manual_mesh),
-      extras_rows={'outputs': recurrent.Rows(
-          tuple(sched.OutputIndexPerIteration()), sched.num_microbatches)},
+      extras_rows={'outputs': rows},
       return_states=False,
       data_state=NestedMap(buffer=[True] * len(state0.buffer),
                            vars=[False] * len(state0.vars)))
-  outputs = [place.ReplicateLoopDim(LastStageOutputs(x, place))
-             for x in extras.outputs]
-  return LoopResult(
-      outputs=outputs,
-      states=[place.SplitStages(x, 1) for x in extras.states],
-      aux_loss=tf.reduce_sum(extras.aux_loss),
-      summaries=extras.summaries,
-      vars=final.vars)
+  if not done:
+    extras.outputs = [x[:0] for x in extras.outputs]
+  return final, extras
 
 
-def _Iteration(spec: LoopSpec, loop_theta, state, inp):
-  """One loop iteration: every stage runs on its slot of the buffer."""
+def _Iteration(spec: LoopSpec, phase, loop_theta, state, inp):
+  """One loop iteration: the phase's stages run on their slots."""
   sched = spec.schedule
   place = spec.placement
-  theta = loop_theta.weights
   per_stage = place.SplitStages  # [S] vectors live with their stages
   it = place.ReplicateBookkeeping(inp.iteration)
   rows = inp.rows.Transform(place.ReplicateBookkeeping)
@@ -177,8 +226,8 @@ def _Iteration(spec: LoopSpec, loop_theta, state, inp):
   args = spec.args.Rebuild(stage_in)
   num_args = len(args)
   args += tuple(tf.nest.pack_sequence_as(spec.states, inp.states))
-  res = spec.run_stages(spec, theta,
-                        StagesAt(spec, rows, args, list(state.vars)))
+  res = _RunStages(spec, StageRange(phase, sched.num_stages),
+                   loop_theta.weights, rows, args, list(state.vars))
   valid = per_stage(rows.valid)
   outs, state_outs = res.outputs[:num_args], res.outputs[num_args:]
   new_buffer = [
@@ -205,6 +254,66 @@ def _Iteration(spec: LoopSpec, loop_theta, state, inp):
       states=[per_stage(SelectStages(valid, new, old))
               for new, old in zip(tf.nest.flatten(state_outs), inp.states)])
   return new_state, extras
+
+
+def _RunStages(spec, stages, theta, rows, args, var_values):
+  """The run_stages of the range's stages, widened back to all S: the
+  others are all bubbles, which the caller masks (their outputs are their
+  inputs, their aux losses and summaries zero, their variables kept)."""
+  res = spec.run_stages(
+      spec, stages.Narrow(theta),
+      StagesAt(spec, stages.Narrow(rows), stages.Narrow(args),
+               stages.Narrow(var_values), stages.first))
+  zeros = lambda x: None if x is None else tf.zeros_like(x[:1])
+  return stage_runners.StagesResult(
+      outputs=stages.Widen(res.outputs, args),
+      aux=stages.WidenWith(res.aux, zeros(res.aux)),
+      summaries=[(name, stages.WidenWith(v, zeros(v)),
+                  stages.WidenWith(w, zeros(w)))
+                 for name, v, w in res.summaries],
+      vars=stages.Widen(res.vars, var_values))
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRange:
+  """Stages [first, first + count) of num_stages, on the leading dim."""
+  first: int
+  count: int
+  num_stages: int
+
+  def __init__(self, phase, num_stages):
+    object.__setattr__(self, 'first', phase.first_stage)
+    object.__setattr__(self, 'count', phase.num_stages)
+    object.__setattr__(self, 'num_stages', num_stages)
+
+  @property
+  def whole(self):
+    return self.count == self.num_stages
+
+  def Narrow(self, tree):
+    """Every tensor of tree, [S, ...] -> the range's [count, ...]."""
+    if self.whole:
+      return tree
+    return nest.MapTensors(lambda x: x[self.first:self.first + self.count],
+                           tree)
+
+  def Widen(self, tree, full):
+    """The range's [count, ...] tensors of tree, the rest of `full` around."""
+    if self.whole:
+      return tree
+    end = self.first + self.count
+    return tf.nest.map_structure(
+        lambda part, whole: tf.concat([whole[:self.first], part, whole[end:]],
+                                      0) if nest.IsTensor(part) else part,
+        tree, full, check_types=False)
+
+  def WidenWith(self, part, filler):
+    """[count, ...] -> [S, ...], filled with `filler` [1, ...] elsewhere."""
+    if part is None or self.whole:
+      return part
+    tile = lambda n: tf.tile(filler, [n] + [1] * (part.shape.rank - 1))
+    after = self.num_stages - self.first - self.count
+    return tf.concat([tile(self.first), part, tile(after)], 0)
 
 
 def LastStageOutputs(finished, place):
@@ -245,7 +354,7 @@ def RowsAt(sched, iteration):
   return StageTables(sched).Transform(lambda t: tf.gather(t, iteration))
 
 
-def StagesAt(spec: LoopSpec, rows, args, var_values):
+def StagesAt(spec: LoopSpec, rows, args, var_values, first_stage=0):
   """An iteration's work for the stage runners, from its StageRows.
 
   Each stage's microbatch (clamped into range on bubbles), repeat and step
@@ -257,7 +366,7 @@ def StagesAt(spec: LoopSpec, rows, args, var_values):
   return stage_runners.IterationStages(
       args=tuple(args), mb_ids=per_stage(rows.microbatch),
       repeat_ids=per_stage(rows.repeat), seeds=seeds,
-      var_values=list(var_values))
+      var_values=list(var_values), first_stage=first_stage)
 
 
 def StageInputs(reads, rotated, stage0_input):

@@ -59,6 +59,16 @@ def IsInteger(value):
 
 
 @dataclasses.dataclass(frozen=True)
+class Phase:
+  """Iterations [begin, end) of the loop, computing stages
+  [first_stage, first_stage + num_stages) only (Schedule.Phases)."""
+  begin: int
+  end: int
+  first_stage: int
+  num_stages: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Schedule:
   """The static shape of a pipeline schedule.
 
@@ -191,6 +201,37 @@ class Schedule:
             for i in range(self.num_iterations)]
     return {name: [[cell[name] for cell in row] for row in rows]
             for name in rows[0][0]}
+
+  def Phases(self):
+    """Runs of iterations whose useful slots lie in fewer stages, as Phase.
+
+    On one device every computed slot costs time, bubbles too. The first
+    iterations only fill the pipeline from stage 0 and the last ones only
+    drain it towards stage S - 1, so the loop computes those on the first
+    (last) ceil(S / 2) stages alone; everything between on all S. Three
+    widths at most, since each phase is traced once. S=4, M=4 ('#' computed,
+    '.' a bubble not computed)::
+
+        iteration  0 1 | 2 3 4 | 5 6
+        stage 0    # # | # # # | . .
+        stage 1    # # | # # # | . .
+        stage 2    . . | # # # | # #
+        stage 3    . . | # # # | # #
+    """
+    s, t = self.num_stages, self.num_iterations
+    half = _CeilDiv(s, 2)
+    if s == 1:
+      return [Phase(0, t, 0, s)]
+    useful = [[k for k in range(s) if self.IsValid(i, k)] for i in range(t)]
+    fill = 0
+    while fill < t and all(k < half for k in useful[fill]):
+      fill += 1
+    drain = t
+    while drain > fill and all(k >= s - half for k in useful[drain - 1]):
+      drain -= 1
+    phases = [Phase(0, fill, 0, half), Phase(fill, drain, 0, s),
+              Phase(drain, t, s - half, half)]
+    return [p for p in phases if p.end > p.begin]
 
   # -- Per microbatch quantities.
 

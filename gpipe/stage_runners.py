@@ -39,12 +39,20 @@ class IterationStages:
     repeat_ids: int32 [S], the repeat each stage runs (clamped).
     seeds: [S], each stage's step seed.
     var_values: the carried non-trainable values, each [S, (R,) ...].
+    first_stage: the stage the leading dim starts at: S above may be a
+      range of the layer's stages on one device (Schedule.Phases).
   """
   args: Tuple[Any, ...]
   mb_ids: tf.Tensor
   repeat_ids: tf.Tensor
   seeds: tf.Tensor
   var_values: List[tf.Tensor]
+  first_stage: int = 0
+
+  @property
+  def num_stages(self):
+    """The stages this iteration runs: the leading dim."""
+    return self.mb_ids.shape.as_list()[0]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -102,7 +110,7 @@ def RunOneByOne(spec, theta, it: IterationStages) -> StagesResult:
   one stack, where S separate slices would each back-propagate a full-size
   [S, ...] tensor.
   """
-  num_stages = spec.schedule.num_stages
+  num_stages = it.num_stages
   theta_parts = nest.Unstack(theta, num_stages)
   args_parts = nest.Unstack(it.args, num_stages)
   results, new_vars = [], []
@@ -118,7 +126,7 @@ def RunOneByOne(spec, theta, it: IterationStages) -> StagesResult:
           spec.repeats.TakeByOneHot(theta_parts[stage], repeat),
           args_parts[stage],
           _Kwargs(spec, lambda t, s=stage: tf.gather(t, it.mb_ids[s])),
-          where=f'stage {stage}', var_names=spec.var_names,
+          where=f'stage {it.first_stage + stage}', var_names=spec.var_names,
           var_values=current,
           context=stage_call.StageContext(it.seeds[stage], spec.global_step))
       new_vars.append([
@@ -141,6 +149,16 @@ def RunOneByOne(spec, theta, it: IterationStages) -> StagesResult:
       outputs=nest.Stack([res.outputs for res in results]),
       aux=aux, summaries=summaries,
       vars=[tf.stack(rows) for rows in zip(*new_vars)])
+
+
+# A one-device runner: it runs whatever range of stages it is given.
+RunOneByOne.any_stage_range = True
+
+
+def RunsAnyStageRange(run_stages):
+  """Whether run_stages computes just the stages it is given (one device),
+  so that the loop may leave out stages that only hold bubbles."""
+  return getattr(run_stages, 'any_stage_range', False)
 
 
 def RunInManualRegion(spec, theta, it: IterationStages,

@@ -54,6 +54,8 @@ class Vectorizing:
   instead; 'never' runs stage by stage.
   """
 
+  any_stage_range = True  # see stage_runners.RunsAnyStageRange
+
   def __init__(self, mode, owner):
     self.mode = mode  # checked with the layer's other params
     self.owner = owner
@@ -62,7 +64,7 @@ class Vectorizing:
 
   def __call__(self, spec, theta, it):
     if (self.mode == 'never' or self.reason is not None or
-        spec.schedule.num_stages == 1 or tf.executing_eagerly()):
+        it.num_stages == 1 or tf.executing_eagerly()):
       return stage_runners.RunOneByOne(spec, theta, it)
     try:
       result = RunVectorized(spec, theta, it)
@@ -120,7 +122,7 @@ def RunVectorized(spec, theta, it):
   num_ops = len(graph.get_operations())
   try:
     with sharding.VectorizedOverStages(), _PlainAsserts():
-      out = _VectorizedMap(OneStage, leaves, spec.schedule.num_stages)
+      out = _VectorizedMap(OneStage, leaves, it.num_stages)
   except Exception as e:  # pylint: disable=broad-except
     if 'ops' not in traced:
       raise  # the body's own error, raised while tracing it
@@ -128,9 +130,8 @@ def RunVectorized(spec, theta, it):
         f'TensorFlow\'s vectorizer stopped on it: {_FirstLine(e)}') from e
   _CheckTracedOps(traced['ops'])
   _CheckVectorizedOps(graph.get_operations()[num_ops:])
-  num_stages = spec.schedule.num_stages
   for o, shape in zip(out['outputs'], traced['shapes']):
-    o.set_shape(tf.TensorShape([num_stages]).concatenate(shape))
+    o.set_shape(tf.TensorShape([it.num_stages]).concatenate(shape))
   return stage_runners.StagesResult(
       outputs=traced['outputs'](out['outputs']),
       aux=out['aux'] if traced['aux'] else None,

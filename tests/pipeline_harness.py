@@ -56,6 +56,7 @@ class Case:
   store_body_intermediates: bool = False
   unroll: str = 'never'
   vectorize_stages: str = 'auto'  # on one device: all stages at once
+  skip_bubbles: bool = False  # on one device: fill/drain on half the stages
   seed: int = 0
 
   @property
@@ -88,6 +89,7 @@ class Case:
         store_body_intermediates=self.store_body_intermediates,
         unroll=self.unroll,
         vectorize_stages=self.vectorize_stages,
+        skip_bubbles=self.skip_bubbles,
         random_seed=1234 + self.seed,
         **body)
 

@@ -590,3 +590,45 @@ def test_positional_args_and_default_repeat():
 if __name__ == '__main__':
   import sys  # pylint: disable=g-import-not-at-top
   sys.exit(pytest.main([__file__]))
+
+
+_PHASE_SWEEP = [(s, m, r) for s in range(1, 7) for m in (1, 2, 3, 5, 8, 13)
+                for r in (1, 2, 3)]
+
+
+@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
+def test_phases_tile_the_loop_and_hold_every_useful_slot(s, m, r):
+  """Phases: consecutive runs covering [0, T); each computes a range of
+  ceil(S/2) or S stages holding every valid slot of its iterations; at
+  most three, the narrow ones first and last."""
+  sched = Schedule(s, m, r)
+  table = _Simulate(s, m, r).table
+  phases = sched.Phases()
+  assert 1 <= len(phases) <= 3
+  assert phases[0].begin == 0 and phases[-1].end == sched.num_iterations
+  for before, after in zip(phases, phases[1:]):
+    assert before.end == after.begin
+  half = -(-s // 2)
+  for k, p in enumerate(phases):
+    assert p.end > p.begin
+    assert p.num_stages in (half, s)
+    assert 0 <= p.first_stage and p.first_stage + p.num_stages <= s
+    if p.num_stages < s:
+      assert k in (0, len(phases) - 1)
+    for i in range(p.begin, p.end):
+      for stage in range(s):
+        if i < len(table) and table[i][stage] is not None:
+          assert p.first_stage <= stage < p.first_stage + p.num_stages, (
+              i, stage, p)
+
+
+def test_phases_hand_worked():
+  """The docstring's S=4, M=4 and a short circular one (S=2, M=3, R=2:
+  iteration 0 holds stage 0 only; 7 and 8 stage 1 or nothing)."""
+  P = schedule.Phase
+  assert Schedule(4, 4).Phases() == [P(0, 2, 0, 2), P(2, 5, 0, 4),
+                                       P(5, 7, 2, 2)]
+  assert Schedule(2, 3, 2).Phases() == [P(0, 1, 0, 1), P(1, 7, 0, 2),
+                                          P(7, 9, 1, 1)]
+  assert Schedule(1, 5).Phases() == [P(0, 5, 0, 1)]
+  assert Schedule(3, 1).Phases() == [P(0, 2, 0, 2), P(2, 3, 1, 2)]

@@ -1,0 +1,173 @@
+"""skip_bubbles: on one device, filling and draining run on half the stages.
+
+With skip_bubbles=True the loop runs in phases (Schedule.Phases): its first
+and last iterations compute only the half of the stages that holds their
+useful slots. It must change nothing but the time. The layer with it is
+checked against the harness's references, which run no gpipe code: S 1..4
+(odd S: halves of uneven size), M below, at, not a multiple of and above S,
+R 1..3, graph mode and jit, both stage runners, kwargs, nested inputs,
+per-stage variables. Then against the same layer without it on every layout
+of vectorized_stages_test (aux losses, summaries, dropout, non-trainable
+state, bfloat16, remat policies), and decoding with per-stage states against
+the full-sequence stack. Finally, where it applies: one device only.
+"""
+
+import types
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import pipeline_loop
+from gpipe import schedule
+from gpipe import stage_runners
+from tests import decoding_test
+from tests import pipeline_harness as harness
+from tests import vectorized_stages_test as vst
+
+# (S, M, R, mode, vectorize_stages)
+_SWEEP = [
+    (1, 3, 2, 'graph', 'auto'),
+    (2, 1, 1, 'graph', 'auto'),
+    (2, 3, 2, 'graph', 'auto'),
+    (3, 1, 1, 'graph', 'auto'),
+    (3, 4, 1, 'graph', 'auto'),
+    (3, 7, 2, 'graph', 'never'),
+    (4, 4, 2, 'graph', 'auto'),
+    (4, 5, 1, 'graph', 'never'),
+    (3, 4, 2, 'jit', 'auto'),
+    (4, 9, 2, 'jit', 'never'),
+]
+
+
+@pytest.mark.parametrize('s,m,r,mode,vectorize', _SWEEP,
+                         ids=[f'S{s}-M{m}-R{r}-{mode}-{v}'
+                              for s, m, r, mode, v in _SWEEP])
+def test_equals_the_reference(s, m, r, mode, vectorize):
+  harness.CheckCase(
+      harness.Case(num_stages=s, num_microbatches=m, circular_repeat=r,
+                   batch=2 * m, vectorize_stages=vectorize,
+                   skip_bubbles=True), mode)
+
+
+_LAYOUT_CASES = [
+    harness.Case(num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
+                 kwargs=True, kwargs_no_batch=True, skip_bubbles=True),
+    harness.Case(num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
+                 per_stage_vars=True, skip_bubbles=True),
+    harness.Case(num_stages=4, num_microbatches=5, batch=10, body='multi',
+                 remat_policy='save_dots', skip_bubbles=True),
+]
+
+
+@pytest.mark.parametrize('case', _LAYOUT_CASES,
+                         ids=['kwargs', 'per_stage_vars', 'multi-save_dots'])
+def test_layouts_equal_the_reference(case):
+  harness.CheckCase(case, 'graph')
+
+
+# The layouts the references above do not cover, in graph mode; under jit
+# those with side outputs and bf16.
+_UNCHANGED = [layout + ('graph',) for layout in vst._LAYOUTS  # pylint: disable=protected-access
+              if layout[0] not in ('stacked-R1-kwargs', 'per_stage_vars-R2',
+                                   'save_dots')] + [
+    layout + ('jit',) for layout in vst._LAYOUTS  # pylint: disable=protected-access
+    if layout[0] in ('aux-summaries-dropout', 'non-trainable-state',
+                     'bfloat16')]
+
+
+@pytest.mark.parametrize('name,params,batch,with_kwargs,mode', _UNCHANGED,
+                         ids=[f'{u[0]}-{u[-1]}' for u in _UNCHANGED])
+def test_everything_the_layer_gives_is_unchanged(name, params, batch,
+                                                 with_kwargs, mode):
+  """Outputs, every gradient, aux losses, summaries, non-trainable
+  variables: with and without skip_bubbles (both vectorized)."""
+  # pylint: disable=protected-access
+  skipping, _ = vst._Results(params.Copy().Set(skip_bubbles=True), batch,
+                             with_kwargs, mode, 'auto')
+  whole, _ = vst._Results(params, batch, with_kwargs, mode, 'auto')
+  # bfloat16: the weight gradients are summed over the phases' loops in
+  # another order, which moves some by an ulp (2^-8 relative).
+  rtol = 1e-2 if params.fprop_dtype == tf.bfloat16 else 1e-5
+  for key in ('outs', 'grads', 'aux', 'vars'):
+    _AssertClose(skipping[key], whole[key], f'{name} {mode}: {key}', rtol)
+  assert sorted(skipping['summaries']) == sorted(whole['summaries'])
+  _AssertClose([skipping['summaries'][k] for k in sorted(whole['summaries'])],
+               [whole['summaries'][k] for k in sorted(whole['summaries'])],
+               f'{name} {mode}: summaries', rtol)
+  assert any(np.abs(g).max() > 0 for g in whole['grads']), name
+  # pylint: enable=protected-access
+
+
+def _AssertClose(got, want, what, rtol):
+  flat_g, flat_w = tf.nest.flatten(got), tf.nest.flatten(want)
+  assert len(flat_g) == len(flat_w), what
+  for i, (g, w) in enumerate(zip(flat_g, flat_w)):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    assert g.shape == w.shape, (what, i)
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6,
+                               err_msg=f'{what} [{i}]')
+
+
+@pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat,mode',
+                         [(2, 3, 2, 'graph'), (3, 2, 1, 'graph'),
+                          (3, 2, 1, 'jit')])
+def test_decoding_with_per_stage_states(num_stages, num_microbatches,
+                                        circular_repeat, mode):
+  """FPropFn('ExtendStep') with each stage's caches as states, against the
+  plain stack on the whole sequence (NumPy, on the decoder's weights)."""
+  # pylint: disable=protected-access
+  batch = 2 * num_microbatches
+  x = np.random.RandomState(3).uniform(
+      -1, 1, [batch, decoding_test._SEQ, decoding_test._DIM]).astype(
+          np.float32)
+  params = decoding_test._Params(num_stages, num_microbatches,
+                                 circular_repeat).Set(skip_bubbles=True)
+  decoded, caches, weights = decoding_test._Decode(params, x, mode)
+  expected, keys, vals = decoding_test._FullSequenceReference(weights, x)
+  decoding_test._AssertClose(decoded, expected)
+  decoding_test._AssertClose(caches.k, np.stack(keys))
+  decoding_test._AssertClose(caches.v, np.stack(vals))
+  # pylint: enable=protected-access
+
+
+def _Spec(skip_bubbles, run_stages):
+  return types.SimpleNamespace(schedule=schedule.Schedule(4, 4),
+                               skip_bubbles=skip_bubbles,
+                               run_stages=run_stages)
+
+
+def test_phases_only_with_the_param_and_a_one_device_runner():
+  # pylint: disable=protected-access
+  whole = [schedule.Phase(0, 7, 0, 4)]
+  assert pipeline_loop._Phases(
+      _Spec(True, stage_runners.RunOneByOne)) == schedule.Schedule(
+          4, 4).Phases()
+  assert len(pipeline_loop._Phases(_Spec(True,
+                                         stage_runners.RunOneByOne))) == 3
+  assert pipeline_loop._Phases(
+      _Spec(False, stage_runners.RunOneByOne)) == whole
+  # Partitioned (each device its stage) and stage-parallel bodies: one loop.
+  in_region = lambda spec, theta, it: None
+  assert pipeline_loop._Phases(_Spec(True, in_region)) == whole
+  assert pipeline_loop._Phases(_Spec(True, stage_runners.RunTogether)) == whole
+  # pylint: enable=protected-access
+
+
+def _Loops(skip_bubbles):
+  """While loops in a graph-mode training step of S=4, M=4."""
+  params = harness.Case(num_stages=4, num_microbatches=4, batch=8,
+                        skip_bubbles=skip_bubbles).Params()
+  with tf.Graph().as_default() as graph:
+    layer = params.Instantiate()
+    x = tf.ones([8, 3, 4])
+    y = layer.FProp(layer.theta, x)
+    tf.gradients(tf.reduce_sum(y), layer.vars.Flatten())
+    return sum(op.type in ('While', 'StatelessWhile')
+               for op in graph.get_operations())
+
+
+def test_three_loops_forward_and_backward_instead_of_one():
+  assert _Loops(False) == 2
+  assert _Loops(True) == 6
