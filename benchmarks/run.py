@@ -67,7 +67,8 @@ def Overhead(cfg):
             rows.append(_OverheadRow(cfg, body, mode, s, m, r))
             print(f'  overhead {body.name} {mode} S={s} M={m} R={r}: '
                   f'{rows[-1].vs_ideal:.2f}x ideal, stage by stage '
-                  f'{rows[-1].steps_vs_ideal:.2f}x', flush=True)
+                  f'{rows[-1].steps_vs_ideal:.2f}x, skipping bubbles '
+                  f'{rows[-1].skip_vs_ideal:.2f}x', flush=True)
   return rows
 
 
@@ -78,16 +79,20 @@ def _OverheadRow(cfg, body, mode, s, m, r):
     return measure.Step(mode, make, forward, body.batch, body.dim)
 
   steps = [Step(body.baseline), Step(measure.Pipelined),
-           Step(measure.Pipelined, vectorize_stages='never')]
+           Step(measure.Pipelined, vectorize_stages='never'),
+           Step(measure.Pipelined, skip_bubbles=True)]
   if r == 1:
     steps.append(Step(measure.Pipelined,
                       cls=gshard_layers.LayerwiseShardablePipelinedLayer))
   ms = [t * 1e3 for t in measure.Interleaved(steps, cfg.warmup, cfg.reps)]
-  baseline, vectorized, one_by_one = ms[:3]
-  lingvo = ms[3] if r == 1 else None
+  baseline, vectorized, one_by_one, skipping = ms[:4]
+  lingvo = ms[4] if r == 1 else None
+  sched = schedule.Schedule(s, m, r)
   return report.OverheadRow(
-      body.name, mode, s, m, r, schedule.Schedule(s, m, r).num_iterations,
-      baseline, vectorized, one_by_one, lingvo)
+      body.name, mode, s, m, r, sched.num_iterations, baseline, vectorized,
+      one_by_one, skipping,
+      sched.SlotsComputed(sched.Phases()) / (sched.num_iterations * s),
+      lingvo)
 
 
 def _LingvoOnlyFailures(cfg):

@@ -233,6 +233,10 @@ class Schedule:
               Phase(drain, t, s - half, half)]
     return [p for p in phases if p.end > p.begin]
 
+  def SlotsComputed(self, phases):
+    """(iteration, stage) slots the loop computes when run in `phases`."""
+    return sum((p.end - p.begin) * p.num_stages for p in phases)
+
   # -- Per microbatch quantities.
 
   def InputIteration(self, microbatch):
