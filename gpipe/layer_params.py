@@ -71,6 +71,7 @@ def DefineGpipes(p):
       'draining the pipeline) on the half of the stages that holds their '
       'useful work (gpipe.schedule.Schedule.Phases): about half the bubble '
       'slots are not computed. Faster steps where M is close to S and the '
-      'body is compute-bound (measured: BENCHMARKS.md), at about 2.5x the '
-      'tracing and compile time (three loops instead of one). Partitioned, '
-      'each device runs its own stage and this does nothing.')
+      'body is compute-bound, in graph mode and under XLA; slower for small '
+      'bodies in graph mode (BENCHMARKS.md). Costs 2-3.5x the tracing and '
+      'compile time (three loops instead of one). Partitioned, each device '
+      'runs its own stage and this does nothing.')

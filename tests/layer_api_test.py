@@ -73,6 +73,8 @@ def _FProp(p, batch=4, **kwargs):
      r'shard_stages_1d must be True or False, got 1 \(int\)'),
     (dict(store_body_intermediates=None),
      r'store_body_intermediates must be True or False, got None'),
+    (dict(skip_bubbles='auto'),
+     r"skip_bubbles must be True or False, got 'auto' \(str\)"),
     (dict(remat_policy='dots'),
      r"remat_policy must be one of \('recompute', 'save_dots', 'save_all'\), "
      r"got 'dots'"),
