@@ -188,8 +188,9 @@ def _Concat(pieces):
 def _RunPhase(spec, phase, loop_theta, state0, inputs):
   """The phase's iterations as one loop: (final state, extras).
 
-  Its finished microbatches' outputs are [k, S, ...], k of them (a loop
-  holds at least one row; the spare one is dropped).
+  Microbatches finish in order (Schedule.OutputIteration grows with the
+  microbatch), so a phase finishes a run of k consecutive ones: its outputs
+  are [k, S, ...] (a loop holds at least one row; a spare one is dropped).
   """
   finished = spec.schedule.OutputIndexPerIteration()[phase.begin:phase.end]
   done = [m for m in finished if m >= 0]
@@ -226,7 +227,7 @@ def _Iteration(spec: LoopSpec, phase, loop_theta, state, inp):
   args = spec.args.Rebuild(stage_in)
   num_args = len(args)
   args += tuple(tf.nest.pack_sequence_as(spec.states, inp.states))
-  res = _RunStages(spec, StageRange(phase, sched.num_stages),
+  res = _RunStages(spec, StageRange.Of(phase, sched.num_stages),
                    loop_theta.weights, rows, args, list(state.vars))
   valid = per_stage(rows.valid)
   outs, state_outs = res.outputs[:num_args], res.outputs[num_args:]
@@ -281,10 +282,9 @@ class StageRange:
   count: int
   num_stages: int
 
-  def __init__(self, phase, num_stages):
-    object.__setattr__(self, 'first', phase.first_stage)
-    object.__setattr__(self, 'count', phase.num_stages)
-    object.__setattr__(self, 'num_stages', num_stages)
+  @classmethod
+  def Of(cls, phase, num_stages):
+    return cls(phase.first_stage, phase.num_stages, num_stages)
 
   @property
   def whole(self):

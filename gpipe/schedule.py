@@ -209,8 +209,8 @@ class Schedule:
     iterations only fill the pipeline from stage 0 and the last ones only
     drain it towards stage S - 1, so the loop computes those on the first
     (last) ceil(S / 2) stages alone; everything between on all S. Three
-    widths at most, since each phase is traced once. S=4, M=4 ('#' computed,
-    '.' a bubble not computed)::
+    phases at most: each is a loop of its own, traced once. S=4, M=4 ('#'
+    computed, '.' a bubble not computed)::
 
         iteration  0 1 | 2 3 4 | 5 6
         stage 0    # # | # # # | . .
