@@ -305,9 +305,12 @@ class Schedule:
       rows.append(row)
     return rows
 
-  def Render(self):
-    """A text diagram of the schedule, one row per stage."""
+  def Render(self, phases=None):
+    """A text diagram of the schedule, one row per stage ('.' a bubble;
+    with `phases`, '-' a bubble the loop does not compute)."""
     cells = self.Table()
+    computed = _Computed(phases or [Phase(0, self.num_iterations, 0,
+                                          self.num_stages)])
     width = 5 if self.circular else 3
     lines = ['iteration ' + ''.join(f'{i:>{width}}' for i in
                                     range(self.num_iterations))]
@@ -316,7 +319,7 @@ class Schedule:
       for i in range(self.num_iterations):
         cell = cells[i][s]
         if cell is None:
-          text = '.'
+          text = '.' if (i, s) in computed else '-'
         elif self.circular:
           text = f'{cell[0]}/{cell[1]}'
         else:
@@ -339,6 +342,25 @@ class Schedule:
                    f'{self.num_iterations} iterations '
                    f'({useful / self.num_iterations:.0%})')
     return '\n'.join(lines)
+
+  def PhasesSummary(self):
+    """What skip_bubbles runs on one device (Phases), as text."""
+    phases = self.Phases()
+    slots = self.num_iterations * self.num_stages
+    computed = self.SlotsComputed(phases)
+    lines = [f'skip_bubbles (one device): {len(phases)} loop(s), '
+             f'{computed} of {slots} slots computed ({computed / slots:.0%})']
+    for p in phases:
+      last = p.first_stage + p.num_stages - 1
+      lines.append(f'  iterations {p.begin}-{p.end - 1}: stages '
+                   f'{p.first_stage}-{last}')
+    return '\n'.join(lines)
+
+
+def _Computed(phases):
+  """The (iteration, stage) slots the phases compute, as a set."""
+  return {(i, s) for p in phases for i in range(p.begin, p.end)
+          for s in range(p.first_stage, p.first_stage + p.num_stages)}
 
 
 # Spellings from before the commands spoke one dialect (Lingvo's).
@@ -363,6 +385,10 @@ def main(argv=None):
   parser.add_argument('--circular_repeat', type=int, default=1,
                       help='R: times each microbatch passes through the '
                       'stages')
+  parser.add_argument('--skip_bubbles', action='store_true',
+                      help='show what a layer with skip_bubbles=True runs '
+                      'on one device: the bubbles it does not compute '
+                      "('-') and its loops")
   parser.add_argument('--out', default=None,
                       help='write the diagram to this .png path (default: '
                       'text only)')
@@ -386,7 +412,9 @@ def main(argv=None):
       parser.error(f'--out {args.out}: cannot write there (directory '
                    f'{directory} does not exist or is not writable).')
   print(schedule.Summary())
-  print(schedule.Render())
+  if args.skip_bubbles:
+    print(schedule.PhasesSummary())
+  print(schedule.Render(schedule.Phases() if args.skip_bubbles else None))
   if args.out:
     schedule_plot.Draw(schedule, args.out)
     print(f'wrote {os.path.abspath(args.out)}')

@@ -209,3 +209,25 @@ def test_upper_case_png_is_a_png(tmp_path, capsys):
 if __name__ == '__main__':
   import sys  # pylint: disable=g-import-not-at-top
   sys.exit(pytest.main([__file__]))
+
+
+def test_skip_bubbles_shows_the_loops_and_the_bubbles_left_out(capsys):
+  """--skip_bubbles: the phases and, in the diagram, '-' exactly where no
+  loop computes (the docstring's S=4, M=4 example of Schedule.Phases)."""
+  assert schedule_lib.main(['--num_stages', '4', '--num_microbatches', '4',
+                            '--skip_bubbles']) == 0
+  text = capsys.readouterr().out
+  assert ('skip_bubbles (one device): 3 loop(s), 20 of 28 slots computed '
+          '(71%)\n  iterations 0-1: stages 0-1\n  iterations 2-4: stages '
+          '0-3\n  iterations 5-6: stages 2-3\n') in text
+  assert ('stage 0     0  1  2  3  .  -  -\n'
+          'stage 1     .  0  1  2  3  -  -\n'
+          'stage 2     -  -  0  1  2  3  .\n'
+          'stage 3     -  -  .  0  1  2  3') in text
+
+
+def test_without_skip_bubbles_every_bubble_is_computed(capsys):
+  assert schedule_lib.main(['--num_stages', '4', '--num_microbatches',
+                            '4']) == 0
+  text = capsys.readouterr().out
+  assert 'skip_bubbles' not in text and '-' not in text.split('iteration ')[-1]
