@@ -19,6 +19,8 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
+from gpipe import check_partitioning
+from gpipe import partitioning
 from gpipe import pipeline_loop
 from gpipe import schedule
 from gpipe import stage_runners
@@ -54,6 +56,11 @@ def test_equals_the_reference(s, m, r, mode, vectorize):
 _LAYOUT_CASES = [
     harness.Case(num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
                  kwargs=True, kwargs_no_batch=True, skip_bubbles=True),
+    # Sharding annotations on one device: the ranges are slices of them.
+    harness.Case(num_stages=4, num_microbatches=5, circular_repeat=2,
+                 batch=10, shard_stages_1d=True, skip_bubbles=True),
+    harness.Case(num_stages=4, num_microbatches=5, circular_repeat=2,
+                 batch=10, pipeline_stage_mesh_dim=True, skip_bubbles=True),
     harness.Case(num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
                  per_stage_vars=True, skip_bubbles=True),
     harness.Case(num_stages=4, num_microbatches=5, batch=10, body='multi',
@@ -62,7 +69,8 @@ _LAYOUT_CASES = [
 
 
 @pytest.mark.parametrize('case', _LAYOUT_CASES,
-                         ids=['kwargs', 'per_stage_vars', 'multi-save_dots'])
+                         ids=['kwargs', 'shard_stages_1d', 'stage-mesh-dim',
+                              'per_stage_vars', 'multi-save_dots'])
 def test_layouts_equal_the_reference(case):
   harness.CheckCase(case, 'graph')
 
@@ -171,3 +179,21 @@ def _Loops(skip_bubbles):
 def test_three_loops_forward_and_backward_instead_of_one():
   assert _Loops(False) == 2
   assert _Loops(True) == 6
+
+
+def test_partitioned_it_does_nothing_and_equals_one_device():
+  """Partitioned over 4 virtual devices, each runs its stage in one loop
+  (forward and backward: 2, with one permute per iteration each), and the
+  step equals the same layer on one device, which runs three phases."""
+  if not partitioning.IsAvailable():
+    pytest.fail('jax and jaxlib are needed (they are in the test extra).')
+  params = harness.Case(num_stages=4, num_microbatches=4, circular_repeat=2,
+                        batch=12, shard_stages_1d=True,
+                        skip_bubbles=True).Params()
+  report = check_partitioning.CheckPartitioning(params, [(12, 3, 4)], 4)
+  assert len(report.run.loops) == 2, report.run.loops
+  assert report.run.LoopCounts(0) == {'collective-permute': 1}
+  names = report.step.ResultNames()
+  for name, got, want in zip(names, report.run.outputs, report.expected):
+    assert np.abs(want).max() > 0, name
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
