@@ -627,8 +627,8 @@ def test_phases_hand_worked():
   iteration 0 holds stage 0 only; 7 and 8 stage 1 or nothing)."""
   P = schedule.Phase
   assert Schedule(4, 4).Phases() == [P(0, 2, 0, 2), P(2, 5, 0, 4),
-                                       P(5, 7, 2, 2)]
+                                     P(5, 7, 2, 2)]
   assert Schedule(2, 3, 2).Phases() == [P(0, 1, 0, 1), P(1, 7, 0, 2),
-                                          P(7, 9, 1, 1)]
+                                        P(7, 9, 1, 1)]
   assert Schedule(1, 5).Phases() == [P(0, 5, 0, 1)]
   assert Schedule(3, 1).Phases() == [P(0, 2, 0, 2), P(2, 3, 1, 2)]
