@@ -67,9 +67,10 @@ def DefineGpipes(p):
       'vectorized). Partitioned, each device runs its own stage anyway.')
   p.Define(
       'skip_bubbles', False,
-      'On one device, run the first and last S - 1 iterations (filling and '
-      'draining the pipeline) on the half of the stages that holds their '
-      'useful work (gpipe.schedule.Schedule.Phases): about half the bubble '
+      'On one device, run the first and last iterations (about S / 2 at '
+      'each end, filling and draining the pipeline) on the half of the '
+      'stages that holds their useful work '
+      '(gpipe.schedule.Schedule.Phases): about half the bubble '
       'slots are not computed. Faster steps where M is close to S and the '
       'body is compute-bound, in graph mode and under XLA; slower for small '
       'bodies in graph mode (BENCHMARKS.md). Costs 2-3.5x the tracing and '

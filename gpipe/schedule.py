@@ -235,7 +235,7 @@ class Schedule:
 
   def SlotsComputed(self, phases):
     """(iteration, stage) slots the loop computes when run in `phases`."""
-    return sum((p.end - p.begin) * p.num_stages for p in phases)
+    return len(_Computed(phases))
 
   # -- Per microbatch quantities.
 
