@@ -49,6 +49,7 @@ class GraphStep:
       self.fetch = TrainStep(lambda t: forward_of(layer, layer.theta, t),
                               layer.vars.Flatten(), x)
       self.build_seconds = time.perf_counter() - began
+      self.layer = layer
       self.sess = tf.compat.v1.Session(graph=self.graph)
       self.sess.run(tf.compat.v1.global_variables_initializer())
 

@@ -76,3 +76,15 @@ def DefineGpipes(p):
       'bodies in graph mode (BENCHMARKS.md). Costs 2-3.5x the tracing and '
       'compile time (three loops instead of one). Partitioned, each device '
       'runs its own stage and this does nothing.')
+  p.Define(
+      'layer_by_layer', False,
+      'On one device, loop over the S x R layers instead of the pipeline '
+      'schedule, each layer running on all M microbatches as one vectorized '
+      'computation (gpipe.layer_by_layer): no bubbles at all, S x R '
+      'iterations instead of M + S - 1 (circular: more). Every call is '
+      'still one body call on one microbatch with its own step seed. The '
+      'body\'s internal activations are those of the whole batch at once '
+      '(the pipeline\'s: S microbatches). Runs the pipeline loop instead, '
+      'with one log line, for per-stage states, non-trainable variables, a '
+      'body that cannot be vectorized, vectorize_stages=\'never\' and '
+      'partitioned runs.')

@@ -40,6 +40,7 @@ from absl import logging
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import layer_by_layer
 from gpipe import layer_params
 from gpipe import layouts
 from gpipe import microbatch
@@ -92,6 +93,8 @@ class PipelinedLayer(base_layer.BaseLayer):
     self._said_microbatched = False
     self._vectorizing = vectorized_stages.Vectorizing(p.vectorize_stages,
                                                       p.name)
+    self._layer_by_layer = layer_by_layer.LayerByLayer(p.layer_by_layer,
+                                                       p.name)
     self._layout = layouts.For(p, repeats.For(p.circular_repeat))
     self._placement = sharding.StagePlacement(
         p.num_stages, p.shard_stages_1d, p.device_mesh,
@@ -356,8 +359,9 @@ class PipelinedLayer(base_layer.BaseLayer):
     loop_theta = self._LoopTheta(theta)
     with tf.name_scope(p.name):
       try:
-        result = pipeline_loop.Run(spec, loop_theta, inputs.args.leaves,
-                                   state_leaves, var_values)
+        result = self._layer_by_layer.Run(spec, loop_theta,
+                                          inputs.args.leaves, state_leaves,
+                                          var_values)
       except Exception as e:
         if not inputs.split:
           e.add_note(microbatch.MicrobatchedNote(inputs))
@@ -399,6 +403,13 @@ class PipelinedLayer(base_layer.BaseLayer):
     """How the stages run on one device (vectorized_stages.Vectorizing):
     its `reason` says why they run one after another, once known."""
     return self._vectorizing
+
+  @property
+  def layer_by_layer(self):
+    """How calls run with the layer_by_layer param (on one device):
+    gpipe.layer_by_layer.LayerByLayer; `ran` says whether one ran layer by
+    layer, `reason` why the last one ran the pipeline loop instead."""
+    return self._layer_by_layer
 
   def _LoopTheta(self, theta):
     """The stage-stacked weights the loop carries, placed on the devices."""

@@ -78,7 +78,8 @@ def AsLingvosOwnLayer(params):
 
   Lingvo's layer has every Params name gpipe's has but gpipe's own
   (gpipe.layer_params.DefineGpipes: the remat policy, as it always
-  recomputes; vectorize_stages, as it always vectorizes; skip_bubbles), so
+  recomputes; vectorize_stages, as it always vectorizes; skip_bubbles and
+  layer_by_layer, as it always runs its schedule), so
   the same stack can be built with either layer, e.g. to plan both side by
   side (python -m gpipe.plan --pipeline_layer lingvo).
   """

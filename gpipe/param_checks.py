@@ -12,7 +12,8 @@ _UNROLL_VALUES = ('never', 'eval_only', 'always')
 _VECTORIZE_VALUES = ('auto', 'always', 'never')
 _AUX_LOSS_ACCUMULATIONS = ('mean', 'sum')
 _BOOL_PARAMS = ('shard_stages_1d', 'per_stage_vars',
-                'store_body_intermediates', 'skip_bubbles')
+                'store_body_intermediates', 'skip_bubbles',
+                'layer_by_layer')
 _INT_PARAMS = ('num_stages', 'circular_repeat', 'num_microbatches',
                'microbatch_size', 'pipeline_stage_mesh_dim')
 

@@ -96,13 +96,36 @@ def RunVectorized(spec, theta, it):
       lambda t: spec.repeats.TakeForEachStage(t, it.repeat_ids), theta)
   per_stage = dict(theta=theta, args=it.args, kwargs=kwargs, seed=it.seeds,
                    repeat=it.repeat_ids, vars=list(it.var_values))
-  leaves, rebuild = _TensorLeaves(per_stage)
+  return VectorizedCalls(spec, per_stage, {}, it.num_stages,
+                         'every stage at once (vectorized)')
+
+
+def VectorizedCalls(spec, per_call, shared, num_calls, where):
+  """num_calls calls of the body as one vectorized computation.
+
+  Args:
+    spec: the pipeline_loop.LoopSpec.
+    per_call: {theta, args, kwargs, seed, repeat, vars}, or some of them,
+      each with a leading [num_calls] dim: call i gets entry [i] of each.
+    shared: the rest of those entries, the same for every call (weights
+      read by every call stay one tensor, not num_calls copies).
+    num_calls: how many calls.
+    where: which calls these are, for error notes.
+
+  Returns:
+    A stage_runners.StagesResult, each entry [num_calls, ...].
+
+  Raises:
+    CannotVectorize: the body cannot be vectorized (nothing is returned
+      then; the caller runs the calls some other way).
+  """
+  leaves, rebuild = _TensorLeaves(per_call)
   traced = {}
 
-  def OneStage(sliced):
-    x = rebuild(sliced)
+  def OneCall(sliced):
+    x = dict(rebuild(sliced), **shared)
     ops_before = len(tf.compat.v1.get_default_graph().get_operations())
-    res = _CallOneStage(spec, x)
+    res = _CallOnce(spec, x, where)
     outputs, traced['outputs'] = _TensorLeaves(res.outputs)
     traced['shapes'] = [o.shape for o in outputs]
     aux = res.AuxLoss()
@@ -122,7 +145,7 @@ def RunVectorized(spec, theta, it):
   num_ops = len(graph.get_operations())
   try:
     with sharding.VectorizedOverStages(), _PlainAsserts():
-      out = _VectorizedMap(OneStage, leaves, it.num_stages)
+      out = _VectorizedMap(OneCall, leaves, num_calls)
   except Exception as e:  # pylint: disable=broad-except
     if 'ops' not in traced:
       raise  # the body's own error, raised while tracing it
@@ -131,7 +154,7 @@ def RunVectorized(spec, theta, it):
   _CheckTracedOps(traced['ops'])
   _CheckVectorizedOps(graph.get_operations()[num_ops:])
   for o, shape in zip(out['outputs'], traced['shapes']):
-    o.set_shape(tf.TensorShape([it.num_stages]).concatenate(shape))
+    o.set_shape(tf.TensorShape([num_calls]).concatenate(shape))
   return stage_runners.StagesResult(
       outputs=traced['outputs'](out['outputs']),
       aux=out['aux'] if traced['aux'] else None,
@@ -158,14 +181,14 @@ def _VectorizedMap(fn, leaves, num_stages):
       LoopFn, num_stages, fallback_to_while_loop=True)
 
 
-def _CallOneStage(spec, x):
-  """The body on one stage's slice (its repeat's weights already taken),
-  as RunOneByOne calls it."""
+def _CallOnce(spec, x, where):
+  """The body on one call's slice (a stage's: its repeat's weights already
+  taken), as RunOneByOne calls it."""
   kw = dict(x['kwargs'])
   kw.update(spec.kwargs_no_batch)
   return stage_call.CallStage(
       spec.body, spec.fn_name, x['theta'], x['args'], kw,
-      where='every stage at once (vectorized)', var_names=spec.var_names,
+      where=where, var_names=spec.var_names,
       var_values=[spec.repeats.Take(v, x['repeat']) for v in x['vars']],
       context=stage_call.StageContext(x['seed'], spec.global_step))
 

@@ -75,6 +75,8 @@ def _FProp(p, batch=4, **kwargs):
      r'store_body_intermediates must be True or False, got None'),
     (dict(skip_bubbles='auto'),
      r"skip_bubbles must be True or False, got 'auto' \(str\)"),
+    (dict(layer_by_layer=1),
+     r"layer_by_layer must be True or False, got 1 \(int\)"),
     (dict(remat_policy='dots'),
      r"remat_policy must be one of \('recompute', 'save_dots', 'save_all'\), "
      r"got 'dots'"),

@@ -57,6 +57,7 @@ class Case:
   unroll: str = 'never'
   vectorize_stages: str = 'auto'  # on one device: all stages at once
   skip_bubbles: bool = False  # on one device: fill/drain on half the stages
+  layer_by_layer: bool = False  # on one device: no schedule, no bubbles
   seed: int = 0
 
   @property
@@ -90,6 +91,7 @@ class Case:
         unroll=self.unroll,
         vectorize_stages=self.vectorize_stages,
         skip_bubbles=self.skip_bubbles,
+        layer_by_layer=self.layer_by_layer,
         random_seed=1234 + self.seed,
         **body)
 
@@ -306,6 +308,7 @@ def RunCase(case, mode):
   if case.premicrobatched:
     res['out'] = _Unpremicrobatch(case, res['out'])
     res['grads'][-1] = _Unpremicrobatch(case, res['grads'][-1])
+  res['layer'] = layer
   res['np_ref'] = SequentialReference(
       bodies.NP, case, PerLayerWeights(case, res['vars']), args, kwargs,
       no_batch)

@@ -156,6 +156,7 @@ def _Results(params, batch, with_kwargs, mode, vectorize):
 
     res = tf.nest.map_structure(lambda t: t.numpy(), Step())
     res['vars'] = [v.numpy() for v in layer.vars.Flatten()]
+  res['ran_layer_by_layer'] = layer.layer_by_layer.ran
   return res, layer.vectorizing.vectorized
 
 

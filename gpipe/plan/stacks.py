@@ -146,14 +146,15 @@ class GshardClient(LingvoClient):
 
 def SetSchedule(stack_params, candidate):
   """Sets a candidate's M, R, remat policy and mesh on PipelinedLayer
-  Params (the depth is the caller's: see _KeepDepth). skip_bubbles goes
-  off: the one-device reference step must compute every slot, as each
-  partitioned device does."""
+  Params (the depth is the caller's: see _KeepDepth). skip_bubbles and
+  layer_by_layer go off: the one-device reference step must run the
+  pipeline loop and compute every slot, as each partitioned device does."""
   stack_params.Set(num_microbatches=candidate.num_microbatches,
                    microbatch_size=None,
                    circular_repeat=candidate.circular_repeat,
                    remat_policy=candidate.remat_policy,
-                   store_body_intermediates=False, skip_bubbles=False)
+                   store_body_intermediates=False, skip_bubbles=False,
+                   layer_by_layer=False)
   if candidate.mesh:
     stack_params.Set(
         num_stages=candidate.mesh[stack_params.pipeline_stage_mesh_dim],

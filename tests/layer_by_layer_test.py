@@ -1,0 +1,242 @@
+"""layer_by_layer: on one device, each layer on every microbatch at once.
+
+With layer_by_layer=True a one-device call loops over the S x R layers
+instead of the pipeline schedule (gpipe.layer_by_layer). It must change
+nothing but the time and the memory. The layer with it is checked against
+the harness's references, which run no gpipe code: S 1..4, M below, at,
+not a multiple of and above S, R 1..3, graph mode and jit, kwargs, nested
+inputs with None, per-stage variables, sharding annotations, remat
+policies, inputs already microbatched. Then against the same layer without
+it on the layouts of vectorized_stages_test (aux losses, summaries,
+dropout, bfloat16). Every one of those checks that the call did run layer
+by layer. Last, what runs the pipeline loop instead, and says why.
+"""
+
+import logging
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import check_partitioning
+from gpipe import partitioning
+from tests import decoding_test
+from tests import pipeline_harness as harness
+from tests import vectorized_stages_test as vst
+
+# (S, M, R, mode)
+_SWEEP = [
+    (1, 3, 2, 'graph'),
+    (2, 1, 1, 'graph'),
+    (2, 3, 2, 'graph'),
+    (3, 4, 1, 'graph'),
+    (3, 7, 2, 'graph'),
+    (4, 4, 3, 'graph'),
+    (4, 5, 1, 'graph'),
+    (2, 3, 3, 'jit'),
+    (3, 4, 2, 'jit'),
+    (4, 6, 1, 'jit'),
+]
+
+
+def _Check(case, mode):
+  res = harness.CheckCase(case, mode)
+  layer = res['layer']
+  assert layer.layer_by_layer.ran, layer.layer_by_layer.reason
+  assert not layer.vectorizing.vectorized  # the pipeline loop never ran
+
+
+@pytest.mark.parametrize('s,m,r,mode', _SWEEP,
+                         ids=[f'S{s}-M{m}-R{r}-{mode}'
+                              for s, m, r, mode in _SWEEP])
+def test_equals_the_reference(s, m, r, mode):
+  _Check(harness.Case(num_stages=s, num_microbatches=m, circular_repeat=r,
+                      batch=2 * m, layer_by_layer=True), mode)
+
+
+_LAYOUT_CASES = {
+    'kwargs': harness.Case(num_stages=3, num_microbatches=4,
+                           circular_repeat=2, batch=8, kwargs=True,
+                           kwargs_no_batch=True, layer_by_layer=True),
+    'shard_stages_1d': harness.Case(num_stages=4, num_microbatches=5,
+                                    circular_repeat=2, batch=10,
+                                    shard_stages_1d=True,
+                                    layer_by_layer=True),
+    'per_stage_vars': harness.Case(num_stages=3, num_microbatches=4,
+                                   circular_repeat=2, batch=8,
+                                   per_stage_vars=True, layer_by_layer=True),
+    'multi-save_dots': harness.Case(num_stages=4, num_microbatches=5,
+                                    batch=10, body='multi',
+                                    remat_policy='save_dots',
+                                    layer_by_layer=True),
+    'save_all-premicrobatched': harness.Case(
+        num_stages=2, num_microbatches=3, circular_repeat=2, batch=6,
+        remat_policy='save_all', premicrobatched=True, layer_by_layer=True),
+}
+
+
+@pytest.mark.parametrize('name', sorted(_LAYOUT_CASES))
+def test_layouts_equal_the_reference(name):
+  _Check(_LAYOUT_CASES[name], 'graph')
+
+
+# The layouts the references above do not cover (aux losses, summaries,
+# dropout, bfloat16), graph mode and jit.
+_UNCHANGED = [
+    layout + (mode,) for layout in vst._LAYOUTS  # pylint: disable=protected-access
+    for mode in ('graph', 'jit')
+    if layout[0] in ('aux-summaries-dropout', 'bfloat16', 'stacked-R3-M5')
+    and (mode == 'graph' or layout[0] == 'aux-summaries-dropout')]
+
+
+@pytest.mark.parametrize('name,params,batch,with_kwargs,mode', _UNCHANGED,
+                         ids=[f'{u[0]}-{u[-1]}' for u in _UNCHANGED])
+def test_everything_the_layer_gives_is_unchanged(name, params, batch,
+                                                 with_kwargs, mode):
+  """Outputs, every gradient, aux losses, summaries (per stage), dropout
+  masks (the same step seed per layer and microbatch)."""
+  # pylint: disable=protected-access
+  by_layer, _ = vst._Results(params.Copy().Set(layer_by_layer=True), batch,
+                             with_kwargs, mode, 'auto')
+  pipelined, _ = vst._Results(params, batch, with_kwargs, mode, 'auto')
+  # pylint: enable=protected-access
+  assert by_layer['ran_layer_by_layer'], name
+  assert not pipelined['ran_layer_by_layer'], name
+  # bfloat16: layer by layer sums a weight's gradient over the microbatches
+  # inside one matmul (float32 accumulation) where the pipeline adds one
+  # bfloat16 gradient per iteration, which moves some elements by a few
+  # ulps at the tensor's scale (closer to the float32 gradient: 0.31 % of
+  # the largest element off, against the pipeline's 0.38 %).
+  ulps = 2 if params.fprop_dtype == tf.bfloat16 else 0
+  rtol = 1e-2 if ulps else 1e-5
+  for key in ('outs', 'grads', 'aux', 'vars'):
+    _AssertClose(by_layer[key], pipelined[key], f'{name} {mode}: {key}',
+                 rtol, ulps)
+  assert sorted(by_layer['summaries']) == sorted(pipelined['summaries'])
+  assert pipelined['summaries'] or 'summaries' not in name
+  keys = sorted(pipelined['summaries'])
+  _AssertClose([by_layer['summaries'][k] for k in keys],
+               [pipelined['summaries'][k] for k in keys],
+               f'{name} {mode}: summaries', rtol, ulps)
+  assert np.abs(pipelined['aux']).max() > 0 or 'aux' not in name
+  assert any(np.abs(g).max() > 0 for g in pipelined['grads']), name
+
+
+def _AssertClose(got, want, what, rtol, bf16_ulps=0):
+  """Elementwise close; with bf16_ulps, also allowed that many bfloat16
+  ulps (2^-8) of the tensor's largest element."""
+  flat_g, flat_w = tf.nest.flatten(got), tf.nest.flatten(want)
+  assert len(flat_g) == len(flat_w), what
+  for i, (g, w) in enumerate(zip(flat_g, flat_w)):
+    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+    assert g.shape == w.shape, (what, i)
+    atol = max(1e-6, bf16_ulps * 2.0**-8 * np.abs(w).max(initial=0.0))
+    np.testing.assert_allclose(g, w, rtol=rtol, atol=atol,
+                               err_msg=f'{what} [{i}]')
+
+
+# -- What runs the pipeline loop instead, and says so. -----------------------
+
+
+def _Lines(caplog):
+  return [r.getMessage() for r in caplog.records
+          if 'not layer by layer' in r.getMessage()]
+
+
+def test_non_trainable_state_runs_the_pipeline_loop(caplog):
+  """Its variables update microbatch after microbatch: the pipeline loop
+  runs, with the same results as without the param, said once."""
+  caplog.set_level(logging.INFO)
+  name, params, batch, with_kwargs = [
+      layout for layout in vst._LAYOUTS  # pylint: disable=protected-access
+      if layout[0] == 'non-trainable-state'][0]
+  # pylint: disable=protected-access
+  got, _ = vst._Results(params.Copy().Set(layer_by_layer=True), batch,
+                        with_kwargs, 'graph', 'auto')
+  want, _ = vst._Results(params, batch, with_kwargs, 'graph', 'auto')
+  # pylint: enable=protected-access
+  assert not got['ran_layer_by_layer']
+  for key in ('outs', 'grads', 'vars'):
+    _AssertClose(got[key], want[key], f'{name}: {key}', 1e-6)
+  lines = _Lines(caplog)
+  assert len(lines) == 1, lines
+  assert 'non-trainable variables' in lines[0], lines
+  assert "PipelinedLayer 'pipe'" in lines[0]
+
+
+def test_a_body_that_cannot_be_vectorized_runs_the_pipeline_loop(caplog):
+  """A stateful random op: found once, said once, the pipeline loop from
+  then on (which runs it stage by stage, as without the param)."""
+  caplog.set_level(logging.INFO)
+  # pylint: disable=protected-access
+  params = vst._Params(vst._StatefulRandomBody, 'auto').Set(
+      layer_by_layer=True)
+  x = np.random.RandomState(2).uniform(-1, 1, [4, vst.D]).astype(np.float32)
+  with tf.Graph().as_default():
+    layer = params.Instantiate()
+    y = [layer.FProp(layer.theta, tf.constant(x)) for _ in range(2)]
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      vst._LoadWeights(layer, sess)
+      got = sess.run(y)
+  want, _, _ = vst._ForwardAndGrad(vst._StatefulRandomBody, 'never',
+                                   differentiate=False)
+  # pylint: enable=protected-access
+  assert not layer.layer_by_layer.ran
+  assert 'stateful ops (RandomUniform)' in layer.layer_by_layer.reason
+  lines = _Lines(caplog)
+  assert len(lines) == 1 and 'RandomUniform' in lines[0], lines
+  for value in got:  # (the noise is scaled by 0.0)
+    np.testing.assert_allclose(value, want, rtol=1e-6)
+
+
+@pytest.mark.parametrize('vectorize', ['never', 'auto'])
+def test_decoding_with_per_stage_states_runs_the_pipeline_loop(vectorize):
+  """FPropFn('ExtendStep') with each stage's caches as states, against the
+  plain stack on the whole sequence (NumPy, on the decoder's weights)."""
+  # pylint: disable=protected-access
+  x = np.random.RandomState(3).uniform(
+      -1, 1, [6, decoding_test._SEQ, decoding_test._DIM]).astype(np.float32)
+  params = decoding_test._Params(2, 3, 2).Set(layer_by_layer=True,
+                                               vectorize_stages=vectorize)
+  decoded, caches, weights = decoding_test._Decode(params, x, 'graph')
+  expected, keys, vals = decoding_test._FullSequenceReference(weights, x)
+  decoding_test._AssertClose(decoded, expected)
+  decoding_test._AssertClose(caches.k, np.stack(keys))
+  decoding_test._AssertClose(caches.v, np.stack(vals))
+  # pylint: enable=protected-access
+
+
+def test_vectorize_never_and_stage_parallel_run_the_pipeline_loop():
+  for case, why in (
+      (harness.Case(num_stages=3, num_microbatches=4, batch=8,
+                    vectorize_stages='never', layer_by_layer=True),
+       "vectorize_stages='never'"),
+      (harness.Case(num_stages=2, num_microbatches=3, batch=6,
+                    body='stage_parallel', layer_by_layer=True),
+       'stage-parallel body'),
+  ):
+    layer = harness.CheckCase(case, 'graph')['layer']
+    assert not layer.layer_by_layer.ran
+    assert why in layer.layer_by_layer.reason
+
+
+def test_partitioned_it_does_nothing_and_equals_one_device():
+  """Partitioned over 4 virtual devices, each runs its stage in the
+  pipeline loop (forward and backward: 2, with one permute per iteration
+  each), and the step equals the same layer on one device, which runs
+  layer by layer."""
+  if not partitioning.IsAvailable():
+    pytest.fail('jax and jaxlib are needed (they are in the test extra).')
+  params = harness.Case(num_stages=4, num_microbatches=4, circular_repeat=2,
+                        batch=12, shard_stages_1d=True,
+                        layer_by_layer=True).Params()
+  report = check_partitioning.CheckPartitioning(params, [(12, 3, 4)], 4)
+  assert len(report.run.loops) == 2, report.run.loops
+  assert report.run.LoopCounts(0) == {'collective-permute': 1}
+  names = report.step.ResultNames()
+  for name, got, want in zip(names, report.run.outputs, report.expected):
+    assert np.abs(want).max() > 0, name
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
