@@ -29,6 +29,7 @@ class OverheadRow:
   steps_ms: float  # ours, the stages one after another
   skip_ms: float  # ours, skip_bubbles=True
   skip_slots: float  # modelled: the share of T x S slots it computes
+  layers_ms: float  # ours, layer_by_layer=True
   lingvo_ms: float = None
 
   @property
@@ -51,6 +52,9 @@ class OverheadRow:
   def skip_vs_ideal(self):
     return self.skip_ms / self.seq_ms / self.ideal
 
+  @property
+  def layers_vs_ideal(self):
+    return self.layers_ms / self.seq_ms / self.ideal
 
 
 @dataclasses.dataclass
@@ -130,7 +134,9 @@ def _OverheadTable(rows):
          'computation (the default); "one by one" is the same layer with '
          'vectorize_stages=\'never\'; "skip" with skip_bubbles=True, which '
          'computes the share "slots" of the T x S slots (modelled: '
-         'Schedule.Phases), so its ideal is lower than the one given. The '
+         'Schedule.Phases), so its ideal is lower than the one given; '
+         '"layers" with layer_by_layer=True, which computes no bubble at all '
+         '(its ideal is 4/3). The '
          'small body\'s baseline is the '
          'plain stack on the whole batch; the compute-heavy body\'s, the '
          'plain stack run microbatch by microbatch (the same matmul sizes). '
@@ -141,23 +147,27 @@ def _OverheadTable(rows):
     body_rows = [r for r in rows if r.body == body]
     out += [f'{body} body:', '',
             '| mode | S | M | R | T | baseline ms | ours ms | one by one ms '
-            '| skip ms | slots | ideal | ours/ideal | one by one/ideal | '
-            'skip/ideal | ours / one by one |',
-            '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|']
+            '| skip ms | layers ms | slots | ideal | ours/ideal | '
+            'one by one/ideal | skip/ideal | layers/ideal | '
+            'ours / one by one |',
+            '|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|'
+            '---|---|']
     for r in body_rows:
       out.append(
           f'| {r.mode} | {r.s} | {r.m} | {r.r} | {r.iterations} | '
           f'{r.seq_ms:.1f} | {r.pipe_ms:.1f} | {r.steps_ms:.1f} | '
-          f'{r.skip_ms:.1f} | {r.skip_slots:.2f} | {r.ideal:.2f} | '
-          f'{r.vs_ideal:.2f} | {r.steps_vs_ideal:.2f} | '
-          f'{r.skip_vs_ideal:.2f} | {r.pipe_ms / r.steps_ms:.2f} |')
+          f'{r.skip_ms:.1f} | {r.layers_ms:.1f} | {r.skip_slots:.2f} | '
+          f'{r.ideal:.2f} | {r.vs_ideal:.2f} | {r.steps_vs_ideal:.2f} | '
+          f'{r.skip_vs_ideal:.2f} | {r.layers_vs_ideal:.2f} | '
+          f'{r.pipe_ms / r.steps_ms:.2f} |')
     for mode in sorted({r.mode for r in body_rows}):
       mode_rows = [r for r in body_rows if r.mode == mode]
       out += ['', f'{body}, {mode}: ours/ideal ' + _Spread(
           [r.vs_ideal for r in mode_rows]) + f'; target <= '
               f'{TARGET_OVERHEAD[(body, mode)]}; one by one ' + _Spread(
                   [r.steps_vs_ideal for r in mode_rows]) + '; skip ' +
-              _Spread([r.skip_vs_ideal for r in mode_rows]) + '.']
+              _Spread([r.skip_vs_ideal for r in mode_rows]) + '; layers ' +
+              _Spread([r.layers_vs_ideal for r in mode_rows]) + '.']
     out.append('')
   return out
 
@@ -174,27 +184,33 @@ def _Ordered(names):
 
 def _LingvoTable(rows, failures):
   out = ['## 2. Against Lingvo\'s LayerwiseShardablePipelinedLayer', '',
-         'Same Params, same step (skip: ours with skip_bubbles=True); '
+         'Same Params, same step (skip: ours with skip_bubbles=True; '
+         'layers: ours with layer_by_layer=True); '
          'Lingvo\'s layer runs on CPU with R = 1 '
          f'only. Target: ours / Lingvo <= {TARGET_VS_LINGVO} at the median, '
          '<= 1.05 at every configuration.', '',
          '| body | mode | S | M | ours ms | one by one ms | skip ms | '
-         'Lingvo ms | ours / Lingvo | one by one / Lingvo | skip / Lingvo |',
-         '|---|---|---|---|---|---|---|---|---|---|---|']
+         'layers ms | Lingvo ms | ours / Lingvo | one by one / Lingvo | '
+         'skip / Lingvo | layers / Lingvo |',
+         '|---|---|---|---|---|---|---|---|---|---|---|---|---|']
   ratios = {}
   for r in rows:
     if r.lingvo_ms is None:
       continue
     ratio, skip = r.pipe_ms / r.lingvo_ms, r.skip_ms / r.lingvo_ms
-    ratios.setdefault((r.body, r.mode), []).append((ratio, skip))
+    by_layer = r.layers_ms / r.lingvo_ms
+    ratios.setdefault((r.body, r.mode), []).append((ratio, skip, by_layer))
     out.append(f'| {r.body} | {r.mode} | {r.s} | {r.m} | {r.pipe_ms:.1f} | '
-               f'{r.steps_ms:.1f} | {r.skip_ms:.1f} | {r.lingvo_ms:.1f} | '
-               f'{ratio:.2f} | {r.steps_ms / r.lingvo_ms:.2f} | {skip:.2f} |')
+               f'{r.steps_ms:.1f} | {r.skip_ms:.1f} | {r.layers_ms:.1f} | '
+               f'{r.lingvo_ms:.1f} | {ratio:.2f} | '
+               f'{r.steps_ms / r.lingvo_ms:.2f} | {skip:.2f} | '
+               f'{by_layer:.2f} |')
   for (body, mode), vals in sorted(ratios.items(),
                                    key=lambda kv: (kv[0][0] != 'small', kv[0])):
     out += ['', f'{body}, {mode}: ours / Lingvo ' +
-            _Spread([v for v, _ in vals]) + '; skip / Lingvo ' +
-            _Spread([v for _, v in vals]) + '.']
+            _Spread([v[0] for v in vals]) + '; skip / Lingvo ' +
+            _Spread([v[1] for v in vals]) + '; layers / Lingvo ' +
+            _Spread([v[2] for v in vals]) + '.']
   out += ['', 'Only we run (graph mode, one CPU):', '',
           '| configuration | gpipe | Lingvo |', '|---|---|---|']
   for name, ours, theirs in failures:
@@ -219,17 +235,22 @@ def _MemoryTable(cfg, rows):
          'save_all stores of this body, S x rows x dim x (expansion + 2) '
          'floats per iteration (tanh(x w1), the sine\'s input, the mean); '
          'extra / stored = (save_all - recompute) / (stored x T): at most 1 '
-         'when nothing but activations is stored.', '',
+         'when nothing but activations is stored. layer by layer: '
+         'layer_by_layer=True (recompute), which stores one [M, rows, dim] '
+         'input per layer but runs the body on all M microbatches at once.',
+         '',
          '| varied | value | T | buffer x T KiB | naive KiB | ' +
          ' | '.join(f'{p} KiB' for p in _POLICIES) +
-         ' | save_all / naive | recompute / (buffer x T) | stored x T KiB '
-         '| extra / stored |',
-         '|---|---|---|---|---|' + '---|' * len(_POLICIES) + '---|---|---|---|']
+         ' | layer by layer KiB | save_all / naive | recompute / (buffer x T) '
+         '| stored x T KiB | extra / stored |',
+         '|---|---|---|---|---|' + '---|' * len(_POLICIES) +
+         '---|---|---|---|---|']
   for r in rows:
     bt = r.buffer_bytes * r.iterations
     out.append(f'| {r.what} | {r.value} | {r.iterations} | {bt / 1024:.0f} '
                f'| {r.temp["naive"] / 1024:.0f} | ' +
                ' | '.join(f'{r.temp[p] / 1024:.0f}' for p in _POLICIES) +
+               f' | {r.temp["layer_by_layer"] / 1024:.0f}'
                f' | {r.temp["save_all"] / r.temp["naive"]:.2f} | '
                f'{r.temp["recompute"] / bt:.2f} | '
                f'{r.stored_bytes * r.iterations / 1024:.0f} | '
@@ -239,7 +260,7 @@ def _MemoryTable(cfg, rows):
     first, last = wide[0], wide[-1]
     growth = ', '.join(
         f'{k} x{last.temp[k] / first.temp[k]:.2f}'
-        for k in ('naive',) + _POLICIES)
+        for k in ('naive',) + _POLICIES + ('layer_by_layer',))
     out += ['', f'Body internals x{last.value // first.value}: {growth}.']
   return out + ['']
 

@@ -68,7 +68,8 @@ def Overhead(cfg):
             print(f'  overhead {body.name} {mode} S={s} M={m} R={r}: '
                   f'{rows[-1].vs_ideal:.2f}x ideal, stage by stage '
                   f'{rows[-1].steps_vs_ideal:.2f}x, skipping bubbles '
-                  f'{rows[-1].skip_vs_ideal:.2f}x', flush=True)
+                  f'{rows[-1].skip_vs_ideal:.2f}x, layer by layer '
+                  f'{rows[-1].layers_vs_ideal:.2f}x', flush=True)
   return rows
 
 
@@ -80,19 +81,20 @@ def _OverheadRow(cfg, body, mode, s, m, r):
 
   steps = [Step(body.baseline), Step(measure.Pipelined),
            Step(measure.Pipelined, vectorize_stages='never'),
-           Step(measure.Pipelined, skip_bubbles=True)]
+           Step(measure.Pipelined, skip_bubbles=True),
+           Step(measure.Pipelined, layer_by_layer=True)]
   if r == 1:
     steps.append(Step(measure.Pipelined,
                       cls=gshard_layers.LayerwiseShardablePipelinedLayer))
   ms = [t * 1e3 for t in measure.Interleaved(steps, cfg.warmup, cfg.reps)]
-  baseline, vectorized, one_by_one, skipping = ms[:4]
-  lingvo = ms[4] if r == 1 else None
+  baseline, vectorized, one_by_one, skipping, by_layer = ms[:5]
+  lingvo = ms[5] if r == 1 else None
   sched = schedule.Schedule(s, m, r)
   return report.OverheadRow(
       body.name, mode, s, m, r, sched.num_iterations, baseline, vectorized,
       one_by_one, skipping,
       sched.SlotsComputed(sched.Phases()) / (sched.num_iterations * s),
-      lingvo)
+      by_layer, lingvo)
 
 
 def _LingvoOnlyFailures(cfg):
@@ -158,6 +160,9 @@ def _MemoryRow(cfg, what, value, m, expansion):
     results[policy] = measure.TempBytes(
         _Maker(s, m, 1, cfg.dim, 0, body=body, remat_policy=policy),
         measure.Pipelined, batch, cfg.dim)
+  results['layer_by_layer'] = measure.TempBytes(
+      _Maker(s, m, 1, cfg.dim, 0, body=body, layer_by_layer=True),
+      measure.Pipelined, batch, cfg.dim)
   # What save_all stores of a WideBody per stage and iteration: tanh(x w1)
   # and the mean ([rows, dim] each), the sine's input [rows, k, dim].
   stored = s * rows_per_mb * cfg.dim * (expansion + 2) * 4
