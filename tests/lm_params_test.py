@@ -13,6 +13,7 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import demo
+from gpipe import layer_by_layer
 from gpipe import stage_call
 from gpipe import trainer
 from lingvo import model_registry
@@ -166,6 +167,21 @@ def test_pipelined_lm_equals_unrolled_at_init(num_stages, circular_repeat,
   cfg = _TinyCfg(num_stages=num_stages, circular_repeat=circular_repeat,
                  num_microbatches=num_microbatches, dropout_prob=0.1)
   comparison = trainer.CompareWithUnrolled(cfg)
+  assert comparison.num_variables > 0
+  assert comparison.Matches(), comparison.Describe()
+
+
+def test_layer_by_layer_lm_equals_unrolled_at_init(monkeypatch):
+  """The LM's Transformer blocks run layer by layer (each on all
+  microbatches at once): loss and every gradient as the unrolled model's."""
+  ran = []
+  run = layer_by_layer.Run
+  monkeypatch.setattr(layer_by_layer, 'Run',
+                      lambda *a: ran.append(1) or run(*a))
+  cfg = _TinyCfg(num_stages=2, circular_repeat=2, num_microbatches=3)
+  cfg.task.stack.layer_by_layer = True
+  comparison = trainer.CompareWithUnrolled(cfg)
+  assert ran, 'the pipelined stack did not run layer by layer'
   assert comparison.num_variables > 0
   assert comparison.Matches(), comparison.Describe()
 
