@@ -18,9 +18,10 @@ Every call is still one call of the body on one microbatch, with the step
 seed of its (layer, microbatch), so outputs, gradients, aux losses and
 summaries are the pipeline's up to float rounding. The price is memory: the
 body's internal activations are those of the whole batch at once (the
-pipeline's, of S microbatches). What it cannot run (per-stage states,
-non-trainable variables, which update microbatch after microbatch, a body
-that cannot be vectorized, a partitioned run) runs in the pipeline loop.
+pipeline's, of S microbatches). Per-stage states (a decoder's caches) go
+with their (microbatch, layer) call. What it cannot run (non-trainable
+variables, which update microbatch after microbatch, a body that cannot be
+vectorized, a partitioned run) runs in the pipeline loop.
 """
 
 from typing import Optional
@@ -28,6 +29,7 @@ from typing import Optional
 from absl import logging
 import tensorflow as tf
 
+from gpipe import microbatch
 from gpipe import nest
 from gpipe import pipeline_loop
 from gpipe import recurrent
@@ -43,8 +45,8 @@ class LayerByLayer:
   pipeline loop, saying why in one log line per reason.
 
   A body that cannot be vectorized over the microbatches is found out once
-  and runs the pipeline loop from then on; the other reasons are the
-  call's (a decoding call carries per-stage states, FProp does not).
+  (by trying) and runs the pipeline loop from then on; the other reasons
+  are read off each call's LoopSpec (WhyNot).
   """
 
   def __init__(self, enabled, owner):
@@ -61,7 +63,7 @@ class LayerByLayer:
       reason = self._cannot_vectorize or WhyNot(spec)
       if reason is None:
         try:
-          result = Run(spec, theta, mb_leaves)
+          result = Run(spec, theta, mb_leaves, state_leaves)
           self.ran = True
           return result
         except vectorized_stages.CannotVectorize as e:
@@ -87,8 +89,6 @@ def WhyNot(spec) -> Optional[str]:
   if spec.run_stages.mode == 'never':
     return ("vectorize_stages='never' (layer by layer vectorizes over the "
             'microbatches).')
-  if tf.nest.flatten(spec.states):
-    return 'the call carries per-stage states (decoding).'
   if spec.var_names:
     return ('the body has non-trainable variables (' +
             ', '.join(spec.var_names) + '), updated microbatch after '
@@ -96,13 +96,15 @@ def WhyNot(spec) -> Optional[str]:
   return None
 
 
-def Run(spec, theta, mb_leaves) -> pipeline_loop.LoopResult:
+def Run(spec, theta, mb_leaves, state_leaves) -> pipeline_loop.LoopResult:
   """The S x R layers one after another, each on all microbatches.
 
   Args:
     spec: the pipeline_loop.LoopSpec (WhyNot(spec) is None).
     theta: the stage-stacked weights, [S, (R,) ...].
     mb_leaves: the [M, ...] tensor leaves of the microbatched inputs.
+    state_leaves: the [T, S, ...] padded per-stage state leaves (each
+      layer reads and writes its calls' own, microbatch.UnpadStates).
 
   Raises:
     vectorized_stages.CannotVectorize: the body cannot be vectorized over
@@ -115,7 +117,9 @@ def Run(spec, theta, mb_leaves) -> pipeline_loop.LoopResult:
              for layer in range(num_layers)]
   inputs = NestedMap(
       weights=nest.MapTensors(lambda w: _PerLayer(w, sched), theta),
-      seeds=spec.base_seed + tf.constant(offsets, spec.base_seed.dtype))
+      seeds=spec.base_seed + tf.constant(offsets, spec.base_seed.dtype),
+      states=[_SwapLeadingDims(microbatch.UnpadStates(x, sched))
+              for x in state_leaves])
   _, final, extras = recurrent.Recurrent(
       NestedMap(), NestedMap(x=list(mb_leaves)), inputs,
       lambda th, st, inp: _Layer(spec, st, inp),
@@ -123,7 +127,9 @@ def Run(spec, theta, mb_leaves) -> pipeline_loop.LoopResult:
   per_stage = lambda x: tf.reshape(x, [sched.circular_repeat,
                                        sched.num_stages])
   return pipeline_loop.LoopResult(
-      outputs=list(final.x), states=[],
+      outputs=list(final.x),
+      states=[microbatch.WriteStates(old, _SwapLeadingDims(new), sched)
+              for old, new in zip(state_leaves, extras.states)],
       aux_loss=tf.reduce_sum(extras.aux),
       summaries={name: (per_stage(v), per_stage(w))
                  for name, (v, w) in extras.summaries.items()},
@@ -139,12 +145,20 @@ def _PerLayer(w, sched):
   return tf.reshape(tf.transpose(w, perm), [-1] + shape[2:])
 
 
+def _SwapLeadingDims(x):
+  """[A, B, ...] -> [B, A, ...]."""
+  return tf.transpose(x, [1, 0] + list(range(2, x.shape.rank)))
+
+
 def _Layer(spec, state, inp):
-  """One layer on every microbatch: (new state, its aux loss, summaries)."""
+  """One layer on every microbatch: (new state; its aux loss, summaries and
+  the calls' new per-stage states)."""
+  args = spec.args.Rebuild(state.x)
+  num_args = len(args)
+  args += tuple(tf.nest.pack_sequence_as(spec.states, inp.states))
   res = vectorized_stages.VectorizedCalls(
       spec,
-      per_call=dict(args=spec.args.Rebuild(state.x), kwargs=spec.mb_kwargs,
-                    seed=inp.seeds),
+      per_call=dict(args=args, kwargs=spec.mb_kwargs, seed=inp.seeds),
       shared=dict(theta=inp.weights, repeat=None, vars=[]),
       num_calls=spec.schedule.num_microbatches,
       where='every microbatch of one layer at once (layer by layer)')
@@ -152,5 +166,7 @@ def _Layer(spec, state, inp):
          tf.reduce_sum(res.aux))
   summaries = {name: (tf.reduce_sum(value * weight), tf.reduce_sum(weight))
                for name, value, weight in res.summaries}
-  return (NestedMap(x=spec.args.Of(res.outputs)),
-          NestedMap(aux=aux, summaries=summaries))
+  outs, new_states = res.outputs[:num_args], res.outputs[num_args:]
+  return (NestedMap(x=spec.args.Of(outs)),
+          NestedMap(aux=aux, summaries=summaries,
+                    states=tf.nest.flatten(new_states)))

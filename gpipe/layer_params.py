@@ -85,6 +85,6 @@ def DefineGpipes(p):
       'still one body call on one microbatch with its own step seed. The '
       'body\'s internal activations are those of the whole batch at once '
       '(the pipeline\'s: S microbatches). Runs the pipeline loop instead, '
-      'with one log line, for per-stage states, non-trainable variables, a '
-      'body that cannot be vectorized, vectorize_stages=\'never\' and '
+      'with one log line, for non-trainable variables, a body that cannot '
+      'be vectorized, vectorize_stages=\'never\', stage-parallel bodies and '
       'partitioned runs.')

@@ -368,6 +368,32 @@ def _StaticDim0(x):
   return None
 
 
+def WriteStates(padded, by_call, schedule: schedule_lib.Schedule):
+  """[T, S, ...] state slots with each call's slot set to its new state.
+
+  by_call is [M, L, ...] (UnpadStates' layout): the new state of each
+  (microbatch, layer) call. Bubble slots keep what `padded` holds there, as
+  the pipeline loop leaves them.
+  """
+  if not nest.IsTensor(padded):
+    return padded
+  shape = _Shape(padded)
+  num_calls = schedule.num_microbatches * schedule.num_layers
+  flat = tf.concat([
+      tf.reshape(by_call, [num_calls] + shape[2:]),
+      tf.reshape(padded, [-1] + shape[2:])], 0)
+
+  def Source(i, s, call):  # row of `flat` slot (i, s) takes
+    if call is None:
+      return num_calls + i * schedule.num_stages + s
+    m, layer = call
+    return m * schedule.num_layers + layer
+
+  index = [[Source(i, s, call) for s, call in enumerate(row)]
+           for i, row in enumerate(schedule.CallPerSlot())]
+  return tf.gather(flat, np.asarray(index, np.int32))
+
+
 def CheckPaddedStates(padded_states, sched):
   """The states' tensor leaves, checked to be [T, S, ...] state slots."""
   leaves = tf.nest.flatten(padded_states)

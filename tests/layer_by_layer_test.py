@@ -6,10 +6,11 @@ nothing but the time and the memory. The layer with it is checked against
 the harness's references, which run no gpipe code: S 1..4, M below, at,
 not a multiple of and above S, R 1..3, graph mode and jit, kwargs, nested
 inputs with None, per-stage variables, sharding annotations, remat
-policies, inputs already microbatched. Then against the same layer without
-it on the layouts of vectorized_stages_test (aux losses, summaries,
-dropout, bfloat16). Every one of those checks that the call did run layer
-by layer. Last, what runs the pipeline loop instead, and says why.
+policies, inputs already microbatched; decoding with per-stage caches
+against the full-sequence stack. Then against the same layer without it on
+the layouts of vectorized_stages_test (aux losses, summaries, dropout,
+bfloat16). Every one of those checks that the call did run layer by layer.
+Last, what runs the pipeline loop instead, and says why.
 """
 
 import logging
@@ -20,6 +21,7 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import check_partitioning
+from gpipe import layer_by_layer
 from gpipe import partitioning
 from tests import decoding_test
 from tests import pipeline_harness as harness
@@ -136,6 +138,34 @@ def _AssertClose(got, want, what, rtol, bf16_ulps=0):
                                err_msg=f'{what} [{i}]')
 
 
+@pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat,mode',
+                         [(2, 3, 2, 'graph'), (3, 2, 1, 'graph'),
+                          (3, 4, 1, 'jit'), (2, 3, 3, 'jit')])
+def test_decoding_with_per_stage_states(num_stages, num_microbatches,
+                                        circular_repeat, mode, monkeypatch):
+  """FPropFn('ExtendStep') with each layer's caches as per-stage states,
+  step after step, against the plain stack on the whole sequence (NumPy,
+  on the decoder's weights): outputs and every layer's cache."""
+  ran = []
+  run = layer_by_layer.Run
+  monkeypatch.setattr(layer_by_layer, 'Run',
+                      lambda *a: ran.append(1) or run(*a))
+  # pylint: disable=protected-access
+  batch = 2 * num_microbatches
+  x = np.random.RandomState(3).uniform(
+      -1, 1, [batch, decoding_test._SEQ, decoding_test._DIM]).astype(
+          np.float32)
+  params = decoding_test._Params(num_stages, num_microbatches,
+                                 circular_repeat).Set(layer_by_layer=True)
+  decoded, caches, weights = decoding_test._Decode(params, x, mode)
+  expected, keys, vals = decoding_test._FullSequenceReference(weights, x)
+  decoding_test._AssertClose(decoded, expected)
+  decoding_test._AssertClose(caches.k, np.stack(keys))
+  decoding_test._AssertClose(caches.v, np.stack(vals))
+  # pylint: enable=protected-access
+  assert ran, 'the decoding steps did not run layer by layer'
+
+
 # -- What runs the pipeline loop instead, and says so. -----------------------
 
 
@@ -189,23 +219,6 @@ def test_a_body_that_cannot_be_vectorized_runs_the_pipeline_loop(caplog):
   assert len(lines) == 1 and 'RandomUniform' in lines[0], lines
   for value in got:  # (the noise is scaled by 0.0)
     np.testing.assert_allclose(value, want, rtol=1e-6)
-
-
-@pytest.mark.parametrize('vectorize', ['never', 'auto'])
-def test_decoding_with_per_stage_states_runs_the_pipeline_loop(vectorize):
-  """FPropFn('ExtendStep') with each stage's caches as states, against the
-  plain stack on the whole sequence (NumPy, on the decoder's weights)."""
-  # pylint: disable=protected-access
-  x = np.random.RandomState(3).uniform(
-      -1, 1, [6, decoding_test._SEQ, decoding_test._DIM]).astype(np.float32)
-  params = decoding_test._Params(2, 3, 2).Set(layer_by_layer=True,
-                                               vectorize_stages=vectorize)
-  decoded, caches, weights = decoding_test._Decode(params, x, 'graph')
-  expected, keys, vals = decoding_test._FullSequenceReference(weights, x)
-  decoding_test._AssertClose(decoded, expected)
-  decoding_test._AssertClose(caches.k, np.stack(keys))
-  decoding_test._AssertClose(caches.v, np.stack(vals))
-  # pylint: enable=protected-access
 
 
 def test_vectorize_never_and_stage_parallel_run_the_pipeline_loop():
