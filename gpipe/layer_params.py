@@ -86,5 +86,6 @@ def DefineGpipes(p):
       'body\'s internal activations are those of the whole batch at once '
       '(the pipeline\'s: S microbatches). Runs the pipeline loop instead, '
       'with one log line, for non-trainable variables, a body that cannot '
-      'be vectorized, vectorize_stages=\'never\', stage-parallel bodies and '
-      'partitioned runs.')
+      'be vectorized, vectorize_stages=\'never\', stage-parallel bodies, '
+      'partitioned runs and, under XLA, calls with per-stage states '
+      '(decoding), which are faster there in the pipeline loop.')

@@ -202,12 +202,32 @@ def UnpadStates(padded, schedule: schedule_lib.Schedule):
   """
   if not nest.IsTensor(padded):
     return padded
-  s_count = schedule.num_stages
-  index = np.asarray(
-      [[(schedule.LayerIteration(m, l), l % s_count)
+  return tf.gather_nd(padded, _SlotOfEachCall(schedule))
+
+
+def ReadStatesByLayer(padded, schedule: schedule_lib.Schedule):
+  """[T, S, ...] state slots -> [L, M, ...]: UnpadStates, layer-major."""
+  return tf.gather_nd(padded, _SlotOfEachCall(schedule).swapaxes(0, 1))
+
+
+def WriteStatesByLayer(padded, by_layer, schedule: schedule_lib.Schedule):
+  """[T, S, ...] state slots with each call's slot set to its new state.
+
+  by_layer is [L, M, ...] (ReadStatesByLayer's layout): the new state of
+  each (layer, microbatch) call. Bubble slots keep what `padded` holds
+  there, as the pipeline loop leaves them.
+  """
+  return tf.tensor_scatter_nd_update(
+      padded, _SlotOfEachCall(schedule).swapaxes(0, 1), by_layer)
+
+
+def _SlotOfEachCall(schedule):
+  """[M, L, 2]: the (iteration, stage) slot of each (microbatch, layer)
+  call; every valid slot is exactly one call's."""
+  return np.asarray(
+      [[(schedule.LayerIteration(m, l), l % schedule.num_stages)
         for l in range(schedule.num_layers)]
        for m in range(schedule.num_microbatches)], np.int32)
-  return tf.gather_nd(padded, index)
 
 
 def SliceForStages(x, microbatch_ids):
@@ -366,32 +386,6 @@ def _StaticDim0(x):
   if nest.IsTensor(x) and x.shape.rank:
     return x.shape.as_list()[0]
   return None
-
-
-def WriteStates(padded, by_call, schedule: schedule_lib.Schedule):
-  """[T, S, ...] state slots with each call's slot set to its new state.
-
-  by_call is [M, L, ...] (UnpadStates' layout): the new state of each
-  (microbatch, layer) call. Bubble slots keep what `padded` holds there, as
-  the pipeline loop leaves them.
-  """
-  if not nest.IsTensor(padded):
-    return padded
-  shape = _Shape(padded)
-  num_calls = schedule.num_microbatches * schedule.num_layers
-  flat = tf.concat([
-      tf.reshape(by_call, [num_calls] + shape[2:]),
-      tf.reshape(padded, [-1] + shape[2:])], 0)
-
-  def Source(i, s, call):  # row of `flat` slot (i, s) takes
-    if call is None:
-      return num_calls + i * schedule.num_stages + s
-    m, layer = call
-    return m * schedule.num_layers + layer
-
-  index = [[Source(i, s, call) for s, call in enumerate(row)]
-           for i, row in enumerate(schedule.CallPerSlot())]
-  return tf.gather(flat, np.asarray(index, np.int32))
 
 
 def CheckPaddedStates(padded_states, sched):

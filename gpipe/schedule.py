@@ -274,14 +274,6 @@ class Schedule:
         for s in range(self.num_stages)
     ] for i in range(self.num_iterations)]
 
-  def CallPerSlot(self):
-    """[T][S]: the (microbatch, logical layer) call slot (i, s) holds, or
-    None on bubbles."""
-    return [[
-        (self.MicrobatchId(i, s), self.LayerId(i, s))
-        if self.IsValid(i, s) else None for s in range(self.num_stages)
-    ] for i in range(self.num_iterations)]
-
   def InputIndexPerIteration(self):
     """For each iteration, the microbatch stage 0 reads, or M for none."""
     table = [self.num_microbatches] * self.num_iterations

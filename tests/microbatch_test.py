@@ -62,21 +62,23 @@ def test_stage_zero_input_filler_copies_get_no_gradient(s, m, r):
 
 
 @pytest.mark.parametrize('s,m,r', [(1, 3, 1), (3, 4, 1), (3, 4, 2), (2, 5, 3)])
-def test_write_states_sets_each_calls_slot_and_keeps_the_bubbles(s, m, r):
+def test_states_by_layer_read_and_write_each_calls_slot(s, m, r):
   sched = schedule_lib.Schedule(s, m, r)
   rng = np.random.RandomState(0)
   old = rng.normal(size=[sched.num_iterations, s, 2]).astype(np.float32)
-  new = rng.normal(size=[m, s * r, 2]).astype(np.float32)
-  got = microbatch.WriteStates(tf.constant(old), tf.constant(new),
-                               sched).numpy()
+  new = rng.normal(size=[s * r, m, 2]).astype(np.float32)
+  # Reading: UnpadStates, layer-major.
+  np.testing.assert_array_equal(
+      microbatch.ReadStatesByLayer(tf.constant(old), sched).numpy(),
+      microbatch.UnpadStates(tf.constant(old), sched).numpy().swapaxes(0, 1))
+  # Writing: each call's slot, the bubbles' slots kept.
+  got = microbatch.WriteStatesByLayer(tf.constant(old), tf.constant(new),
+                                      sched).numpy()
   expected = old.copy()
   for mb in range(m):
     for layer in range(s * r):
-      expected[sched.LayerIteration(mb, layer), layer % s] = new[mb, layer]
+      expected[sched.LayerIteration(mb, layer), layer % s] = new[layer, mb]
   np.testing.assert_array_equal(got, expected)
-  # And it inverts UnpadStates on the calls' slots.
-  np.testing.assert_array_equal(
-      microbatch.UnpadStates(tf.constant(got), sched).numpy(), new)
 
 
 @pytest.mark.parametrize('batch,num_mb,mb_size,expected', [

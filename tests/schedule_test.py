@@ -484,17 +484,6 @@ def test_layer_iteration_and_state_slots_match_the_simulator(s, m, r):
       assert per_slot[i][stage] == (0 if cell is None else cell[0]), (i, stage)
 
 
-@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
-def test_call_per_slot_matches_the_simulator(s, m, r):
-  # Each (microbatch, layer) call in the slot the simulator ran it in,
-  # None in the bubbles' slots.
-  calls = Schedule(s, m, r).CallPerSlot()
-  want = [[None] * s for _ in range(len(calls))]
-  for call, (iteration, stage) in _Simulate(s, m, r).slots.items():
-    want[iteration][stage] = call
-  assert calls == want
-
-
 @pytest.mark.parametrize('s,m,r', [(1, 1, 1), (3, 4, 1), (2, 3, 2), (4, 9, 3),
                                    (5, 12, 2)])
 def test_only_tensor_ops_are_used(s, m, r):
