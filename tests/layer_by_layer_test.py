@@ -78,9 +78,11 @@ _LAYOUT_CASES = {
 }
 
 
-@pytest.mark.parametrize('name', sorted(_LAYOUT_CASES))
-def test_layouts_equal_the_reference(name):
-  _Check(_LAYOUT_CASES[name], 'graph')
+@pytest.mark.parametrize('name,mode', [(name, 'graph')
+                                       for name in sorted(_LAYOUT_CASES)] +
+                         [('kwargs', 'jit'), ('multi-save_dots', 'jit')])
+def test_layouts_equal_the_reference(name, mode):
+  _Check(_LAYOUT_CASES[name], mode)
 
 
 # The layouts the references above do not cover (aux losses, summaries,
