@@ -120,10 +120,9 @@ def Run(spec, theta, mb_leaves, state_leaves) -> pipeline_loop.LoopResult:
       the microbatches.
   """
   sched = spec.schedule
-  num_layers = sched.num_stages * sched.circular_repeat
   offsets = [[sched.StepSeedOffset(layer, m)
               for m in range(sched.num_microbatches)]
-             for layer in range(num_layers)]
+             for layer in range(sched.num_layers)]
   inputs = NestedMap(
       weights=nest.MapTensors(lambda w: _PerLayer(w, sched), theta),
       seeds=spec.base_seed + tf.constant(offsets, spec.base_seed.dtype),
