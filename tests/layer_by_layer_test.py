@@ -20,9 +20,7 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe import check_partitioning
 from gpipe import layer_by_layer
-from gpipe import partitioning
 from tests import decoding_test
 from tests import pipeline_harness as harness
 from tests import vectorized_stages_test as vst
@@ -247,16 +245,5 @@ def test_partitioned_it_does_nothing_and_equals_one_device():
   pipeline loop (forward and backward: 2, with one permute per iteration
   each), and the step equals the same layer on one device, which runs
   layer by layer."""
-  if not partitioning.IsAvailable():
-    pytest.fail('jax and jaxlib are needed (they are in the test extra).')
-  params = harness.Case(num_stages=4, num_microbatches=4, circular_repeat=2,
-                        batch=12, shard_stages_1d=True,
-                        layer_by_layer=True).Params()
-  report = check_partitioning.CheckPartitioning(params, [(12, 3, 4)], 4)
-  assert len(report.run.loops) == 2, report.run.loops
-  assert report.run.LoopCounts(0) == {'collective-permute': 1}
-  names = report.step.ResultNames()
-  for name, got, want in zip(names, report.run.outputs, report.expected):
-    assert np.abs(want).max() > 0, name
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+  harness.CheckPartitionedEqualsOneDevice(layer_by_layer=True)
 

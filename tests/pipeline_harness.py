@@ -382,3 +382,27 @@ def CheckCase(case, mode):
     assert np.abs(r).max() > 0, f'reference gradient {i} is all zero'
     AssertClose(g, r, f'gradient {i}')
   return res
+
+
+def CheckPartitionedEqualsOneDevice(**one_device_param):
+  """A circular 4-stage layer split over 4 virtual devices runs each
+  device's stage in one loop forward and one backward, with one
+  collective-permute per forward iteration, and its training step equals
+  the same layer's on one device, where `one_device_param` (e.g.
+  skip_bubbles=True) changes how the one device runs it."""
+  # Imported here: the partitioning check needs jax, the rest of the
+  # harness does not.
+  from gpipe import check_partitioning  # pylint: disable=g-import-not-at-top
+  from gpipe import partitioning  # pylint: disable=g-import-not-at-top
+  if not partitioning.IsAvailable():
+    raise AssertionError('jax and jaxlib are needed (they are in the test '
+                         'extra).')
+  params = Case(num_stages=4, num_microbatches=4, circular_repeat=2,
+                batch=12, shard_stages_1d=True, **one_device_param).Params()
+  report = check_partitioning.CheckPartitioning(params, [(12, 3, 4)], 4)
+  assert len(report.run.loops) == 2, report.run.loops
+  assert report.run.LoopCounts(0) == {'collective-permute': 1}
+  names = report.step.ResultNames()
+  for name, got, want in zip(names, report.run.outputs, report.expected):
+    assert np.abs(want).max() > 0, name
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)

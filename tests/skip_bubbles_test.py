@@ -21,8 +21,6 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe import check_partitioning
-from gpipe import partitioning
 from gpipe import pipeline_loop
 from gpipe import schedule
 from gpipe import stage_runners
@@ -186,15 +184,4 @@ def test_partitioned_it_does_nothing_and_equals_one_device():
   """Partitioned over 4 virtual devices, each runs its stage in one loop
   (forward and backward: 2, with one permute per iteration each), and the
   step equals the same layer on one device, which runs three phases."""
-  if not partitioning.IsAvailable():
-    pytest.fail('jax and jaxlib are needed (they are in the test extra).')
-  params = harness.Case(num_stages=4, num_microbatches=4, circular_repeat=2,
-                        batch=12, shard_stages_1d=True,
-                        skip_bubbles=True).Params()
-  report = check_partitioning.CheckPartitioning(params, [(12, 3, 4)], 4)
-  assert len(report.run.loops) == 2, report.run.loops
-  assert report.run.LoopCounts(0) == {'collective-permute': 1}
-  names = report.step.ResultNames()
-  for name, got, want in zip(names, report.run.outputs, report.expected):
-    assert np.abs(want).max() > 0, name
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+  harness.CheckPartitionedEqualsOneDevice(skip_bubbles=True)
