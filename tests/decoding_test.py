@@ -225,9 +225,21 @@ _CONFIGS = [
 def test_decoding_matches_the_full_sequence_stack(num_stages, num_microbatches,
                                                   circular_repeat, batch,
                                                   mode):
-  x = np.random.RandomState(num_stages * 7 + batch).uniform(
+  CheckDecoding(num_stages, num_microbatches, circular_repeat, batch, mode,
+                seed=num_stages * 7 + batch)
+
+
+def CheckDecoding(num_stages, num_microbatches, circular_repeat, batch, mode,
+                  seed=3, **extra_params):
+  """Decodes step after step with the test decoder pipelined (FPropFn
+  ('ExtendStep'), each layer's caches as per-stage states; `extra_params`
+  set on its Params, e.g. skip_bubbles=True) and checks the outputs and
+  every layer's cache against the plain stack on the whole sequence
+  (NumPy, on the decoder's weights)."""
+  params = _Params(num_stages, num_microbatches, circular_repeat).Set(
+      **extra_params)
+  x = np.random.RandomState(seed).uniform(
       -1, 1, [batch, _SEQ, _DIM]).astype(np.float32)
-  params = _Params(num_stages, num_microbatches, circular_repeat)
   decoded, caches, weights = _Decode(params, x, mode)
   expected, keys, vals = _FullSequenceReference(weights, x)
   _AssertClose(decoded, expected)

@@ -152,19 +152,8 @@ def test_decoding_with_per_stage_states(num_stages, num_microbatches,
   run = layer_by_layer.Run
   monkeypatch.setattr(layer_by_layer, 'Run',
                       lambda *a: ran.append(1) or run(*a))
-  # pylint: disable=protected-access
-  batch = 2 * num_microbatches
-  x = np.random.RandomState(3).uniform(
-      -1, 1, [batch, decoding_test._SEQ, decoding_test._DIM]).astype(
-          np.float32)
-  params = decoding_test._Params(num_stages, num_microbatches,
-                                 circular_repeat).Set(layer_by_layer=True)
-  decoded, caches, weights = decoding_test._Decode(params, x, mode)
-  expected, keys, vals = decoding_test._FullSequenceReference(weights, x)
-  decoding_test._AssertClose(decoded, expected)
-  decoding_test._AssertClose(caches.k, np.stack(keys))
-  decoding_test._AssertClose(caches.v, np.stack(vals))
-  # pylint: enable=protected-access
+  decoding_test.CheckDecoding(num_stages, num_microbatches, circular_repeat,
+                              2 * num_microbatches, mode, layer_by_layer=True)
   if mode == 'graph':
     assert ran, 'the decoding steps did not run layer by layer'
   else:

@@ -124,19 +124,8 @@ def test_decoding_with_per_stage_states(num_stages, num_microbatches,
                                         circular_repeat, mode):
   """FPropFn('ExtendStep') with each stage's caches as states, against the
   plain stack on the whole sequence (NumPy, on the decoder's weights)."""
-  # pylint: disable=protected-access
-  batch = 2 * num_microbatches
-  x = np.random.RandomState(3).uniform(
-      -1, 1, [batch, decoding_test._SEQ, decoding_test._DIM]).astype(
-          np.float32)
-  params = decoding_test._Params(num_stages, num_microbatches,
-                                 circular_repeat).Set(skip_bubbles=True)
-  decoded, caches, weights = decoding_test._Decode(params, x, mode)
-  expected, keys, vals = decoding_test._FullSequenceReference(weights, x)
-  decoding_test._AssertClose(decoded, expected)
-  decoding_test._AssertClose(caches.k, np.stack(keys))
-  decoding_test._AssertClose(caches.v, np.stack(vals))
-  # pylint: enable=protected-access
+  decoding_test.CheckDecoding(num_stages, num_microbatches, circular_repeat,
+                              2 * num_microbatches, mode, skip_bubbles=True)
 
 
 def _Spec(skip_bubbles, run_stages):
