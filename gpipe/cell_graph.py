@@ -72,7 +72,7 @@ class CellGraph:
   """
 
   def __init__(self, cell_fn, theta, state0, inputs, policy,
-               manual_boundary=None, data_state=None):
+               manual_boundary=None, data_state=None, keeps_new_state=True):
     self._structure = (theta, state0, inputs)
     graph = func_graph_lib.FuncGraph('recurrent_cell')
     with graph.as_default():
@@ -122,8 +122,10 @@ class CellGraph:
         self.forward_ops)
     # The new state is kept per iteration anyway (the loop's states): it,
     # and what it is an identity of, are fed from there, never stored twice.
+    # A loop that keeps no states (keeps_new_state=False) stores or
+    # recomputes them like any activation.
     self._new_state_views = {}
-    for i, t in enumerate(flat_new):
+    for i, t in enumerate(flat_new if keeps_new_state else []):
       while True:
         self._new_state_views.setdefault(t.name, i)
         if t.op.type not in remat.SAME_VALUE_OPS or not t.op.inputs:
@@ -219,24 +221,29 @@ class CellGraph:
         values[ph.name] = value
     return values
 
-  def Forward(self, theta, state, inputs_t, captures):
+  def Forward(self, theta, state, inputs_t, captures, with_stored=True,
+              with_extras=True):
     """One iteration: (new_state, extras, [stored activations]).
 
     `captures` are the values for `self.captures` (the same tensors, or
-    stand-ins for them).
+    stand-ins for them). with_stored=False: no stored activations (an
+    empty list), for a loop that keeps none; with_extras=False: no extras
+    (None), for a loop that only carries the state on.
     """
-    outputs = self._flat_new + self._flat_extras
-    names = [t.name for t in outputs] + list(self.stored)
+    extras_wanted = self._flat_extras if with_extras else []
+    names = ([t.name for t in self._flat_new + extras_wanted] +
+             (list(self.stored) if with_stored else []))
     input_map = self._InputMap(theta, state, inputs_t, captures)
     values = _Import(self._GraphDef(), input_map, names, 'cell', self._SpecOf)
-    n_state, n_extras = len(self._flat_new), len(self._flat_extras)
+    n_state, n_extras = len(self._flat_new), len(extras_wanted)
     new_state = tf.nest.pack_sequence_as(self._structure[1],
                                          values[:n_state])
-    extras = tf.nest.pack_sequence_as(self.extras_spec,
-                                      values[n_state:n_state + n_extras])
+    extras = (tf.nest.pack_sequence_as(self.extras_spec,
+                                       values[n_state:n_state + n_extras])
+              if with_extras else None)
     stored = [self._boundary.Out(v) if manual else v
               for v, manual in zip(values[n_state + n_extras:],
-                                   self._stored_manual)]
+                                   self._stored_manual)] if with_stored else []
     return new_state, extras, stored
 
   def Backward(self, theta, state, inputs_t, captures, new_state, d_state,
@@ -246,7 +253,7 @@ class CellGraph:
     Args:
       theta, state, inputs_t, captures: as for Forward.
       new_state: the state after the iteration (flat), as the forward
-        pass computed it.
+        pass computed it (None when built with keeps_new_state=False).
       d_state: the gradients of the differentiable new-state entries.
       d_extras: the gradients of the differentiable extras.
       stored: the forward pass's stored activations, in `stored` order.

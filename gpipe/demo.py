@@ -97,6 +97,7 @@ import time
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import registered_models
 from gpipe import schedule_plot
+from gpipe.schedule import text as schedule_text
 from gpipe import trainer
 import params.lm
 # pylint: enable=g-import-not-at-top,g-bad-import-order
@@ -175,8 +176,8 @@ def main(argv=None):
           'MISMATCH: decoding through the pipeline step by step picked other '
           'tokens than full-sequence greedy decoding (logit margin '
           f'{decoding.largest_margin_where_different:.2e}).')
-  print(sched.Summary())
-  print(sched.Render())
+  print(schedule_text.Summary(sched))
+  print(schedule_text.Render(sched))
   schedule_plot.Draw(sched, out)
   print(f'wrote {out}')
   print(f'loss, accuracy, step time, per-stage summaries and the schedule: '

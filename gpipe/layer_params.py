@@ -59,6 +59,25 @@ def DefineGpipes(p):
       'store_body_intermediates', False,
       'True is remat_policy=\'save_all\' (the older name).')
   p.Define(
+      'backward_schedule', 'reverse',
+      'reverse | 1f1b: how the backward pass runs (gpipe.one_f_one_b). '
+      'reverse: a loop in reverse order over the buffer the forward loop '
+      'kept for every iteration (T stage inputs per stage: about R x the '
+      'batch per device). 1f1b: the forward loop keeps nothing per '
+      'iteration; its gradient is one loop in forward order in which each '
+      'stage runs the forward of one microbatch again and the backward of '
+      'another, keeping a ring of 2 R S - 1 stage inputs whatever M is, '
+      'for one forward pass more (remat_policy says what a ring entry '
+      'keeps of the body).')
+  p.Define(
+      'stream_io', False,
+      'Split the microbatched inputs, the outputs and their gradients over '
+      'the stages (Praxis\'s name; gpipe.loop_io): each stage keeps '
+      'ceil(M / S) of the M microbatches, which reach stage 0 (and leave '
+      'the last stage) by one collective-permute per iteration, so that no '
+      'device holds the whole batch; the outputs come back split over the '
+      'stage devices on the batch dim. Per-example kwargs stay whole.')
+  p.Define(
       'vectorize_stages', 'auto',
       'auto | always | never: on one device, run the S stages of an '
       'iteration as one computation vectorized over the stage dim '

@@ -53,6 +53,7 @@ from gpipe import sharding
 from gpipe import side_outputs
 from gpipe import stage_call
 from gpipe import stage_runners
+from gpipe import stage_step
 from gpipe import unrolled
 from gpipe import vectorized_stages
 from lingvo.core import base_layer
@@ -204,8 +205,8 @@ class PipelinedLayer(base_layer.BaseLayer):
           tf.convert_to_tensor(iteration, tf.int32))
       res = spec.run_stages(
           spec, self._LoopTheta(theta),
-          pipeline_loop.StagesAt(spec, pipeline_loop.RowsAt(sched, iteration),
-                                 args, var_values))
+          stage_step.StagesAt(spec, stage_step.RowsAt(sched, iteration),
+                              args, var_values))
       side_outputs.AddIteration(res, self.params.num_stages)
       outputs = self._layout.AfterAssigning(self, spec.var_names, res.vars,
                                             res.outputs)
@@ -366,8 +367,8 @@ class PipelinedLayer(base_layer.BaseLayer):
         if not inputs.split:
           e.add_note(microbatch.MicrobatchedNote(inputs))
         raise
-      outputs = [microbatch.ToBatch(x) if inputs.split else x
-                 for x in result.outputs]
+      outputs = [self._PlaceOutput(microbatch.ToBatch(x)) if inputs.split
+                 else x for x in result.outputs]
       side_outputs.AddAuxLoss(result.aux_loss,
                               inputs.schedule.num_microbatches,
                               p.aux_loss_microbatch_accumulation)
@@ -396,7 +397,9 @@ class PipelinedLayer(base_layer.BaseLayer):
         global_step=stage_call.CallersGlobalStep(),
         var_names=tuple(self._layout.NonTrainableNames(self)),
         remat_policy=self.params.remat_policy,
-        skip_bubbles=self.params.skip_bubbles)
+        skip_bubbles=self.params.skip_bubbles,
+        backward_schedule=self.params.backward_schedule,
+        stream_io=self.params.stream_io)
 
   @property
   def vectorizing(self):
@@ -415,11 +418,19 @@ class PipelinedLayer(base_layer.BaseLayer):
     """The stage-stacked weights the loop carries, placed on the devices."""
     return self._layout.LoopTheta(theta, self._placement)
 
+  def _PlaceOutput(self, x):
+    """A [B, ...] output: with stream_io split over the stages (as it
+    leaves the last stage's stream), else left to the caller."""
+    return self._placement.SpreadLoopDim(x) if self.params.stream_io else x
+
   def _SplitInputs(self, args, kwargs):
     """The inputs checked and split (microbatch.SplitInputs); says once
     how it read inputs that it did not split."""
-    inputs = microbatch.SplitInputs(args, kwargs, self.params,
-                                    self._placement.ReplicateLoopDim)
+    place = self._placement
+    inputs = microbatch.SplitInputs(
+        args, kwargs, self.params,
+        place.SpreadLoopDim if self.params.stream_io else
+        place.ReplicateLoopDim)
     if not inputs.split and not self._said_microbatched:
       logging.info('PipelinedLayer %r: %s', self.params.name,
                    microbatch.MicrobatchedNote(inputs))

@@ -2,10 +2,10 @@
 
     batch [B, ...]  --ToMicrobatches-->  [M, B/M, ...]
     loop: StageZeroInput: row i of [M, B/M, ...] (stage 0's input at
-          iteration i); buffer [S, B/M, ...] (rotated: slot 0 holds the
-          last stage's output), kept at the iteration that finishes each
-          microbatch: [M, S, B/M, ...] split over the stages
-        --slot 0 (pipeline_loop.LastStageOutputs)-->  [M, B/M, ...]
+          iteration i); stage outputs [S, B/M, ...] kept at the iteration
+          that finishes each microbatch: [M, S, B/M, ...] split over the
+          stages
+        --last slot (rotating_buffer.LastStageOutputs)-->  [M, B/M, ...]
         --ToBatch-->  [B, ...]
 
 Which iteration reads or finishes which microbatch comes from

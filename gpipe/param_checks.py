@@ -11,9 +11,10 @@ from gpipe import schedule as schedule_lib
 _UNROLL_VALUES = ('never', 'eval_only', 'always')
 _VECTORIZE_VALUES = ('auto', 'always', 'never')
 _AUX_LOSS_ACCUMULATIONS = ('mean', 'sum')
+_BACKWARD_SCHEDULES = ('reverse', '1f1b')
 _BOOL_PARAMS = ('shard_stages_1d', 'per_stage_vars',
                 'store_body_intermediates', 'skip_bubbles',
-                'layer_by_layer')
+                'layer_by_layer', 'stream_io')
 _INT_PARAMS = ('num_stages', 'circular_repeat', 'num_microbatches',
                'microbatch_size', 'pipeline_stage_mesh_dim')
 
@@ -51,6 +52,16 @@ def Check(p):
         'store_body_intermediates=True means remat_policy=\'save_all\'; it '
         f'contradicts remat_policy={p.remat_policy!r}. Set only '
         'remat_policy.')
+  if p.backward_schedule not in _BACKWARD_SCHEDULES:
+    raise ValueError(f'backward_schedule must be one of {_BACKWARD_SCHEDULES}, '
+                     f'got {p.backward_schedule!r}.')
+  if p.backward_schedule == '1f1b' and p.skip_bubbles:
+    raise ValueError(
+        "skip_bubbles=True and backward_schedule='1f1b' do not combine: "
+        'skip_bubbles narrows the reverse schedule\'s loops on one device, '
+        "while the 1f1b gradient loop runs every stage in each of its "
+        "phases. Set skip_bubbles=False (1f1b's phases already leave out "
+        "the waves no stage needs) or backward_schedule='reverse'.")
   if p.aux_loss_microbatch_accumulation not in _AUX_LOSS_ACCUMULATIONS:
     raise ValueError(
         'aux_loss_microbatch_accumulation must be one of '

@@ -4,24 +4,18 @@ One FProp call of a pipelined layer, in order:
 
     split     inputs [B, ...] -> [M, B/M, ...]           (gpipe.microbatch)
     loop      for i in 0..T-1:                                (this module)
-                stage inputs = rotated buffer, slot 0 maybe microbatch i
-                every stage runs once           (gpipe.stage_runners, via
-                                                 gpipe.stage_call.CallStage)
-                bubbles masked, buffer rotated by one stage
+                stage inputs = rotated buffer, stage 0 maybe microbatch i
+                every stage runs once, bubbles masked (gpipe.stage_step)
+                buffer rotated by one stage        (gpipe.rotating_buffer)
     reassemble  last stage's outputs -> [M, B/M, ...] -> [B, ...]
 
-One iteration, S = 3 (slot s holds what stage s - 1 produced; slot 0 what
-the last stage produced, which a linear pipeline drops and a circular one
-feeds into its next repeat)::
-
-    buffer   [ y2 | y0 | y1 ]  --stages-->  [ y0' | y1' | y2' ]
-               ^ stage 0 reads microbatch i instead when the schedule says
-    rotated  [ y2' | y0' | y1' ]  -> next iteration's buffer
-
-On a split stage dim the rotation is one collective-permute. Which stage
-works on which microbatch and repeat, and which slots are bubbles, comes
-from `gpipe.schedule.Schedule`; the loop and its gradient loop from
-`gpipe.recurrent` (what the gradient stores or recomputes: `gpipe.remat`).
+Which stage works on which microbatch and repeat, and which slots are
+bubbles, comes from `gpipe.schedule.Schedule`. The backward pass is the
+`backward_schedule` param's: 'reverse' runs this module's loop through
+`gpipe.recurrent`, whose gradient is a second loop in reverse order over
+the buffer each iteration kept (what else it stores or recomputes:
+`gpipe.remat`); '1f1b' (`gpipe.one_f_one_b`) keeps no buffer per
+iteration and runs its gradient in forward order.
 """
 
 import dataclasses
@@ -31,11 +25,14 @@ import tensorflow as tf
 
 from gpipe import microbatch
 from gpipe import nest
+from gpipe import one_f_one_b
 from gpipe import recurrent
+from gpipe import rotating_buffer
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
 from gpipe import stage_call
 from gpipe import stage_runners
+from gpipe import stage_step
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -69,6 +66,9 @@ class LoopSpec:
       name of a gpipe.remat policy).
     skip_bubbles: on one device, run the fill and drain iterations on the
       stages that hold their useful work only (Schedule.Phases).
+    backward_schedule: 'reverse' or '1f1b' (gpipe.one_f_one_b).
+    stream_io: whether the inputs and outputs are split over the stages
+      (gpipe.loop_io).
   """
   schedule: schedule_lib.Schedule
   body: stage_call.Body
@@ -86,6 +86,8 @@ class LoopSpec:
   var_names: Tuple[str, ...]
   remat_policy: str
   skip_bubbles: bool = False
+  backward_schedule: str = 'reverse'
+  stream_io: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -118,6 +120,14 @@ def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
     state_leaves: the [T, S, ...] padded per-stage state leaves.
     var_values: the carried non-trainable values, [S, (R,) ...].
   """
+  if spec.backward_schedule == '1f1b':
+    return LoopResult(**one_f_one_b.Run(spec, theta, mb_leaves, state_leaves,
+                                        var_values))
+  return _RunReverse(spec, theta, mb_leaves, state_leaves, var_values)
+
+
+def _RunReverse(spec, theta, mb_leaves, state_leaves, var_values):
+  """The loop whose gradient runs in reverse (gpipe.recurrent)."""
   place = spec.placement
   sched = spec.schedule
   # Carried: the buffer and the body's non-trainable variables (see
@@ -141,14 +151,15 @@ def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
   # iteration: computed once here, not in every iteration.
   inputs = NestedMap(
       iteration=tf.range(sched.num_iterations, dtype=tf.int32),
-      rows=StageTables(sched),
+      rows=stage_step.StageTables(sched),
       states=[place.SplitStages(x, 1) for x in state_leaves])
   pieces = []
   for phase in _Phases(spec):
     state, extras = _RunPhase(spec, phase, loop_theta, state,
                               _PhaseRows(inputs, phase))
     pieces.append(extras)
-  outputs = [place.ReplicateLoopDim(LastStageOutputs(x, place))
+  outputs = [place.ReplicateLoopDim(
+      rotating_buffer.LastStageOutputs(x, place))
              for x in _Concat([e.outputs for e in pieces])]
   summaries = {name: tuple(_Concat([e.summaries[name] for e in pieces]))
                for name in pieces[0].summaries}
@@ -219,228 +230,22 @@ def _Iteration(spec: LoopSpec, phase, loop_theta, state, inp):
   it = place.ReplicateBookkeeping(inp.iteration)
   rows = inp.rows.Transform(place.ReplicateBookkeeping)
   stage_in = [
-      per_stage(StageInputs(rows.reads, per_stage(buf),
-                            place.ReplicateOverStages(
-                                microbatch.StageZeroInput(x, sched, it))))
+      per_stage(rotating_buffer.StageInputs(
+          rows.reads, per_stage(buf), place.ReplicateOverStages(
+              microbatch.StageZeroInput(x, sched, it))))
       for buf, x in zip(state.buffer, loop_theta.microbatches)
   ]
-  args = spec.args.Rebuild(stage_in)
-  num_args = len(args)
-  args += tuple(tf.nest.pack_sequence_as(spec.states, inp.states))
-  res = _RunStages(spec, StageRange.Of(phase, sched.num_stages),
-                   loop_theta.weights, rows, args, list(state.vars))
-  valid = per_stage(rows.valid)
-  outs, state_outs = res.outputs[:num_args], res.outputs[num_args:]
-  new_buffer = [
-      per_stage(RotateStages(per_stage(MaskBubbles(valid, o, x))))
-      for o, x in zip(spec.args.Of(outs), stage_in)
-  ]
-  # Bubbles keep the state slots and non-trainable values they found, and
-  # their aux losses and summaries are dropped by the same select.
-  keep = lambda v: tf.where(valid, v, tf.zeros_like(v))
-  aux = tf.constant(0.0, tf.float32)
-  if res.aux is not None:
-    aux = tf.reduce_sum(keep(res.aux))
+  step = stage_step.Step(spec, stage_step.StageRange.Of(phase,
+                                                        sched.num_stages),
+                         loop_theta.weights, rows, stage_in, inp.states,
+                         state.vars)
   new_state = NestedMap(
-      buffer=new_buffer,
-      vars=[per_stage(SelectStages(valid, new, old))
-            for new, old in zip(res.vars, state.vars)])
+      buffer=[per_stage(rotating_buffer.RotateStages(o))
+              for o in step.outputs],
+      vars=step.vars)
   extras = NestedMap(
-      outputs=new_buffer,
-      aux_loss=place.ReplicateBookkeeping(aux),
-      summaries={
-          name: (per_stage(keep(value * weight)), per_stage(keep(weight)))
-          for name, value, weight in res.summaries
-      },
-      states=[per_stage(SelectStages(valid, new, old))
-              for new, old in zip(tf.nest.flatten(state_outs), inp.states)])
+      outputs=step.outputs,
+      aux_loss=place.ReplicateBookkeeping(tf.reduce_sum(step.aux)),
+      summaries=step.summaries,
+      states=step.states)
   return new_state, extras
-
-
-def _RunStages(spec, stages, theta, rows, args, var_values):
-  """The run_stages of the range's stages, widened back to all S: the
-  others are all bubbles, which the caller masks (their outputs are their
-  inputs, their aux losses and summaries zero, their variables kept)."""
-  res = spec.run_stages(
-      spec, stages.Narrow(theta),
-      StagesAt(spec, stages.Narrow(rows), stages.Narrow(args),
-               stages.Narrow(var_values), stages.first))
-  zeros = lambda x: None if x is None else tf.zeros_like(x[:1])
-  return stage_runners.StagesResult(
-      outputs=stages.Widen(res.outputs, args),
-      aux=stages.WidenWith(res.aux, zeros(res.aux)),
-      summaries=[(name, stages.WidenWith(v, zeros(v)),
-                  stages.WidenWith(w, zeros(w)))
-                 for name, v, w in res.summaries],
-      vars=stages.Widen(res.vars, var_values))
-
-
-@dataclasses.dataclass(frozen=True)
-class StageRange:
-  """Stages [first, first + count) of num_stages, on the leading dim."""
-  first: int
-  count: int
-  num_stages: int
-
-  @classmethod
-  def Of(cls, phase, num_stages):
-    return cls(phase.first_stage, phase.num_stages, num_stages)
-
-  @property
-  def whole(self):
-    return self.count == self.num_stages
-
-  def Narrow(self, tree):
-    """Every tensor of tree, [S, ...] -> the range's [count, ...]."""
-    if self.whole:
-      return tree
-    return nest.MapTensors(lambda x: x[self.first:self.first + self.count],
-                           tree)
-
-  def Widen(self, tree, full):
-    """The range's [count, ...] tensors of tree, the rest of `full` around."""
-    if self.whole:
-      return tree
-    end = self.first + self.count
-    return tf.nest.map_structure(
-        lambda part, whole: tf.concat([whole[:self.first], part, whole[end:]],
-                                      0) if nest.IsTensor(part) else part,
-        tree, full, check_types=False)
-
-  def WidenWith(self, part, filler):
-    """[count, ...] -> [S, ...], filled with `filler` [1, ...] elsewhere."""
-    if part is None or self.whole:
-      return part
-    tile = lambda n: tf.tile(filler, [n] + [1] * (part.shape.rank - 1))
-    after = self.num_stages - self.first - self.count
-    return tf.concat([tile(self.first), part, tile(after)], 0)
-
-
-def LastStageOutputs(finished, place):
-  """[M, S, ...] buffers of the iterations that finish each microbatch ->
-  [M, ...]: slot 0, which the rotation gave the last stage's output.
-
-  The gradient is the slot's gradient placed in slot 0 of zeros, split
-  over the stages like the buffers: each device builds only its own
-  [M, 1, ...] part (a plain slice's gradient, a pad of the replicated
-  gradient, would be built whole, [M, S, ...], on every device).
-  """
-
-  @tf.custom_gradient
-  def Slot0(x):
-
-    def Grad(dy):
-      num_stages = x.shape.as_list()[1]
-      is_slot0 = tf.reshape(tf.equal(tf.range(num_stages), 0),
-                            [1, num_stages] + [1] * (x.shape.rank - 2))
-      return place.SplitStages(
-          tf.where(is_slot0, dy[:, None], tf.zeros([], dy.dtype)), 1)
-
-    return x[:, 0], Grad
-
-  return Slot0(place.SplitStages(finished, 1))
-
-
-def StageTables(sched):
-  """Schedule.StageTables as [T, S] tensors: int32, step seeds int64."""
-  dtypes = dict(seed_offset=tf.int64, valid=tf.bool, reads=tf.bool)
-  return NestedMap({name: tf.constant(table, dtypes.get(name, tf.int32))
-                    for name, table in sched.StageTables().items()})
-
-
-def RowsAt(sched, iteration):
-  """Row `iteration` (a scalar tensor) of StageTables: one iteration's
-  work, for callers that drive their own loop."""
-  return StageTables(sched).Transform(lambda t: tf.gather(t, iteration))
-
-
-def StagesAt(spec: LoopSpec, rows, args, var_values, first_stage=0):
-  """An iteration's work for the stage runners, from its StageRows.
-
-  Each stage's microbatch (clamped into range on bubbles), repeat and step
-  seed; each device takes its own entries of the replicated rows.
-  """
-  per_stage = spec.placement.SplitStages
-  seeds = per_stage(spec.base_seed +
-                    tf.cast(rows.seed_offset, spec.base_seed.dtype))
-  return stage_runners.IterationStages(
-      args=tuple(args), mb_ids=per_stage(rows.microbatch),
-      repeat_ids=per_stage(rows.repeat), seeds=seeds,
-      var_values=list(var_values), first_stage=first_stage)
-
-
-def StageInputs(reads, rotated, stage0_input):
-  """The stages' inputs: the rotated buffer, stage 0 maybe a fresh input.
-
-  The carried buffer is last iteration's outputs already rotated by one
-  stage (see RotateStages): slot s holds what stage s - 1 produced, and
-  slot 0 what the last stage produced. Stage 0 takes the fresh microbatch
-  whenever the schedule says it reads one: always when linear (the wrapped
-  slot is dropped), in the first S iterations of each R * S block when
-  circular (otherwise it keeps the wrapped slot: the microbatch's next
-  repeat). `reads` ([S] bools, the schedule's StageRow) says where.
-  """
-  return _SelectFresh(reads, stage0_input, rotated)
-
-
-def _SelectFresh(reads, fresh, rotated):
-  """Slot s of `rotated` ([S, ...]) replaced by `fresh` where reads[s].
-
-  The gradient is written with masks and a contraction over the stage dim
-  (an all-reduce when it is split), not TensorFlow's: its sum over the
-  broadcast stage dim is a reduce whose zero initial value XLA's lowering
-  shares with the stage body's own reductions inside the manual-sharding
-  region, and the SPMD partitioner then aborts resharding it (seen with
-  1-row microbatches).
-  """
-
-  @tf.custom_gradient
-  def Select(fresh, rotated):
-    mask = tf.reshape(reads, [-1] + [1] * (rotated.shape.rank - 1))
-    shape = py_utils.GetShape(rotated)
-
-    def Grad(dy):
-      taken = tf.cast(reads, dy.dtype)
-      kept = tf.cast(tf.logical_not(mask), dy.dtype)
-      return tf.tensordot(taken, dy, axes=[[0], [0]]), dy * kept
-
-    return tf.where(mask, tf.broadcast_to(fresh[None], shape), rotated), Grad
-
-  return Select(fresh, rotated)
-
-
-@tf.custom_gradient
-def RotateStages(x):
-  """[S, ...] -> slot s gets slot s - 1, slot 0 gets slot S - 1.
-
-  Along a split stage dim this is exactly one collective-permute once
-  partitioned, and so is its gradient, the opposite rotation (written out:
-  TensorFlow's gradient of the concat of two slices is two permutes). A
-  shift that pads a zero in instead becomes an all-to-all.
-  """
-  rotated = tf.concat([x[-1:], x[:-1]], axis=0)
-
-  def Grad(dy):
-    return tf.concat([dy[1:], dy[:1]], axis=0)
-
-  return rotated, Grad
-
-
-def SelectStages(valid, new, old):
-  """Per stage slot: new where the stage was valid, old on bubbles."""
-  mask = tf.reshape(valid, [-1] + [1] * (new.shape.rank - 1))
-  return tf.where(mask, new, old)
-
-
-def MaskBubbles(valid, out, stage_in):
-  """Bubble slots of the [S] stage outputs pass their input through instead.
-
-  Bubbles never compute on zeros: the loop starts from real data
-  (microbatch.BubbleFiller) and a bubble hands its own input on, so every
-  bubble runs the body on some real microbatch's values. A body that is
-  finite on real data (but, say, divides by its input) thus stays finite on
-  bubbles, and the select's zero cotangent times a finite local derivative
-  keeps the gradients finite too. The pass-through is cut from the gradient.
-  """
-  mask = tf.reshape(valid, [-1] + [1] * (out.shape.rank - 1))
-  return tf.where(mask, out, tf.stop_gradient(stage_in))

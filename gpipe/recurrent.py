@@ -78,7 +78,7 @@ def _WithoutConstantPropagation(graph):
     control_flow_util_v2.maybe_propagate_compile_time_consts_in_xla = original
 
 
-def _WhileLoop(body, loop_vars, num_iterations):
+def WhileLoop(body, loop_vars, num_iterations):
   """Runs `body` exactly num_iterations times (a while_v2 loop).
 
   The loop's only condition is while_v2's own iteration counter against
@@ -180,7 +180,7 @@ def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     ]
     return [t + 1] + flat_new + new_lists
 
-  results = _WhileLoop(
+  results = WhileLoop(
       Body, [tf.constant(0, tf.int32)] + flat_state0 +
       [_Reserve(s, n) for s, n in zip(specs, sizes)], num_iterations)
   final_flat = results[1:1 + n_state]
@@ -251,7 +251,7 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
   input_specs = [tf.TensorSpec(flat_inputs[i].shape[1:], flat_inputs[i].dtype)
                  for i in diff['inputs']]
   flat_d_final = tf.nest.flatten(d_final)
-  results = _WhileLoop(
+  results = WhileLoop(
       Body, [tf.constant(last, tf.int32)] + [
           flat_d_final[i] +
           _PastStateGradient(flat_d_states[i], last, flat_d_final[i])
@@ -306,7 +306,7 @@ def _ExtraGradientAt(d_extra, rows, t):
   return tf.where(row < rows.num_rows, kept, tf.zeros_like(kept))
 
 
-def _ZeroIfNone(g, like):
+def ZeroIfNone(g, like):
   return tf.zeros_like(like) if g is None else g
 
 
@@ -411,7 +411,7 @@ class _Loops:
       outputs = (states if return_states else (), final, extras)
 
       def Grad(*dys, variables=None):
-        _CheckNoTrainableVariables(self._read_variables)
+        CheckNoTrainableVariables(self._read_variables)
         d_states, d_final, d_extras = _IncomingGradients(
             dys, outputs, s0, cell.extras_spec)
         grads = _BackwardLoop(cell, th, s0, inp, caps, self._num_iterations,
@@ -451,21 +451,21 @@ def _IncomingGradients(dys, outputs, state0, extras_spec):
   n_states = len(tf.nest.flatten(states))
   if n_states:
     d_states = tf.nest.pack_sequence_as(state0, [
-        _ZeroIfNone(g, x)
+        ZeroIfNone(g, x)
         for g, x in zip(flat_dys[:n_states], tf.nest.flatten(states))])
   else:
     d_states = tf.nest.map_structure(lambda _: None, state0)
   flat_dys = flat_dys[n_states:]
   flat_final = tf.nest.flatten(final)
   d_final = tf.nest.pack_sequence_as(state0, [
-      _ZeroIfNone(g, x) for g, x in zip(flat_dys, flat_final)])
+      ZeroIfNone(g, x) for g, x in zip(flat_dys, flat_final)])
   d_extras = tf.nest.pack_sequence_as(extras_spec, [
-      _ZeroIfNone(g, x) for g, x in zip(flat_dys[len(flat_final):],
+      ZeroIfNone(g, x) for g, x in zip(flat_dys[len(flat_final):],
                                         tf.nest.flatten(extras))])
   return d_states, d_final, d_extras
 
 
-def _CheckNoTrainableVariables(variables):
+def CheckNoTrainableVariables(variables):
   trainable = [v.name for v in variables if v.trainable]
   if trainable:
     raise ValueError(

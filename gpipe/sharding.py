@@ -333,6 +333,11 @@ class Unplaced:
     read before it is broadcast to the stages' slots."""
     return x
 
+  def SpreadLoopDim(self, x):
+    """x ([M, ...] or [B, ...]) split over the stages on dim 0: what
+    stream_io keeps of the inputs and outputs on each stage's device."""
+    return self._SplitOne(x, 0) if nest.IsTensor(x) else x
+
   def ReplicateBookkeeping(self, x):
     """A loop counter, index vector or scalar, replicated.
 

@@ -58,6 +58,8 @@ class Case:
   vectorize_stages: str = 'auto'  # on one device: all stages at once
   skip_bubbles: bool = False  # on one device: fill/drain on half the stages
   layer_by_layer: bool = False  # on one device: no schedule, no bubbles
+  backward_schedule: str = 'reverse'  # or '1f1b'
+  stream_io: bool = False  # inputs and outputs split over the stages
   seed: int = 0
 
   @property
@@ -92,6 +94,8 @@ class Case:
         vectorize_stages=self.vectorize_stages,
         skip_bubbles=self.skip_bubbles,
         layer_by_layer=self.layer_by_layer,
+        backward_schedule=self.backward_schedule,
+        stream_io=self.stream_io,
         random_seed=1234 + self.seed,
         **body)
 

@@ -14,9 +14,11 @@ import tensorflow as tf
 from gpipe import nest
 from gpipe import pipeline_loop
 from gpipe import repeats
+from gpipe import rotating_buffer
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
 from gpipe import stage_runners
+from gpipe import stage_step
 from lingvo.core import py_utils
 
 ROWS, DIM = 2, 3
@@ -88,7 +90,7 @@ def test_rotate_stages_is_a_roll_and_its_gradient_the_opposite_roll():
   cot = np.random.RandomState(1).normal(size=[4, 3]).astype(np.float32)
   with tf.Graph().as_default():
     x = tf.constant(x_np)
-    y = pipeline_loop.RotateStages(x)
+    y = rotating_buffer.RotateStages(x)
     (g,) = tf.gradients(y, [x], grad_ys=[cot])
     with tf.compat.v1.Session() as sess:
       y_v, g_v = sess.run((y, g))
@@ -101,7 +103,7 @@ def test_mask_bubbles_passes_the_input_through_without_gradient():
     out = tf.constant([[1.0], [2.0], [3.0]])
     stage_in = tf.constant([[10.0], [20.0], [30.0]])
     valid = tf.constant([True, False, True])
-    y = pipeline_loop.MaskBubbles(valid, out, stage_in)
+    y = rotating_buffer.MaskBubbles(valid, out, stage_in)
     g_out, g_in = tf.gradients(y, [out, stage_in])
     with tf.compat.v1.Session() as sess:
       y_v, g_out_v = sess.run((y, g_out))
@@ -117,8 +119,8 @@ def test_stage_inputs_follow_the_schedule(s, m, r):
     rotated = tf.constant(np.arange(s, dtype=np.float32)[:, None])
     fresh = tf.constant([-1.0])
     # Iteration i's row of the loop's tables says where stage 0 reads.
-    got = [pipeline_loop.StageInputs(
-        pipeline_loop.RowsAt(sched, tf.constant(i)).reads, rotated, fresh)
+    got = [rotating_buffer.StageInputs(
+        stage_step.RowsAt(sched, tf.constant(i)).reads, rotated, fresh)
            for i in range(sched.num_iterations)]
     with tf.compat.v1.Session() as sess:
       got = sess.run(got)

@@ -18,6 +18,7 @@ import tensorflow as tf
 from gpipe import layers
 from gpipe import schedule as schedule_lib
 from gpipe import schedule_plot
+from gpipe.schedule import text as schedule_text
 from lingvo.core import base_layer
 from lingvo.core import py_utils
 
@@ -95,7 +96,7 @@ def test_diagram_cells_are_what_the_layer_runs(tmp_path, s_count, m_count,
 
 def test_schedule_command_prints_and_draws(tmp_path, capsys):
   out_png = tmp_path / 'schedule.png'
-  assert schedule_lib.main([
+  assert schedule_text.main([
       '--num_stages', '4', '--num_microbatches', '8', '--circular_repeat', '2',
       '--out', str(out_png)
   ]) == 0
@@ -104,7 +105,7 @@ def test_schedule_command_prints_and_draws(tmp_path, capsys):
   assert f'{sched.num_iterations} iterations' in text
   assert f'bubble fraction {sched.bubble_fraction:.3f}' in text
   assert 'stage 3: useful work in 16 of 19 iterations' in text
-  assert sched.Render() in text
+  assert schedule_text.Render(sched) in text
   assert out_png.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert f'wrote {out_png}' in text
   from matplotlib import image  # pylint: disable=g-import-not-at-top
@@ -114,7 +115,7 @@ def test_schedule_command_prints_and_draws(tmp_path, capsys):
 
 def test_schedule_command_writes_exactly_the_path_given(tmp_path, capsys):
   out = tmp_path / 'schedule'  # no suffix: still a PNG, at this path
-  assert schedule_lib.main(['--num_stages', '2', '--num_microbatches', '3',
+  assert schedule_text.main(['--num_stages', '2', '--num_microbatches', '3',
                             '--out', str(out)]) == 0
   assert f'wrote {out}\n' in capsys.readouterr().out
   assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
@@ -122,8 +123,8 @@ def test_schedule_command_writes_exactly_the_path_given(tmp_path, capsys):
 
 def test_schedule_command_needs_neither_tensorflow_nor_lingvo():
   code = ('import sys\n'
-          'from gpipe import schedule\n'
-          "schedule.main(['--num_stages', '4', '--num_microbatches', '8'])\n"
+          'from gpipe.schedule import text\n'
+          "text.main(['--num_stages', '4', '--num_microbatches', '8'])\n"
           "heavy = [m for m in ('tensorflow', 'lingvo', 'jax') "
           'if m in sys.modules]\n'
           'assert not heavy, heavy\n')
@@ -146,7 +147,7 @@ def test_schedule_command_needs_neither_tensorflow_nor_lingvo():
 ])
 def test_schedule_command_rejects_bad_configs(argv, message, capsys):
   with pytest.raises(SystemExit) as exit_info:
-    schedule_lib.main(argv)
+    schedule_text.main(argv)
   assert exit_info.value.code == 2
   assert message in capsys.readouterr().err
 
@@ -154,10 +155,10 @@ def test_schedule_command_rejects_bad_configs(argv, message, capsys):
 def test_old_flag_spellings_still_work_with_a_note(capsys):
   """The flags are spelled like the layer's params; the spellings from
   before still run, each with a one-line note."""
-  assert schedule_lib.main(['--stages', '2', '--microbatches=3',
+  assert schedule_text.main(['--stages', '2', '--microbatches=3',
                             '--circular-repeat', '2']) == 0
   captured = capsys.readouterr()
-  assert schedule_lib.Schedule(2, 3, 2).Render() in captured.out
+  assert schedule_text.Render(schedule_lib.Schedule(2, 3, 2)) in captured.out
   assert captured.err.splitlines() == [
       f'python -m gpipe.schedule: note: {old} is now spelled {new}; the old '
       'spelling still works for now.'
@@ -178,7 +179,7 @@ def test_demo_reads_its_old_flag_spellings(capsys):
 def test_out_refuses_a_suffix_it_would_not_write(tmp_path, capsys, name):
   out = tmp_path / name
   with pytest.raises(SystemExit) as exit_info:
-    schedule_lib.main(['--num_stages', '2', '--num_microbatches', '4', '--out',
+    schedule_text.main(['--num_stages', '2', '--num_microbatches', '4', '--out',
                        str(out)])
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
@@ -200,7 +201,7 @@ def test_demo_refuses_the_suffix_before_any_work(tmp_path, capsys):
 
 def test_upper_case_png_is_a_png(tmp_path, capsys):
   out = tmp_path / 'S.PNG'
-  assert schedule_lib.main(['--num_stages', '2', '--num_microbatches', '3',
+  assert schedule_text.main(['--num_stages', '2', '--num_microbatches', '3',
                             '--out', str(out)]) == 0
   assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert f'wrote {out}' in capsys.readouterr().out
@@ -214,7 +215,7 @@ if __name__ == '__main__':
 def test_skip_bubbles_shows_the_loops_and_the_bubbles_left_out(capsys):
   """--skip_bubbles: the phases and, in the diagram, '-' exactly where no
   loop computes (the docstring's S=4, M=4 example of Schedule.Phases)."""
-  assert schedule_lib.main(['--num_stages', '4', '--num_microbatches', '4',
+  assert schedule_text.main(['--num_stages', '4', '--num_microbatches', '4',
                             '--skip_bubbles']) == 0
   text = capsys.readouterr().out
   assert ('skip_bubbles (one device): 3 loop(s), 20 of 28 slots computed '
@@ -227,7 +228,7 @@ def test_skip_bubbles_shows_the_loops_and_the_bubbles_left_out(capsys):
 
 
 def test_without_skip_bubbles_every_bubble_is_computed(capsys):
-  assert schedule_lib.main(['--num_stages', '4', '--num_microbatches',
+  assert schedule_text.main(['--num_stages', '4', '--num_microbatches',
                             '4']) == 0
   text = capsys.readouterr().out
   assert 'skip_bubbles' not in text and '-' not in text.split('iteration ')[-1]

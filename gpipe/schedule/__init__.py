@@ -31,18 +31,15 @@ T = R * ceil(M / S) * S + S - 1. S=2, M=3, R=2 (cells are microbatch/repeat)::
 The rotating buffer needs no storage beyond [S, ...]: a microbatch leaving the
 last stage at repeat r is exactly what stage 0 needs next, at repeat r + 1.
 
-As a command, prints the schedule (and with --out draws it, see
-gpipe.schedule_plot):
+As a command (gpipe.schedule.text), prints the schedule (and with --out
+draws it, see gpipe.schedule_plot):
 
     python -m gpipe.schedule --num_stages 4 --num_microbatches 8 \
         --circular_repeat 2 --out schedule.png
 """
 
-import argparse
 import dataclasses
 import numbers
-import os
-import sys
 
 # Step seeds one body call may draw (each py_utils.GenerateStepSeedPair takes
 # one) before its stream would run into the next (layer, microbatch)'s.
@@ -235,7 +232,7 @@ class Schedule:
 
   def SlotsComputed(self, phases):
     """(iteration, stage) slots the loop computes when run in `phases`."""
-    return len(_Computed(phases))
+    return len(ComputedSlots(phases))
 
   # -- Per microbatch quantities.
 
@@ -305,121 +302,169 @@ class Schedule:
       rows.append(row)
     return rows
 
-  def Render(self, phases=None):
-    """A text diagram of the schedule, one row per stage ('.' a bubble;
-    with `phases`, '-' a bubble the loop does not compute)."""
-    cells = self.Table()
-    computed = _Computed(phases or [Phase(0, self.num_iterations, 0,
-                                          self.num_stages)])
-    width = 5 if self.circular else 3
-    lines = ['iteration ' + ''.join(f'{i:>{width}}' for i in
-                                    range(self.num_iterations))]
-    for s in range(self.num_stages):
-      row = []
-      for i in range(self.num_iterations):
-        cell = cells[i][s]
-        if cell is None:
-          text = '.' if (i, s) in computed else '-'
-        elif self.circular:
-          text = f'{cell[0]}/{cell[1]}'
-        else:
-          text = str(cell[0])
-        row.append(f'{text:>{width}}')
-      lines.append(f'stage {s:<4}' + ''.join(row))
-    return '\n'.join(lines)
 
-
-  def Summary(self):
-    """Iterations, bubble fraction and useful work per stage, as text."""
-    useful = self.num_microbatches * self.circular_repeat
-    lines = [
-        f'{self.num_stages} stages x {self.circular_repeat} repeat(s), '
-        f'{self.num_microbatches} microbatches: {self.num_iterations} '
-        f'iterations, bubble fraction {self.bubble_fraction:.3f}'
-    ]
-    for s in range(self.num_stages):
-      lines.append(f'  stage {s}: useful work in {useful} of '
-                   f'{self.num_iterations} iterations '
-                   f'({useful / self.num_iterations:.0%})')
-    return '\n'.join(lines)
-
-  def PhasesSummary(self):
-    """What skip_bubbles runs on one device (Phases), as text."""
-    phases = self.Phases()
-    slots = self.num_iterations * self.num_stages
-    computed = self.SlotsComputed(phases)
-    lines = [f'skip_bubbles (one device): {len(phases)} loop(s), '
-             f'{computed} of {slots} slots computed ({computed / slots:.0%})']
-    for p in phases:
-      last = p.first_stage + p.num_stages - 1
-      lines.append(f'  iterations {p.begin}-{p.end - 1}: stages '
-                   f'{p.first_stage}-{last}')
-    return '\n'.join(lines)
-
-
-def _Computed(phases):
+def ComputedSlots(phases):
   """The (iteration, stage) slots the phases compute, as a set."""
   return {(i, s) for p in phases for i in range(p.begin, p.end)
           for s in range(p.first_stage, p.first_stage + p.num_stages)}
 
 
-# Spellings from before the commands spoke one dialect (Lingvo's).
-_OLD_SPELLINGS = {'--stages': '--num_stages',
-                  '--microbatches': '--num_microbatches',
-                  '--circular-repeat': '--circular_repeat'}
+@dataclasses.dataclass(frozen=True)
+class GradientPhase:
+  """Iterations [begin, end) of the 1f1b gradient loop and the waves they
+  run (OneFOneB.Phases)."""
+  begin: int
+  end: int
+  forward: bool
+  backward: bool
 
 
-def main(argv=None):
-  from gpipe import flag_spellings  # pylint: disable=g-import-not-at-top
-  from gpipe import quiet  # pylint: disable=g-import-not-at-top
-  from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
-  parser = argparse.ArgumentParser(
-      prog='python -m gpipe.schedule',
-      description='Print (and draw) a pipeline schedule: which microbatch '
-      '(and\nrepeat) each stage works on at each loop iteration.',
-      formatter_class=quiet.HelpFormatter)
-  parser.add_argument('--num_stages', type=int, required=True,
-                      help='pipeline stages S')
-  parser.add_argument('--num_microbatches', type=int, required=True,
-                      help='microbatches M')
-  parser.add_argument('--circular_repeat', type=int, default=1,
-                      help='R: times each microbatch passes through the '
-                      'stages')
-  parser.add_argument('--skip_bubbles', action='store_true',
-                      help='show what a layer with skip_bubbles=True runs '
-                      'on one device: the bubbles it does not compute '
-                      "('-') and its loops")
-  parser.add_argument('--out', default=None,
-                      help='write the diagram to this .png path (default: '
-                      'text only)')
-  argv = sys.argv[1:] if argv is None else argv
-  args = parser.parse_args(flag_spellings.Respell(argv, _OLD_SPELLINGS,
-                                                  parser.prog))
-  try:
-    schedule = Schedule(args.num_stages, args.num_microbatches,
-                        args.circular_repeat)
-  except ValueError as e:
-    message = str(e)
-    for name in ('num_stages', 'num_microbatches', 'circular_repeat'):
-      message = message.replace(name, '--' + name)
-    parser.error(message)
-  if args.out:
-    problem = schedule_plot.OutPathProblem(args.out)
-    if problem:
-      parser.error(f'--out {args.out}: {problem}')
-    directory = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
-      parser.error(f'--out {args.out}: cannot write there (directory '
-                   f'{directory} does not exist or is not writable).')
-  print(schedule.Summary())
-  if args.skip_bubbles:
-    print(schedule.PhasesSummary())
-  print(schedule.Render(schedule.Phases() if args.skip_bubbles else None))
-  if args.out:
-    schedule_plot.Draw(schedule, args.out)
-    print(f'wrote {os.path.abspath(args.out)}')
-  return 0
+class OneFOneB:
+  """The arithmetic of the 1f1b gradient loop (gpipe.one_f_one_b).
+
+  The forward pass keeps nothing per iteration. Its gradient is one loop in
+  forward order whose iteration j runs two waves over the S stages:
+
+    forward wave   iteration j of the forward schedule again (j < T); each
+                   stage pushes its input into its ring of `ring_size`;
+    backward wave  each stage the backward of one layer call whose output
+                   gradient has come back: stage s at backward step
+                   k = j - delay takes the forward slot (k, S - 1 - s)
+                   mirrored, i.e. its microbatch at repeat
+                   R - 1 - RepeatId(k, S - 1 - s).
+
+  With delay = R S - 1 the last layer's backward runs in the iteration that
+  recomputes its forward, and every gradient reaches the layer before it
+  one iteration later, one stage back (the last stage takes stage 0's, the
+  previous repeat). S=3, M=4 (cells: forward wave's microbatch, backward
+  wave's)::
+
+      j            0   1   2   3   4   5   6   7
+      stage 0    0,. 1,. 2,. 3,. .,0 .,1 .,2 .,3
+      stage 1    .,. 0,. 1,. 2,0 3,1 .,2 .,3 .,.
+      stage 2    .,. .,. 0,0 1,1 2,2 3,3 .,. .,.
+
+  A stage input waits in the ring from its forward to its backward: at most
+  2 R S - 1 iterations (layer 0), whatever M is.
+  """
+
+  def __init__(self, schedule):
+    self.schedule = schedule
+
+  @property
+  def delay(self):
+    """Iterations from the forward wave's to the backward wave's start."""
+    return self.schedule.num_layers - 1
+
+  @property
+  def ring_size(self):
+    """Stage inputs each stage keeps: the longest wait plus one."""
+    return 2 * self.schedule.num_layers - 1
+
+  @property
+  def num_iterations(self):
+    """Iterations of the gradient loop: T + delay."""
+    return self.schedule.num_iterations + self.delay
+
+  def Phases(self):
+    """The loop's phases: forward wave only, both waves, backward only.
+
+    Each is a loop of its own, so that no iteration computes a wave that no
+    stage needs (T > delay always: M >= 1 microbatch, padded to S when
+    circular).
+    """
+    t, d = self.schedule.num_iterations, self.delay
+    phases = [GradientPhase(0, d, True, False), GradientPhase(d, t, True, True),
+              GradientPhase(t, t + d, False, True)]
+    return [p for p in phases if p.end > p.begin]
+
+  def BackwardSlot(self, step, stage):
+    """The forward iteration whose call of `stage` the backward wave runs
+    at backward step `step` (iteration step + delay), or None on a bubble.
+    """
+    sched = self.schedule
+    mirror = sched.num_stages - 1 - stage
+    if not sched.IsValid(step, mirror):
+      return None
+    repeat = sched.circular_repeat - 1 - sched.RepeatId(step, mirror)
+    layer = repeat * sched.num_stages + stage
+    return sched.LayerIteration(sched.MicrobatchId(step, mirror), layer)
+
+  def BackwardRow(self, step, stage):
+    """What `stage` does at backward step `step`, by name: the forward
+    StageRow of the call it differentiates, and
+
+        iteration   that call's forward iteration (0 on bubbles)
+        ring_slot   where the forward wave put its input
+        last_layer  its output gradient is the layer's (d outputs)
+        first_layer its input gradient is the layer's (d inputs)
+    """
+    sched = self.schedule
+    iteration = self.BackwardSlot(step, stage)
+    valid = iteration is not None
+    iteration = iteration if valid else 0
+    row = sched.StageRow(iteration, stage)
+    layer = sched.LayerId(iteration, stage)
+    row.update(
+        valid=valid and row['valid'], iteration=iteration,
+        ring_slot=iteration % self.ring_size,
+        last_layer=valid and layer == sched.num_layers - 1,
+        first_layer=valid and layer == 0)
+    return row
+
+  def BackwardTables(self):
+    """{name: [T][S] table} of BackwardRow, one row per backward step."""
+    rows = [[self.BackwardRow(k, s) for s in range(self.schedule.num_stages)]
+            for k in range(self.schedule.num_iterations)]
+    return {name: [[cell[name] for cell in row] for row in rows]
+            for name in rows[0][0]}
 
 
-if __name__ == '__main__':
-  sys.exit(main())
+class Streams:
+  """Where stream_io keeps each microbatch (gpipe.streams).
+
+  A stream holds the [M, ...] inputs (outputs, their gradients) split over
+  the stages: stage s keeps microbatches s K .. s K + K - 1 in its K =
+  ceil(M / S) slots, slot k holding microbatches k, K + k, 2 K + k, ...
+  from stage 0 up. The pipeline takes them in order at stage 0 (and gives
+  them back in order at the last stage) by rotating one slot's column of
+  [S] entries by one stage at a time.
+  """
+
+  def __init__(self, schedule):
+    self.schedule = schedule
+
+  @property
+  def num_slots(self):
+    """K: microbatches each stage keeps."""
+    return _CeilDiv(self.schedule.num_microbatches, self.schedule.num_stages)
+
+  @property
+  def padded_microbatches(self):
+    """S K: the stream's microbatch rows, padded past M."""
+    return self.num_slots * self.schedule.num_stages
+
+  def Slot(self, microbatch):
+    return microbatch % self.num_slots
+
+  def WritesPerSlot(self, slot):
+    """How many of the M microbatches slot `slot` holds."""
+    return len(range(slot, self.schedule.num_microbatches, self.num_slots))
+
+  def FixupShifts(self):
+    """Per slot, the extra rotations a written stream needs at the end:
+    a slot written n < S times sits n places short of its home."""
+    s = self.schedule.num_stages
+    return [(s - self.WritesPerSlot(k)) % s for k in range(self.num_slots)]
+
+  def ReadSlots(self):
+    """Per forward iteration, the slot stage 0 reads (-1: none)."""
+    return [-1 if m == self.schedule.num_microbatches else self.Slot(m)
+            for m in self.schedule.InputIndexPerIteration()]
+
+  def WriteSlots(self):
+    """Per forward iteration, the slot the last stage's output goes to
+    (-1: none)."""
+    return [-1 if m < 0 else self.Slot(m)
+            for m in self.schedule.OutputIndexPerIteration()]
+

@@ -1,0 +1,143 @@
+"""The ops on the pipeline's [S, ...] buffers, each with its gradient.
+
+One iteration, S = 3 (slot s holds what stage s - 1 produced; slot 0 what
+the last stage produced, which a linear pipeline drops and a circular one
+feeds into its next repeat)::
+
+    buffer   [ y2 | y0 | y1 ]  --StageInputs: stage 0 maybe reads afresh-->
+    stages   [ y0'| y1'| y2']  --MaskBubbles: bubbles pass their input-->
+    rotated  [ y2'| y0'| y1']  --RotateStages--> next iteration's buffer
+
+On a split stage dim a rotation is one collective-permute, and so is its
+gradient (the opposite rotation); the other ops are per stage, on each
+device's own slot.
+"""
+
+import tensorflow as tf
+
+from lingvo.core import py_utils
+
+
+def StageInputs(reads, rotated, stage0_input):
+  """The stages' inputs: the rotated buffer, stage 0 maybe a fresh input.
+
+  The carried buffer is last iteration's outputs already rotated by one
+  stage (see RotateStages): slot s holds what stage s - 1 produced, and
+  slot 0 what the last stage produced. Stage 0 takes the fresh microbatch
+  whenever the schedule says it reads one: always when linear (the wrapped
+  slot is dropped), in the first S iterations of each R * S block when
+  circular (otherwise it keeps the wrapped slot: the microbatch's next
+  repeat). `reads` ([S] bools, the schedule's StageRow) says where;
+  `stage0_input` is one microbatch ([...], every stage's the same) or each
+  stage's own ([S, ...], read from a stream).
+  """
+  if stage0_input.shape.rank == rotated.shape.rank:
+    mask = tf.reshape(reads, [-1] + [1] * (rotated.shape.rank - 1))
+    return tf.where(mask, stage0_input, rotated)
+  return _SelectFresh(reads, stage0_input, rotated)
+
+
+def _SelectFresh(reads, fresh, rotated):
+  """Slot s of `rotated` ([S, ...]) replaced by `fresh` where reads[s].
+
+  The gradient is written with masks and a contraction over the stage dim
+  (an all-reduce when it is split), not TensorFlow's: its sum over the
+  broadcast stage dim is a reduce whose zero initial value XLA's lowering
+  shares with the stage body's own reductions inside the manual-sharding
+  region, and the SPMD partitioner then aborts resharding it (seen with
+  1-row microbatches).
+  """
+
+  @tf.custom_gradient
+  def Select(fresh, rotated):
+    mask = tf.reshape(reads, [-1] + [1] * (rotated.shape.rank - 1))
+    shape = py_utils.GetShape(rotated)
+
+    def Grad(dy):
+      taken = tf.cast(reads, dy.dtype)
+      kept = tf.cast(tf.logical_not(mask), dy.dtype)
+      return tf.tensordot(taken, dy, axes=[[0], [0]]), dy * kept
+
+    return tf.where(mask, tf.broadcast_to(fresh[None], shape), rotated), Grad
+
+  return Select(fresh, rotated)
+
+
+def RotateStages(x, shift=1):
+  """[S, ...] -> slot s gets slot s - shift (mod S): by default each stage
+  hands its slot to the next, the last to stage 0; shift=-1 hands each to
+  the one before (stage 0's to the last).
+
+  Along a split stage dim this is exactly one collective-permute once
+  partitioned, and so is its gradient, the opposite rotation (written out:
+  TensorFlow's gradient of the concat of two slices is two permutes). A
+  shift that pads a zero in instead becomes an all-to-all.
+  """
+  num_stages = x.shape.as_list()[0]
+  shift %= num_stages
+  if shift == 0:
+    return x
+  return _Rotate(x, shift)
+
+
+def _Rotate(x, shift):
+
+  @tf.custom_gradient
+  def Rotate(x):
+
+    def Grad(dy):
+      return tf.concat([dy[shift:], dy[:shift]], axis=0)
+
+    return tf.concat([x[-shift:], x[:-shift]], axis=0), Grad
+
+  return Rotate(x)
+
+
+def SelectStages(valid, new, old):
+  """Per stage slot: new where the stage was valid, old on bubbles."""
+  mask = tf.reshape(valid, [-1] + [1] * (new.shape.rank - 1))
+  return tf.where(mask, new, old)
+
+
+def MaskBubbles(valid, out, stage_in):
+  """Bubble slots of the [S] stage outputs pass their input through instead.
+
+  Bubbles never compute on zeros: the loop starts from real data
+  (microbatch.BubbleFiller) and a bubble hands its own input on, so every
+  bubble runs the body on some real microbatch's values. A body that is
+  finite on real data (but, say, divides by its input) thus stays finite on
+  bubbles, and the select's zero cotangent times a finite local derivative
+  keeps the gradients finite too. The pass-through is cut from the gradient.
+  """
+  mask = tf.reshape(valid, [-1] + [1] * (out.shape.rank - 1))
+  return tf.where(mask, out, tf.stop_gradient(stage_in))
+
+
+def LastStageOutputs(finished, place):
+  """[M, S, ...] stage outputs of the iterations that finish each
+  microbatch -> [M, ...]: the last stage's slot.
+
+  Taken as a sum over the stage dim of the slot masked (exact: the other
+  slots add zeros), which partitions into one all-reduce from the devices'
+  own slots; a slice of the last slot would first move it to device 0.
+  The gradient is the slot's gradient placed in the last slot of zeros,
+  split over the stages like the outputs: each device builds only its own
+  [M, 1, ...] part (a plain slice's gradient, a pad of the replicated
+  gradient, would be built whole, [M, S, ...], on every device).
+  """
+  finished = place.SplitStages(finished, 1)
+  num_stages = finished.shape.as_list()[1]
+  is_last = tf.reshape(tf.equal(tf.range(num_stages), num_stages - 1),
+                       [1, num_stages] + [1] * (finished.shape.rank - 2))
+
+  @tf.custom_gradient
+  def LastSlot(x):
+
+    def Grad(dy):
+      return place.SplitStages(
+          tf.where(is_last, dy[:, None], tf.zeros([], dy.dtype)), 1)
+
+    return tf.reduce_sum(tf.where(is_last, x, tf.zeros([], x.dtype)),
+                         axis=1), Grad
+
+  return LastSlot(finished)

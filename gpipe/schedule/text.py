@@ -1,0 +1,192 @@
+"""The schedule as text, and the `python -m gpipe.schedule` command.
+
+    python -m gpipe.schedule --num_stages 4 --num_microbatches 8 \\
+        --circular_repeat 2 [--skip_bubbles] [--backward_schedule 1f1b] \\
+        [--out schedule.png]
+
+prints the schedule's summary and its table (gpipe.schedule has the
+arithmetic; gpipe.schedule_plot draws it). Loads no TensorFlow.
+"""
+
+import argparse
+import os
+import sys
+
+from gpipe import schedule as schedule_lib
+
+
+def Render(schedule, phases=None):
+  """A text diagram of the schedule, one row per stage ('.' a bubble;
+  with `phases`, '-' a bubble the loop does not compute)."""
+  cells = schedule.Table()
+  computed = schedule_lib.ComputedSlots(phases or [schedule_lib.Phase(
+      0, schedule.num_iterations, 0, schedule.num_stages)])
+  width = 5 if schedule.circular else 3
+  lines = ['iteration ' + ''.join(f'{i:>{width}}' for i in
+                                  range(schedule.num_iterations))]
+  for s in range(schedule.num_stages):
+    row = []
+    for i in range(schedule.num_iterations):
+      cell = cells[i][s]
+      if cell is None:
+        text = '.' if (i, s) in computed else '-'
+      elif schedule.circular:
+        text = f'{cell[0]}/{cell[1]}'
+      else:
+        text = str(cell[0])
+      row.append(f'{text:>{width}}')
+    lines.append(f'stage {s:<4}' + ''.join(row))
+  return '\n'.join(lines)
+
+
+def RenderGradientLoop(schedule):
+  """The 1f1b gradient loop (schedule_lib.OneFOneB) as text, one row per
+  stage: 'f,b' is the forward wave's microbatch and the backward wave's
+  ('microbatch/repeat' when circular), '.' where a wave idles."""
+  waves = schedule_lib.OneFOneB(schedule)
+  t = schedule.num_iterations
+
+  def Cell(microbatch, repeat):
+    return f'{microbatch}/{repeat}' if schedule.circular else str(microbatch)
+
+  cells = []
+  for s in range(schedule.num_stages):
+    row = []
+    for j in range(waves.num_iterations):
+      forward = backward = '.'
+      if j < t and schedule.IsValid(j, s):
+        forward = Cell(schedule.MicrobatchId(j, s), schedule.RepeatId(j, s))
+      if 0 <= j - waves.delay < t:
+        b = waves.BackwardRow(j - waves.delay, s)
+        if b['valid']:
+          backward = Cell(b['microbatch'], b['repeat'])
+      row.append(f'{forward},{backward}')
+    cells.append(row)
+  width = 1 + max(len(c) for row in cells for c in row)
+  lines = ['j         ' + ''.join(
+      f'{j:>{width}}' for j in range(waves.num_iterations))]
+  lines += [f'stage {s:<4}' + ''.join(f'{c:>{width}}' for c in row)
+            for s, row in enumerate(cells)]
+  return '\n'.join(lines)
+
+
+def Summary(schedule):
+  """Iterations, bubble fraction and useful work per stage, as text."""
+  useful = schedule.num_microbatches * schedule.circular_repeat
+  lines = [
+      f'{schedule.num_stages} stages x {schedule.circular_repeat} '
+      f'repeat(s), {schedule.num_microbatches} microbatches: '
+      f'{schedule.num_iterations} iterations, bubble fraction '
+      f'{schedule.bubble_fraction:.3f}'
+  ]
+  for s in range(schedule.num_stages):
+    lines.append(f'  stage {s}: useful work in {useful} of '
+                 f'{schedule.num_iterations} iterations '
+                 f'({useful / schedule.num_iterations:.0%})')
+  return '\n'.join(lines)
+
+
+def PhasesSummary(schedule):
+  """What skip_bubbles runs on one device (Schedule.Phases), as text."""
+  phases = schedule.Phases()
+  slots = schedule.num_iterations * schedule.num_stages
+  computed = schedule.SlotsComputed(phases)
+  lines = [f'skip_bubbles (one device): {len(phases)} loop(s), '
+           f'{computed} of {slots} slots computed ({computed / slots:.0%})']
+  for p in phases:
+    last = p.first_stage + p.num_stages - 1
+    lines.append(f'  iterations {p.begin}-{p.end - 1}: stages '
+                 f'{p.first_stage}-{last}')
+  return '\n'.join(lines)
+
+
+def GradientLoopSummary(schedule):
+  """What backward_schedule='1f1b' runs for the backward pass, as text."""
+  waves = schedule_lib.OneFOneB(schedule)
+  lines = [f"backward_schedule='1f1b': {waves.num_iterations} gradient-loop "
+           f'iterations, each stage keeping a ring of {waves.ring_size} stage '
+           'inputs']
+  for p in waves.Phases():
+    what = ('both waves' if p.forward and p.backward else
+            'forward wave' if p.forward else 'backward wave')
+    lines.append(f'  iterations {p.begin}-{p.end - 1}: {what}')
+  return '\n'.join(lines)
+
+
+# Spellings from before the commands spoke one dialect (Lingvo's).
+_OLD_SPELLINGS = {'--stages': '--num_stages',
+                  '--microbatches': '--num_microbatches',
+                  '--circular-repeat': '--circular_repeat'}
+
+
+def _Parser():
+  from gpipe import quiet  # pylint: disable=g-import-not-at-top
+  parser = argparse.ArgumentParser(
+      prog='python -m gpipe.schedule',
+      description='Print (and draw) a pipeline schedule: which microbatch '
+      '(and\nrepeat) each stage works on at each loop iteration.',
+      formatter_class=quiet.HelpFormatter)
+  parser.add_argument('--num_stages', type=int, required=True,
+                      help='pipeline stages S')
+  parser.add_argument('--num_microbatches', type=int, required=True,
+                      help='microbatches M')
+  parser.add_argument('--circular_repeat', type=int, default=1,
+                      help='R: times each microbatch passes through the '
+                      'stages')
+  parser.add_argument('--skip_bubbles', action='store_true',
+                      help='show what a layer with skip_bubbles=True runs '
+                      'on one device: the bubbles it does not compute '
+                      "('-') and its loops")
+  parser.add_argument('--backward_schedule', choices=('reverse', '1f1b'),
+                      default='reverse',
+                      help="with 1f1b, also show the gradient loop: each "
+                      "stage's forward and backward wave per iteration")
+  parser.add_argument('--out', default=None,
+                      help='write the diagram to this .png path (default: '
+                      'text only)')
+  return parser
+
+
+def _CheckOut(parser, out):
+  from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
+  problem = schedule_plot.OutPathProblem(out)
+  if problem:
+    parser.error(f'--out {out}: {problem}')
+  directory = os.path.dirname(os.path.abspath(out))
+  if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+    parser.error(f'--out {out}: cannot write there (directory '
+                 f'{directory} does not exist or is not writable).')
+
+
+def main(argv=None):
+  from gpipe import flag_spellings  # pylint: disable=g-import-not-at-top
+  parser = _Parser()
+  argv = sys.argv[1:] if argv is None else argv
+  args = parser.parse_args(flag_spellings.Respell(argv, _OLD_SPELLINGS,
+                                                  parser.prog))
+  try:
+    schedule = schedule_lib.Schedule(args.num_stages, args.num_microbatches,
+                                     args.circular_repeat)
+  except ValueError as e:
+    message = str(e)
+    for name in ('num_stages', 'num_microbatches', 'circular_repeat'):
+      message = message.replace(name, '--' + name)
+    parser.error(message)
+  if args.out:
+    _CheckOut(parser, args.out)
+  print(Summary(schedule))
+  if args.skip_bubbles:
+    print(PhasesSummary(schedule))
+  print(Render(schedule, schedule.Phases() if args.skip_bubbles else None))
+  if args.backward_schedule == '1f1b':
+    print(GradientLoopSummary(schedule))
+    print(RenderGradientLoop(schedule))
+  if args.out:
+    from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
+    schedule_plot.Draw(schedule, args.out)
+    print(f'wrote {os.path.abspath(args.out)}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

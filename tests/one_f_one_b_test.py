@@ -1,0 +1,168 @@
+"""backward_schedule='1f1b' and stream_io equal the plain sequential stack.
+
+Every case compares the pipelined layer with the references of
+tests/pipeline_harness.py (a NumPy loop over the logical layers for the
+forward pass, TF autodiff of a plain TF loop for the gradients of every
+variable and the input), float32, |err| <= 1e-5 + 1e-5 * |ref|. The sweeps
+cross both Params with the shapes and layouts of layers_test.
+"""
+
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from tests import pipeline_harness as harness
+
+Case = harness.Case
+MODES = ('graph', 'jit')
+# (backward_schedule, stream_io) pairs beside the default ('reverse', False).
+_IO = [('1f1b', False), ('1f1b', True), ('reverse', True)]
+_IO_IDS = ['1f1b', '1f1b-stream_io', 'reverse-stream_io']
+
+
+def _Case(schedule_and_io, **kwargs):
+  backward_schedule, stream_io = schedule_and_io
+  return Case(backward_schedule=backward_schedule, stream_io=stream_io,
+              **kwargs)
+
+
+def _MicrobatchCounts(num_stages):
+  """M in {1, fewer than S, = S, not a multiple of S, more than 2 S}."""
+  counts = {1, num_stages, num_stages + 1, 2 * num_stages + 1}
+  if num_stages > 2:
+    counts.add(num_stages - 1)
+  return sorted(counts)
+
+
+_SWEEP = [(s, m, r) for s in (1, 2, 3, 4) for m in _MicrobatchCounts(s)
+          for r in (1, 2, 3)]
+
+
+@pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat', _SWEEP,
+                         ids=[f'S{s}-M{m}-R{r}' for s, m, r in _SWEEP])
+def test_sweep_graph(num_stages, num_microbatches, circular_repeat):
+  # Each shape under one of the three (schedule, io) pairs, in turn.
+  index = _SWEEP.index((num_stages, num_microbatches, circular_repeat))
+  harness.CheckCase(
+      _Case(_IO[index % len(_IO)], num_stages=num_stages,
+            num_microbatches=num_microbatches,
+            circular_repeat=circular_repeat, batch=2 * num_microbatches),
+      'graph')
+
+
+_JIT_SWEEP = [(1, 1, 1), (2, 1, 2), (2, 3, 1), (3, 2, 3), (3, 4, 2),
+              (4, 4, 1), (4, 9, 2)]
+
+
+@pytest.mark.parametrize('io', _IO, ids=_IO_IDS)
+@pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat',
+                         _JIT_SWEEP,
+                         ids=[f'S{s}-M{m}-R{r}' for s, m, r in _JIT_SWEEP])
+def test_sweep_jit(num_stages, num_microbatches, circular_repeat, io):
+  harness.CheckCase(
+      _Case(io, num_stages=num_stages, num_microbatches=num_microbatches,
+            circular_repeat=circular_repeat, batch=2 * num_microbatches),
+      'jit')
+
+
+# Body kind x per_stage_vars x circular_repeat x shard_stages_1d, M=4 not a
+# multiple of S=3.
+_LAYOUTS = [(body, per_stage, r, shard)
+            for body, per_stage in (('dense', False), ('dense', True),
+                                    ('stage_parallel', False))
+            for r in (1, 2) for shard in (False, True)]
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('io', _IO, ids=_IO_IDS)
+@pytest.mark.parametrize(
+    'layout', _LAYOUTS,
+    ids=[f'{b}{"-per_stage_vars" if p else ""}-R{r}{"-shard" if s else ""}'
+         for b, p, r, s in _LAYOUTS])
+def test_layouts(layout, io, mode):
+  body, per_stage, r, shard = layout
+  harness.CheckCase(
+      _Case(io, body=body, per_stage_vars=per_stage, circular_repeat=r,
+            shard_stages_1d=shard, num_stages=3, num_microbatches=4, batch=8,
+            kwargs=True), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('io', _IO, ids=_IO_IDS)
+def test_stage_mesh_dim(io, mode):
+  harness.CheckCase(
+      _Case(io, pipeline_stage_mesh_dim=True, num_stages=2,
+            num_microbatches=3, circular_repeat=2, batch=6, kwargs=True), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('io', _IO, ids=_IO_IDS)
+def test_nested_inputs_kwargs_and_kwargs_no_batch(io, mode):
+  harness.CheckCase(
+      _Case(io, body='multi', num_stages=3, num_microbatches=5,
+            circular_repeat=2, batch=10), mode)
+  harness.CheckCase(
+      _Case(io, num_stages=3, num_microbatches=5, circular_repeat=2,
+            batch=10, kwargs=True, kwargs_no_batch=True,
+            example_shape=(2, 3, 4)), mode)
+
+
+@pytest.mark.parametrize('mode', MODES)
+@pytest.mark.parametrize('io', _IO, ids=_IO_IDS)
+def test_premicrobatched_and_microbatch_size(io, mode):
+  harness.CheckCase(
+      _Case(io, num_stages=2, num_microbatches=3, premicrobatched=True,
+            circular_repeat=2, batch=6), mode)
+  harness.CheckCase(
+      _Case(io, num_stages=2, num_microbatches=None, microbatch_size=2,
+            circular_repeat=2, batch=10), mode)
+
+
+# What a ring entry keeps (remat_policy), vectorized stages and one by one.
+_POLICIES = [(policy, body, vectorize)
+             for policy in ('save_dots', 'save_all')
+             for body in ('dense', 'multi', 'stage_parallel')
+             for vectorize in ('auto', 'never')
+             if not (body == 'stage_parallel' and vectorize == 'never')]
+
+
+@pytest.mark.parametrize(
+    'policy,body,vectorize', _POLICIES,
+    ids=[f'{p}-{b}-{v}' for p, b, v in _POLICIES])
+def test_remat_policies_graph(policy, body, vectorize):
+  harness.CheckCase(
+      Case(backward_schedule='1f1b', body=body, num_stages=3,
+           num_microbatches=4, circular_repeat=2, batch=8,
+           remat_policy=policy, vectorize_stages=vectorize), 'graph')
+
+
+@pytest.mark.parametrize('policy', ['save_dots', 'save_all'])
+def test_remat_policies_jit(policy):
+  harness.CheckCase(
+      Case(backward_schedule='1f1b', stream_io=True, body='multi',
+           num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
+           remat_policy=policy), 'jit')
+
+
+def test_backward_schedule_is_checked():
+  p = Case(backward_schedule='forward').Params()
+  with pytest.raises(ValueError, match=r"backward_schedule must be one of "
+                     r"\('reverse', '1f1b'\), got 'forward'"):
+    with tf.Graph().as_default():
+      p.Instantiate()
+  p = Case(backward_schedule='1f1b', skip_bubbles=True).Params()
+  with pytest.raises(ValueError, match=r"skip_bubbles=True and "
+                     r"backward_schedule='1f1b' do not combine.*Set "
+                     r'skip_bubbles=False'):
+    with tf.Graph().as_default():
+      p.Instantiate()
+  p = Case(stream_io='yes').Params()
+  with pytest.raises(ValueError, match=r"stream_io must be True or False, "
+                     r"got 'yes'"):
+    with tf.Graph().as_default():
+      p.Instantiate()
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))
