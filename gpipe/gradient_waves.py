@@ -27,6 +27,7 @@ from gpipe import rotating_buffer
 from gpipe import schedule as schedule_lib
 from gpipe import stage_slots
 from gpipe import stage_step
+from gpipe import while_loops
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -145,7 +146,7 @@ class GradientLoop:
         full = self._BackwardWave(j, full, consts)
       return j + 1, NestedMap({k: full[k] for k in keys})
 
-    _, changed = recurrent.WhileLoop(
+    _, changed = while_loops.WhileLoop(
         Body, [tf.constant(phase.begin), NestedMap({k: carry[k] for k in keys})],
         phase.end - phase.begin)
     out = carry.copy()

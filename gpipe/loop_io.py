@@ -72,6 +72,23 @@ class WholeIo:
     return [self._place.ReplicateLoopDim(
         rotating_buffer.LastStageOutputs(x, self._place)) for x in native]
 
+  # -- The reverse schedule's loop (gpipe.pipeline_loop, via recurrent).
+
+  def ReverseLoopParts(self, native, filler):
+    """(what the loop reads as theta, the state entries it carries, how to
+    undo an iteration's changes to them): here the microbatches, read by
+    row, and no state; the outputs leave as the loop's kept rows."""
+    del filler
+    return native, NestedMap(reading=[], writing=[]), None
+
+  def KeptRows(self, outputs):
+    """What an iteration keeps as extras for the outputs."""
+    return outputs
+
+  def ReverseNativeOutputs(self, kept_rows, writing):
+    del writing
+    return kept_rows
+
   # -- The forward loop (the 1f1b pass and its gradient's forward wave).
 
   def StartReading(self, native):
@@ -239,6 +256,32 @@ class StreamedIo:
 
   def _At(self, table, iteration):
     return tf.gather(_Constant(table), iteration)
+
+  # -- The reverse schedule's loop (gpipe.pipeline_loop, via recurrent).
+
+  def ReverseLoopParts(self, native, filler):
+    """(what the loop reads as theta, the state entries it carries, how to
+    undo an iteration's changes to them): the streams, which the loop
+    carries but keeps no history of; its gradient undoes each iteration's
+    rotations instead (recurrent.Undo)."""
+    streams = NestedMap(reading=self.StartReading(native),
+                        writing=self.StartWriting(filler))
+
+    def Undo(after, inputs):
+      before = after.copy()
+      before.reading = self.UndoRead(after.reading, inputs.iteration)
+      before.writing = self.UndoWrite(after.writing, inputs.iteration)
+      return before
+
+    return [], streams, Undo
+
+  def KeptRows(self, outputs):
+    del outputs
+    return []
+
+  def ReverseNativeOutputs(self, kept_rows, writing):
+    del kept_rows
+    return self.FinishWriting(writing, None)
 
   # -- The forward loop.
 

@@ -50,6 +50,7 @@ from gpipe import rotating_buffer
 from gpipe import sharding
 from gpipe import stage_step
 from gpipe import vectorized_stages
+from gpipe import while_loops
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -231,7 +232,7 @@ def _ForwardLoop(cell, io, theta, native, state_leaves, var_values, caps):
         states=[_SetItem(l, i, v) for l, v in zip(carry.states,
                                                   extras.states)])
 
-  _, final = recurrent.WhileLoop(Body, [tf.constant(0), carry], t)
+  _, final = while_loops.WhileLoop(Body, [tf.constant(0), carry], t)
   return NestedMap(
       outputs=io.FinishWriting(final.writing, filler),
       aux=place.ReplicateBookkeeping(final.aux),

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
-from gpipe import microbatch
+from gpipe import loop_io
 from gpipe import nest
 from gpipe import one_f_one_b
 from gpipe import recurrent
@@ -130,23 +130,25 @@ def _RunReverse(spec, theta, mb_leaves, state_leaves, var_values):
   """The loop whose gradient runs in reverse (gpipe.recurrent)."""
   place = spec.placement
   sched = spec.schedule
-  # Carried: the buffer and the body's non-trainable variables (see
-  # gpipe.stage_vars). The microbatches are read inside the loop, row by
-  # row (no [T, ...] copy of them); the iteration index comes in as an
-  # input and each iteration's aux loss goes out as an extra, summed
-  # afterwards: loop-carried scalars are what the partitioner tends to
-  # mis-shard. The loop keeps the last stage's output only from the
-  # iteration that finishes each microbatch, [M, 1, ...] on the last
-  # stage's device, and returns no history of the buffer: the backward
-  # loop reads it, nothing else does, so no [T, S, ...] gradient of it is
-  # ever made.
+  io = loop_io.For(spec)
+  native = io.ToNative(mb_leaves)
+  filler = io.Filler(native)
+  # Carried: the buffer, the body's non-trainable variables (see
+  # gpipe.stage_vars) and with stream_io the streams. Without, the
+  # microbatches are read inside the loop, row by row (no [T, ...] copy of
+  # them). The iteration index comes in as an input and each iteration's
+  # aux loss goes out as an extra, summed afterwards: loop-carried scalars
+  # are what the partitioner tends to mis-shard. The loop keeps the last
+  # stage's output only from the iteration that finishes each microbatch,
+  # [M, 1, ...] on the last stage's device (or in its stream), and returns
+  # no history of the buffer: the backward loop reads it, nothing else
+  # does, so no [T, S, ...] gradient of it is ever made.
+  read_by_row, streams, undo = io.ReverseLoopParts(native, filler)
   state = NestedMap(
-      buffer=[place.SplitStages(microbatch.BubbleFiller(x, sched.num_stages))
-              for x in mb_leaves],
-      vars=[place.SplitStages(tf.stop_gradient(v)) for v in var_values])
-  loop_theta = NestedMap(
-      weights=theta,
-      microbatches=[place.ReplicateLoopDim(x) for x in mb_leaves])
+      buffer=filler,
+      vars=[place.SplitStages(tf.stop_gradient(v)) for v in var_values],
+      reading=streams.reading, writing=streams.writing)
+  loop_theta = NestedMap(weights=theta, microbatches=read_by_row)
   # What each stage does in each iteration, a [T, S] table row per
   # iteration: computed once here, not in every iteration.
   inputs = NestedMap(
@@ -155,16 +157,14 @@ def _RunReverse(spec, theta, mb_leaves, state_leaves, var_values):
       states=[place.SplitStages(x, 1) for x in state_leaves])
   pieces = []
   for phase in _Phases(spec):
-    state, extras = _RunPhase(spec, phase, loop_theta, state,
+    state, extras = _RunPhase(spec, io, undo, phase, loop_theta, state,
                               _PhaseRows(inputs, phase))
     pieces.append(extras)
-  outputs = [place.ReplicateLoopDim(
-      rotating_buffer.LastStageOutputs(x, place))
-             for x in _Concat([e.outputs for e in pieces])]
   summaries = {name: tuple(_Concat([e.summaries[name] for e in pieces]))
                for name in pieces[0].summaries}
   return LoopResult(
-      outputs=outputs,
+      outputs=io.Outputs(io.ReverseNativeOutputs(
+          _Concat([e.outputs for e in pieces]), state.writing)),
       states=[place.SplitStages(x, 1)
               for x in _Concat([e.states for e in pieces])],
       aux_loss=tf.add_n([tf.reduce_sum(e.aux_loss) for e in pieces]),
@@ -196,7 +196,7 @@ def _Concat(pieces):
   return [tf.concat(parts, 0) for parts in zip(*pieces)]
 
 
-def _RunPhase(spec, phase, loop_theta, state0, inputs):
+def _RunPhase(spec, io, undo, phase, loop_theta, state0, inputs):
   """The phase's iterations as one loop: (final state, extras).
 
   Microbatches finish in order (Schedule.OutputIteration grows with the
@@ -208,33 +208,39 @@ def _RunPhase(spec, phase, loop_theta, state0, inputs):
   first = done[0] if done else 0
   rows = recurrent.Rows(tuple(m - first if m >= 0 else -1 for m in finished),
                         max(len(done), 1))
+  marks = lambda entries, mark: [mark] * len(entries)
   _, final, extras = recurrent.Recurrent(
       loop_theta, state0, inputs,
-      lambda th, st, inp: _Iteration(spec, phase, th, st, inp),
+      lambda th, st, inp: _Iteration(spec, io, phase, th, st, inp),
       remat_policy=spec.remat_policy,
       manual_boundary=sharding.ManualBoundary.For(spec.manual_mesh),
       extras_rows={'outputs': rows},
       return_states=False,
-      data_state=NestedMap(buffer=[True] * len(state0.buffer),
-                           vars=[False] * len(state0.vars)))
+      data_state=NestedMap(buffer=marks(state0.buffer, True),
+                           vars=marks(state0.vars, False),
+                           reading=marks(state0.reading, True),
+                           writing=marks(state0.writing, False)),
+      undo=None if undo is None else recurrent.Undo(
+          NestedMap(buffer=marks(state0.buffer, False),
+                    vars=marks(state0.vars, False),
+                    reading=marks(state0.reading, True),
+                    writing=marks(state0.writing, True)), undo))
   if not done:
     extras.outputs = [x[:0] for x in extras.outputs]
   return final, extras
 
 
-def _Iteration(spec: LoopSpec, phase, loop_theta, state, inp):
+def _Iteration(spec: LoopSpec, io, phase, loop_theta, state, inp):
   """One loop iteration: the phase's stages run on their slots."""
   sched = spec.schedule
   place = spec.placement
   per_stage = place.SplitStages  # [S] vectors live with their stages
   it = place.ReplicateBookkeeping(inp.iteration)
   rows = inp.rows.Transform(place.ReplicateBookkeeping)
-  stage_in = [
-      per_stage(rotating_buffer.StageInputs(
-          rows.reads, per_stage(buf), place.ReplicateOverStages(
-              microbatch.StageZeroInput(x, sched, it))))
-      for buf, x in zip(state.buffer, loop_theta.microbatches)
-  ]
+  fresh, reading = io.Read(loop_theta.microbatches, state.reading, it)
+  stage_in = [per_stage(rotating_buffer.StageInputs(rows.reads, per_stage(b),
+                                                    f))
+              for b, f in zip(state.buffer, fresh)]
   step = stage_step.Step(spec, stage_step.StageRange.Of(phase,
                                                         sched.num_stages),
                          loop_theta.weights, rows, stage_in, inp.states,
@@ -242,9 +248,10 @@ def _Iteration(spec: LoopSpec, phase, loop_theta, state, inp):
   new_state = NestedMap(
       buffer=[per_stage(rotating_buffer.RotateStages(o))
               for o in step.outputs],
-      vars=step.vars)
+      vars=step.vars, reading=reading,
+      writing=io.Write(state.writing, it, step.outputs))
   extras = NestedMap(
-      outputs=step.outputs,
+      outputs=io.KeptRows(step.outputs),
       aux_loss=place.ReplicateBookkeeping(tf.reduce_sum(step.aux)),
       summaries=step.summaries,
       states=step.states)

@@ -33,63 +33,18 @@ without jit_compile: the loops are while_v2 loops with TensorList stacks,
 which XLA compiles to in-place buffers.
 """
 
-import contextlib
 import dataclasses
-from typing import Tuple
+from typing import Any, Callable, Tuple
 
 import tensorflow as tf
 
 from gpipe import cell_graph
 from gpipe import remat
+from gpipe import while_loops
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record
-from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import list_ops
-from tensorflow.python.ops import while_v2
 # pylint: enable=g-direct-tensorflow-import
-
-
-@contextlib.contextmanager
-def _WithoutConstantPropagation(graph):
-  """While loops built in `graph` don't make XLA turn inputs into literals.
-
-  TF marks every while loop built for XLA with
-  `_xla_propagate_compile_time_consts`; XLA then tries to evaluate *each*
-  loop input on the host, before checking whether it is loop-invariant. The
-  backward loop's gradient accumulators start as zeros of the stacked
-  weights' shapes: a model whose weights exceed host memory would fail to
-  lower (RESOURCE_EXHAUSTED allocating the literal), though nothing of the
-  kind is ever needed. Our loops use no compile-time constants from outside
-  (their lists are reserved outside, their bodies index with the loop
-  counter), so only they are exempted: loops the cell builds live in the
-  loop body's graph and keep the attribute.
-  """
-  original = control_flow_util_v2.maybe_propagate_compile_time_consts_in_xla
-
-  def MaybePropagate(op):
-    if op.graph is not graph:
-      original(op)
-
-  control_flow_util_v2.maybe_propagate_compile_time_consts_in_xla = (
-      MaybePropagate)
-  try:
-    yield
-  finally:
-    control_flow_util_v2.maybe_propagate_compile_time_consts_in_xla = original
-
-
-def WhileLoop(body, loop_vars, num_iterations):
-  """Runs `body` exactly num_iterations times (a while_v2 loop).
-
-  The loop's only condition is while_v2's own iteration counter against
-  `maximum_iterations`: XLA then finds the trip count (cost analysis counts
-  the body that often), which it cannot once a second counter is tested.
-  The counter also sizes TensorLists built inside the body under XLA.
-  """
-  with _WithoutConstantPropagation(tf.compat.v1.get_default_graph()):
-    return while_v2.while_loop(
-        lambda *unused: tf.constant(True), body, loop_vars,
-        maximum_iterations=num_iterations, return_same_structure=True)
 
 
 def _SliceInputs(inputs, t):
@@ -147,23 +102,40 @@ def _FlatRows(extras_spec, extras_rows):
   return tf.nest.flatten(marked)
 
 
+@dataclasses.dataclass(frozen=True)
+class Undo:
+  """State entries the forward loop does not keep per iteration.
+
+  Attributes:
+    unstored: bools shaped like state0, True for those entries.
+    fn: (state after iteration t, inputs[t]) -> the state before it; only
+      its unstored entries are read. The backward loop recovers them so,
+      from the final state down, instead of reading a history.
+  """
+  unstored: Any
+  fn: Callable
+
+
 def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations,
-                 extras_rows):
+                 extras_rows, kept):
   """Runs the forward loop.
 
   Returns:
     (states, final, extras, stored): the states after each iteration and
-    the extras, stacked [T, ...] (an extra with Rows: [num_rows, ...]);
-    the final state; the stored activations, a flat list of [T, ...]
-    stacks (see CellGraph.stored).
+    the extras, stacked [T, ...] (an extra with Rows: [num_rows, ...];
+    a state entry not `kept`: None); the final state; the stored
+    activations, a flat list of [T, ...] stacks (see CellGraph.stored).
   """
   flat_state0 = tf.nest.flatten(state0)
-  specs = ([tf.TensorSpec(s.shape, s.dtype) for s in flat_state0] +
-           tf.nest.flatten(cell.extras_spec) + cell.StoredSpecs())
   n_state = len(flat_state0)
+  kept_idx = [i for i in range(n_state) if kept[i]]
+  specs = ([tf.TensorSpec(flat_state0[i].shape, flat_state0[i].dtype)
+            for i in kept_idx] +
+           tf.nest.flatten(cell.extras_spec) + cell.StoredSpecs())
+  n_kept = len(kept_idx)
   n_extras = len(tf.nest.flatten(cell.extras_spec))
-  rows = [None] * n_state + extras_rows + [None] * (len(specs) - n_state -
-                                                     n_extras)
+  rows = [None] * n_kept + extras_rows + [None] * (len(specs) - n_kept -
+                                                    n_extras)
   # A kept-nowhere iteration writes one extra row, dropped after the loop.
   sizes = [num_iterations if r is None else r.num_rows + 1 for r in rows]
 
@@ -173,33 +145,37 @@ def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     new_state, extras, stored = cell.Forward(theta, state,
                                              _SliceInputs(inputs, t), captures)
     flat_new = tf.nest.flatten(new_state)
-    values = flat_new + tf.nest.flatten(extras) + stored
+    values = ([flat_new[i] for i in kept_idx] + tf.nest.flatten(extras) +
+              stored)
     new_lists = [
         list_ops.tensor_list_set_item(l, t if r is None else r.At(t), v)
         for l, v, r in zip(lists, values, rows)
     ]
     return [t + 1] + flat_new + new_lists
 
-  results = WhileLoop(
+  results = while_loops.WhileLoop(
       Body, [tf.constant(0, tf.int32)] + flat_state0 +
       [_Reserve(s, n) for s, n in zip(specs, sizes)], num_iterations)
   final_flat = results[1:1 + n_state]
   stacked = [_Stack(l, s, n) if r is None else _Stack(l, s, n)[:r.num_rows]
              for l, s, n, r in zip(results[1 + n_state:], specs, sizes, rows)]
-  states = tf.nest.pack_sequence_as(state0, stacked[:n_state])
+  states = _Scatter(stacked[:n_kept], kept_idx, n_state)
   extras = tf.nest.pack_sequence_as(cell.extras_spec,
-                                    stacked[n_state:n_state + n_extras])
+                                    stacked[n_kept:n_kept + n_extras])
   final = tf.nest.pack_sequence_as(state0, final_flat)
-  return states, final, extras, stacked[n_state + n_extras:]
+  return (tf.nest.pack_sequence_as(state0, states), final, extras,
+          stacked[n_kept + n_extras:])
 
 
 def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
                   stacked_states, stored, d_states, d_final, d_extras,
-                  extras_rows):
+                  extras_rows, final, undo):
   """The reverse loop: iteration t's gradient, from what t stored.
 
   d_states entries may be None (the caller reads no past state of that
-  entry): no [T, ...] gradient of the states is then made at all.
+  entry): no [T, ...] gradient of the states is then made at all. A state
+  entry the forward loop did not keep (`undo`) is carried from `final`
+  down, each iteration undone.
 
   Returns gradients for (theta, state0, inputs, captures), flat; None for
   the entries that are not differentiable.
@@ -216,19 +192,25 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
   n_th, n_st, n_in, n_cap = (len(diff['theta']), len(diff['state']),
                              len(diff['inputs']), len(diff['captures']))
 
-  def Body(t, *loop_vars):
-    d_state, acc_theta, acc_caps, input_lists = _SplitAt(loop_vars, n_st,
-                                                          n_th, n_cap)
+  unkept = [i for i, h in enumerate(flat_stacked) if h is None]
 
+  def Body(t, *loop_vars):
+    d_state, acc_theta, acc_caps, input_lists, after = _SplitAt(
+        loop_vars, n_st, n_th, n_cap, len(input_specs))
+    inputs_t = _SliceInputs(flat_inputs, t)
+    # The state after iteration t: stored, or carried down from the end.
+    flat_after = _Scatter(after, unkept, len(flat_stacked))
+    flat_after = [a if h is None else tf.gather(h, t)
+                  for a, h in zip(flat_after, flat_stacked)]
+    before = _Undone(undo, state0, inputs, flat_after, inputs_t)
     # The state before iteration t: state0 when t == 0, else states[t - 1].
     prev = tf.maximum(t - 1, 0)
     state_in = [
-        tf.where(t > 0, tf.gather(h, prev), s0)
-        for h, s0 in zip(flat_stacked, flat_state0)
+        before[i] if h is None else tf.where(t > 0, tf.gather(h, prev), s0)
+        for i, (h, s0) in enumerate(zip(flat_stacked, flat_state0))
     ]
     grads = cell.Backward(
-        flat_theta, state_in, _SliceInputs(flat_inputs, t), captures,
-        [tf.gather(h, t) for h in flat_stacked], d_state,
+        flat_theta, state_in, inputs_t, captures, flat_after, d_state,
         [_ExtraGradientAt(flat_d_extras[i], extras_rows[i], t)
          for i in extras_idx],
         [tf.gather(s, t) for s in stored])
@@ -245,21 +227,24 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
         list_ops.tensor_list_set_item(l, t, g)
         for l, g in zip(input_lists, g_inputs)
     ]
-    return [t - 1] + new_d_state + new_acc_theta + new_acc_caps + new_lists
+    return ([t - 1] + new_d_state + new_acc_theta + new_acc_caps + new_lists +
+            [before[i] for i in unkept])
 
   last = num_iterations - 1
   input_specs = [tf.TensorSpec(flat_inputs[i].shape[1:], flat_inputs[i].dtype)
                  for i in diff['inputs']]
   flat_d_final = tf.nest.flatten(d_final)
-  results = WhileLoop(
+  flat_final = tf.nest.flatten(final)
+  results = while_loops.WhileLoop(
       Body, [tf.constant(last, tf.int32)] + [
           flat_d_final[i] +
           _PastStateGradient(flat_d_states[i], last, flat_d_final[i])
           for i in diff['state']
       ] + [tf.zeros_like(flat_theta[i]) for i in diff['theta']] +
       [tf.zeros_like(captures[i]) for i in diff['captures']] +
-      [_Reserve(s, num_iterations) for s in input_specs], num_iterations)
-  results = results[1:]
+      [_Reserve(s, num_iterations) for s in input_specs] +
+      [flat_final[i] for i in unkept], num_iterations)
+  results = results[1:len(results) - len(unkept)]
   parts = {}
   for key, n in (('state', n_st), ('theta', n_th), ('captures', n_cap)):
     parts[key], results = results[:n], results[n:]
@@ -269,6 +254,16 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
                inputs=len(flat_inputs), captures=len(captures))
   return [g for key in ('theta', 'state', 'inputs', 'captures')
           for g in _Scatter(parts[key], diff[key], sizes[key])]
+
+
+def _Undone(undo, state0, inputs, flat_after, inputs_t):
+  """The flat state before an iteration as `undo` recovers it (its
+  unstored entries), from the state after it."""
+  if undo is None:
+    return [None] * len(flat_after)
+  return tf.nest.flatten(undo.fn(
+      tf.nest.pack_sequence_as(state0, flat_after),
+      tf.nest.pack_sequence_as(inputs, inputs_t)))
 
 
 def _SplitAt(seq, *sizes):
@@ -307,7 +302,8 @@ def _ExtraGradientAt(d_extra, rows, t):
 
 
 def ZeroIfNone(g, like):
-  return tf.zeros_like(like) if g is None else g
+  """An incoming gradient as a dense tensor: zeros for None."""
+  return tf.zeros_like(like) if g is None else tf.convert_to_tensor(g)
 
 
 def Recurrent(theta,
@@ -320,6 +316,7 @@ def Recurrent(theta,
               extras_rows=None,
               return_states=True,
               data_state=None,
+              undo=None,
               name='recurrent'):
   """Runs `cell_fn` over the leading dim of `inputs`.
 
@@ -345,6 +342,11 @@ def Recurrent(theta,
     data_state: bools shaped like state0: which entries carry data whose
       functions are activations the remat policy may store (default all;
       see cell_graph.CellGraph).
+    undo: an Undo, or None: state entries the forward loop keeps no
+      history of (those that only move data around invertibly, e.g.
+      stream_io's streams, whose history would be the whole batch per
+      iteration); the backward loop recovers them with undo.fn. Needs
+      return_states=False.
     name: name scope.
 
   Returns:
@@ -354,6 +356,9 @@ def Recurrent(theta,
   """
   if isinstance(remat_policy, str):
     remat_policy = remat.For(remat_policy)
+  if undo is not None and return_states:
+    raise ValueError('Recurrent returns no states it does not keep: pass '
+                     'return_states=False with undo.')
   with tf.name_scope(name):
     theta = tf.nest.map_structure(tf.convert_to_tensor, theta)
     state0 = tf.nest.map_structure(tf.convert_to_tensor, state0)
@@ -364,7 +369,7 @@ def Recurrent(theta,
                                   remat_policy, manual_boundary, data_state)
     loops = _Loops(cell, (theta, state0, inputs), num_iterations,
                    _FlatRows(cell.extras_spec, extras_rows),
-                   watcher.watched_variables())
+                   watcher.watched_variables(), undo)
     return loops.Run(return_states)
 
 
@@ -374,8 +379,12 @@ class _Loops:
   the cell captures (their gradients are returned too)."""
 
   def __init__(self, cell, structure, num_iterations, flat_rows,
-               read_variables):
+               read_variables, undo):
     self._cell = cell
+    self._undo = undo
+    self._kept = ([True] * len(tf.nest.flatten(structure[1]))
+                  if undo is None else
+                  [not u for u in tf.nest.flatten(undo.unstored)])
     self._structure = structure  # (theta, state0, inputs)
     self._num_iterations = num_iterations
     self._rows = flat_rows
@@ -407,7 +416,8 @@ class _Loops:
       # GradientTape (under tf.function that took most of the tracing).
       with record.stop_recording():
         states, final, extras, stored = _ForwardLoop(
-            cell, th, s0, inp, caps, self._num_iterations, self._rows)
+            cell, th, s0, inp, caps, self._num_iterations, self._rows,
+            self._kept)
       outputs = (states if return_states else (), final, extras)
 
       def Grad(*dys, variables=None):
@@ -416,7 +426,7 @@ class _Loops:
             dys, outputs, s0, cell.extras_spec)
         grads = _BackwardLoop(cell, th, s0, inp, caps, self._num_iterations,
                               states, stored, d_states, d_final, d_extras,
-                              self._rows)
+                              self._rows, final, self._undo)
         grads = grads[:end] + [grads[end + i] for i in diff_caps]
         if variables is None:
           return grads

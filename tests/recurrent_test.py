@@ -606,6 +606,73 @@ def test_extras_in_rows_and_no_returned_states(jit):
     _AssertClose(g, ref_g, f'grad[{i}]', 'vs_while_loop')
 
 
+def _QueueCell(theta, state, x_t):
+  """h' = tanh(h w + q[0] x); the queue rotates by one (invertibly)."""
+  h = tf.tanh(tf.einsum('bh,hk->bk', state['h'], theta['w']) +
+              state['q'][0] * x_t)
+  q = tf.concat([state['q'][1:], state['q'][:1]], 0)
+  return {'h': h, 'q': q}, {'y': tf.reduce_sum(h * q[0], -1)}
+
+
+@pytest.mark.parametrize('jit', [False, True])
+def test_undo_recovers_unkept_state_for_the_backward_loop(jit):
+  """A state entry kept without history (Undo) gives the gradients the
+  kept one does, and a plain while loop's."""
+  rng = _Rng('undo')
+  queue = 3
+  values = dict(w=_Normal(rng, _H, _H), h=_Normal(rng, _B, _H),
+                q=_Normal(rng, queue, _B, _H), x=_Normal(rng, _T, _B, _H),
+                cot=_Normal(rng, _B, _H, scale=1.0))
+  undo = recurrent.Undo(
+      unstored={'h': False, 'q': True},
+      fn=lambda after, x_t: {'h': after['h'], 'q': tf.concat(
+          [after['q'][-1:], after['q'][:-1]], 0)})
+
+  def Run(impl, t):
+    theta, state0 = {'w': t['w']}, {'h': t['h'], 'q': t['q']}
+    xs = [t['w'], t['h'], t['q'], t['x']]
+    with tf.GradientTape() as tape:
+      tape.watch(xs)
+      if impl == 'reference':
+        _, final, extras = _WhileLoopReference(theta, state0, t['x'],
+                                               _QueueCell)
+      else:
+        _, final, extras = recurrent.Recurrent(
+            theta, state0, t['x'], _QueueCell, return_states=False,
+            undo=undo if impl == 'undo' else None)
+      loss = (tf.reduce_sum(final['h'] * t['cot']) +
+              tf.reduce_sum(final['q']) + tf.reduce_sum(extras['y']))
+    return loss, tape.gradient(loss, xs)
+
+  got = {}
+  for impl in ('undo', 'kept', 'reference'):
+    if jit:
+      fn = tf.function(functools.partial(Run, impl), jit_compile=True)
+      got[impl] = tf.nest.map_structure(
+          lambda v: v.numpy(),
+          fn({k: tf.constant(v) for k, v in values.items()}))
+    else:
+      with tf.Graph().as_default():
+        fetches = Run(impl, {k: tf.constant(v) for k, v in values.items()})
+        with tf.compat.v1.Session() as sess:
+          got[impl] = sess.run(fetches)
+  for impl in ('kept', 'reference'):
+    _AssertClose(got['undo'][0], got[impl][0], f'loss vs {impl}',
+                 'vs_while_loop')
+    for i, (g, ref_g) in enumerate(zip(got['undo'][1], got[impl][1])):
+      assert np.any(ref_g != 0), f'grad[{i}] is all zeros'
+      _AssertClose(g, ref_g, f'grad[{i}] vs {impl}', 'vs_while_loop')
+
+
+def test_undo_needs_return_states_false():
+  undo = recurrent.Undo(unstored={'h': True}, fn=lambda after, x: after)
+  with tf.Graph().as_default():
+    with pytest.raises(ValueError, match='pass return_states=False with '
+                       'undo'):
+      recurrent.Recurrent({}, {'h': tf.zeros([2])}, tf.zeros([3, 2]),
+                          lambda th, st, x: (st, {}), undo=undo)
+
+
 def test_rows_out_of_range_and_unknown_extras_raise():
   with pytest.raises(ValueError, match=r'Rows: every index must be in '
                      r'\[-1, 2\)'):
