@@ -491,12 +491,28 @@ _NOT_BUFFERS = ('parameter', 'get-tuple-element', 'tuple', 'bitcast', 'while',
                 'call', 'conditional', 'constant')
 
 
+# Instructions that update an operand in place (a loop's stacks and rings,
+# written row by row): the buffer is their operand's, already counted.
+_IN_PLACE = ('dynamic-update-slice', 'scatter')
+_INSTRUCTION_NAME_RE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=')
+
+
+def _UpdatesInPlace(line, op):
+  if op in _IN_PLACE:
+    return True
+  name = _INSTRUCTION_NAME_RE.match(line).group(1)
+  return op == 'fusion' and any(f'{kind}_fusion' in name or
+                                f'_{kind}' in name for kind in _IN_PLACE)
+
+
 def LargestBuffers(hlo_text, count=5):
   """[(bytes, HLO type, TF op name)]: the largest arrays the module makes.
 
   One row per TF op (its largest result), biggest first; what fusions keep
-  internal is not counted (it is never materialized). A hint where the
-  memory goes, not the live set at the peak.
+  internal is not counted (it is never materialized), nor an in-place
+  update of a buffer (a row written into a loop's stack: the stack is
+  listed once, where it is made). A hint where the memory goes, not the
+  live set at the peak.
   """
   computations, _ = _ParseComputations(hlo_text)
   largest = {}
@@ -505,7 +521,8 @@ def LargestBuffers(hlo_text, count=5):
       continue
     for line in lines:
       match = _INSTRUCTION_RE.match(line)
-      if not match or match.group('op') in _NOT_BUFFERS:
+      if (not match or match.group('op') in _NOT_BUFFERS or
+          _UpdatesInPlace(line, match.group('op'))):
         continue
       op_name = _OP_NAME_RE.search(line)
       key = op_name.group(1) if op_name else match.group('type')

@@ -34,12 +34,16 @@ def _Run(is_eval, layer, x):
               summaries=summaries)
 
 
-@pytest.mark.parametrize('s,m,r', [(2, 4, 1), (2, 3, 2), (3, 4, 2)])
-def test_bfloat16_pipeline_equals_the_plain_stack(s, m, r):
+@pytest.mark.parametrize('s,m,r,schedule', [
+    (2, 4, 1, 'reverse'), (2, 3, 2, 'reverse'), (3, 4, 2, 'reverse'),
+    (3, 4, 2, '1f1b'), (2, 3, 2, '1f1b+stream_io')])
+def test_bfloat16_pipeline_equals_the_plain_stack(s, m, r, schedule):
   x_np = np.random.RandomState(0).uniform(-1, 1, [ROWS * m, DIM])
   with tf.Graph().as_default():
     layer = layers.PipelinedLayer.Params().Set(
         name='pipe', num_stages=s, num_microbatches=m, circular_repeat=r,
+        backward_schedule=schedule.split('+')[0],
+        stream_io=schedule.endswith('stream_io'),
         unroll='eval_only', fprop_dtype=tf.bfloat16,
         single_stage_body=bodies.TrainingBody.Params().Set(dim=DIM)
     ).Instantiate()

@@ -229,6 +229,15 @@ def test_decoding_matches_the_full_sequence_stack(num_stages, num_microbatches,
                 seed=num_stages * 7 + batch)
 
 
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+@pytest.mark.parametrize('stream_io', [False, True])
+def test_decoding_under_1f1b_and_stream_io(stream_io, mode):
+  """Decoding runs forward only: the 1f1b forward loop, and with stream_io
+  the streams, carry the states as the reverse loop does."""
+  CheckDecoding(3, 2, 2, 4, mode, seed=5, backward_schedule='1f1b',
+                stream_io=stream_io)
+
+
 def CheckDecoding(num_stages, num_microbatches, circular_repeat, batch, mode,
                   seed=3, **extra_params):
   """Decodes step after step with the test decoder pipelined (FPropFn

@@ -7,6 +7,7 @@ variable and the input), float32, |err| <= 1e-5 + 1e-5 * |ref|. The sweeps
 cross both Params with the shapes and layouts of layers_test.
 """
 
+import numpy as np
 import pytest
 
 import gpipe  # pylint: disable=unused-import
@@ -51,71 +52,75 @@ def test_sweep_graph(num_stages, num_microbatches, circular_repeat):
 
 
 _JIT_SWEEP = [(1, 1, 1), (2, 1, 2), (2, 3, 1), (3, 2, 3), (3, 4, 2),
-              (4, 4, 1), (4, 9, 2)]
+              (4, 4, 1), (4, 9, 2), (3, 5, 1), (2, 4, 3)]
 
 
-@pytest.mark.parametrize('io', _IO, ids=_IO_IDS)
 @pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat',
                          _JIT_SWEEP,
                          ids=[f'S{s}-M{m}-R{r}' for s, m, r in _JIT_SWEEP])
-def test_sweep_jit(num_stages, num_microbatches, circular_repeat, io):
+def test_sweep_jit(num_stages, num_microbatches, circular_repeat):
+  # XLA compiles each case for seconds: the pairs take turns here too.
+  index = _JIT_SWEEP.index((num_stages, num_microbatches, circular_repeat))
   harness.CheckCase(
-      _Case(io, num_stages=num_stages, num_microbatches=num_microbatches,
+      _Case(_IO[index % len(_IO)], num_stages=num_stages,
+            num_microbatches=num_microbatches,
             circular_repeat=circular_repeat, batch=2 * num_microbatches),
       'jit')
 
 
+def _EachPairInGraphModeOneUnderJit(cases):
+  """pytest params: every case with every (schedule, io) pair in graph
+  mode, and under jit with one pair each, in turn."""
+  params = []
+  for i, (case_id, case) in enumerate(cases):
+    for io, io_id in zip(_IO, _IO_IDS):
+      params.append(pytest.param(case, io, 'graph',
+                                 id=f'{case_id}-{io_id}-graph'))
+    io = i % len(_IO)
+    params.append(pytest.param(case, _IO[io], 'jit',
+                               id=f'{case_id}-{_IO_IDS[io]}-jit'))
+  return params
+
+
 # Body kind x per_stage_vars x circular_repeat x shard_stages_1d, M=4 not a
 # multiple of S=3.
-_LAYOUTS = [(body, per_stage, r, shard)
-            for body, per_stage in (('dense', False), ('dense', True),
-                                    ('stage_parallel', False))
-            for r in (1, 2) for shard in (False, True)]
+_LAYOUTS = [
+    (f'{b}{"-per_stage_vars" if p else ""}-R{r}{"-shard" if s else ""}',
+     dict(body=b, per_stage_vars=p, circular_repeat=r, shard_stages_1d=s))
+    for b, p in (('dense', False), ('dense', True), ('stage_parallel', False))
+    for r in (1, 2) for s in (False, True)]
 
 
-@pytest.mark.parametrize('mode', MODES)
-@pytest.mark.parametrize('io', _IO, ids=_IO_IDS)
-@pytest.mark.parametrize(
-    'layout', _LAYOUTS,
-    ids=[f'{b}{"-per_stage_vars" if p else ""}-R{r}{"-shard" if s else ""}'
-         for b, p, r, s in _LAYOUTS])
+@pytest.mark.parametrize('layout,io,mode',
+                         _EachPairInGraphModeOneUnderJit(_LAYOUTS))
 def test_layouts(layout, io, mode):
-  body, per_stage, r, shard = layout
   harness.CheckCase(
-      _Case(io, body=body, per_stage_vars=per_stage, circular_repeat=r,
-            shard_stages_1d=shard, num_stages=3, num_microbatches=4, batch=8,
-            kwargs=True), mode)
+      _Case(io, num_stages=3, num_microbatches=4, batch=8, kwargs=True,
+            **layout), mode)
 
 
-@pytest.mark.parametrize('mode', MODES)
-@pytest.mark.parametrize('io', _IO, ids=_IO_IDS)
-def test_stage_mesh_dim(io, mode):
-  harness.CheckCase(
-      _Case(io, pipeline_stage_mesh_dim=True, num_stages=2,
-            num_microbatches=3, circular_repeat=2, batch=6, kwargs=True), mode)
+_SHAPES = [
+    ('stage_mesh_dim', dict(pipeline_stage_mesh_dim=True, num_stages=2,
+                            num_microbatches=3, circular_repeat=2, batch=6,
+                            kwargs=True)),
+    ('nested_inputs', dict(body='multi', num_stages=3, num_microbatches=5,
+                           circular_repeat=2, batch=10)),
+    ('kwargs_rank4', dict(num_stages=3, num_microbatches=5,
+                          circular_repeat=2, batch=10, kwargs=True,
+                          kwargs_no_batch=True, example_shape=(2, 3, 4))),
+    ('premicrobatched', dict(num_stages=2, num_microbatches=3,
+                             premicrobatched=True, circular_repeat=2,
+                             batch=6)),
+    ('microbatch_size', dict(num_stages=2, num_microbatches=None,
+                             microbatch_size=2, circular_repeat=2,
+                             batch=10)),
+]
 
 
-@pytest.mark.parametrize('mode', MODES)
-@pytest.mark.parametrize('io', _IO, ids=_IO_IDS)
-def test_nested_inputs_kwargs_and_kwargs_no_batch(io, mode):
-  harness.CheckCase(
-      _Case(io, body='multi', num_stages=3, num_microbatches=5,
-            circular_repeat=2, batch=10), mode)
-  harness.CheckCase(
-      _Case(io, num_stages=3, num_microbatches=5, circular_repeat=2,
-            batch=10, kwargs=True, kwargs_no_batch=True,
-            example_shape=(2, 3, 4)), mode)
-
-
-@pytest.mark.parametrize('mode', MODES)
-@pytest.mark.parametrize('io', _IO, ids=_IO_IDS)
-def test_premicrobatched_and_microbatch_size(io, mode):
-  harness.CheckCase(
-      _Case(io, num_stages=2, num_microbatches=3, premicrobatched=True,
-            circular_repeat=2, batch=6), mode)
-  harness.CheckCase(
-      _Case(io, num_stages=2, num_microbatches=None, microbatch_size=2,
-            circular_repeat=2, batch=10), mode)
+@pytest.mark.parametrize('shape,io,mode',
+                         _EachPairInGraphModeOneUnderJit(_SHAPES))
+def test_inputs_and_meshes(shape, io, mode):
+  harness.CheckCase(_Case(io, **shape), mode)
 
 
 # What a ring entry keeps (remat_policy), vectorized stages and one by one.
@@ -166,3 +171,58 @@ def test_backward_schedule_is_checked():
 if __name__ == '__main__':
   import sys  # pylint: disable=g-import-not-at-top
   sys.exit(pytest.main([__file__]))
+
+
+# -- Partitioned over virtual devices: equal to one device, and the loops'
+# collectives per iteration (each a collective-permute of one microbatch
+# slot: the buffer, its gradient, and with stream_io a column of each
+# stream).
+
+_PARTITIONED = [
+    # (stream_io, [collective-permutes per iteration of each loop]): the
+    # forward loop, then the gradient loop's forward-wave, both-waves and
+    # backward-wave phases.
+    (False, [1, 1, 2, 1]),
+    # Forward: buffer, input stream, output stream; forward wave: buffer,
+    # input stream; backward wave: the buffer's gradient, the output
+    # gradients' stream, the input gradients' stream.
+    (True, [3, 2, 5, 3]),
+]
+
+
+@pytest.mark.parametrize('stream_io,permutes', _PARTITIONED,
+                         ids=['1f1b', '1f1b-stream_io'])
+def test_partitioned_equals_one_device(stream_io, permutes):
+  # Imported here: the partitioning check needs jax, the rest does not.
+  from gpipe import check_partitioning  # pylint: disable=g-import-not-at-top
+  params = Case(num_stages=4, num_microbatches=6, circular_repeat=2,
+                batch=12, shard_stages_1d=True, backward_schedule='1f1b',
+                stream_io=stream_io, kwargs=True).Params()
+  report = check_partitioning.CheckPartitioning(params, [(12, 3, 4)], 4)
+  assert len(report.run.loops) == 4, report.run.loops
+  for loop, count in enumerate(permutes):
+    assert report.run.LoopCounts(loop) == {'collective-permute': count}, (
+        loop, report.run.LoopCounts(loop))
+  names = report.step.ResultNames()
+  for name, got, want in zip(names, report.run.outputs, report.expected):
+    assert np.abs(want).max() > 0, name
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+  assert not report.Problems(1e-5), report.Problems(1e-5)
+
+
+def test_partitioned_on_a_stage_data_mesh_equals_one_device():
+  """Stages over axis 0 of a [2, 2] mesh, each stage's body splitting its
+  batch over axis 1: still one collective-permute per stream or buffer
+  per iteration, all on the stage axis."""
+  from gpipe import check_partitioning  # pylint: disable=g-import-not-at-top
+  params = Case(num_stages=2, num_microbatches=3, circular_repeat=2, batch=12,
+                pipeline_stage_mesh_dim=True, backward_schedule='1f1b',
+                stream_io=True).Params()
+  report = check_partitioning.CheckPartitioning(params, [(12, 3, 4)], 4)
+  assert len(report.run.loops) == 4, report.run.loops
+  for loop in range(4):
+    kinds = set(report.run.LoopCounts(loop))
+    assert kinds == {'collective-permute'}, (loop, kinds)
+  for name, got, want in zip(report.step.ResultNames(), report.run.outputs,
+                             report.expected):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)

@@ -77,3 +77,38 @@ def test_the_pipelines_own_buffers_are_bounded_per_device(
   for loop in (forward, backward):
     assert loop['collectives']['collective-permute']['count'] == 1, loop
   assert 'all-to-all' not in forward['collectives'], forward
+
+
+def test_1f1b_with_stream_io_holds_a_bounded_share_whatever_m():
+  """backward_schedule='1f1b' with stream_io: a device holds its 1/S of
+  the inputs, outputs and their gradients (4/S of the batch), rings of
+  2 R S - 1 stage inputs and a few microbatches in flight, plus what the
+  weights' gradients and update need; twice the microbatches (half their
+  size) hold no more."""
+  batch_bytes = BATCH * DIM * 4
+  weights = (DIM * DIM + DIM) * 4  # one stage's, per repeat
+  temps = {}
+  for r in (1, 2):
+    p = layers.PipelinedLayer.Params().Set(
+        name='stack', num_stages=NUM_STAGES,
+        single_stage_body=bodies.DenseBody.Params().Set(dim=DIM),
+        num_microbatches=NUM_MICROBATCHES, shard_stages_1d=True,
+        circular_repeat=r, unroll='never', backward_schedule='1f1b',
+        stream_io=True)
+    result = plan.MakePlan(
+        plan.LayerTarget(p, [(BATCH, DIM)]),
+        [plan.Candidate(m, r) for m in (NUM_MICROBATCHES,
+                                        2 * NUM_MICROBATCHES)],
+        NUM_STAGES, roofline.CHIPS['v5e'], 16 * 2**30)
+    assert not result.skipped, result.skipped
+    for report in result.reports:
+      m = report.schedule.num_microbatches
+      mb = batch_bytes // m
+      ring = 2 * r * NUM_STAGES - 1
+      assert report.stored_activation_bytes == ring * mb
+      temp = report.per_device_bytes['temp']
+      bound = (4 * batch_bytes // NUM_STAGES +
+               (2 * r * NUM_STAGES + 8) * mb + 4 * r * weights)
+      assert temp <= bound, (r, m, temp / mb, bound / mb)
+      temps[(r, m)] = temp
+    assert temps[(r, 2 * NUM_MICROBATCHES)] <= temps[(r, NUM_MICROBATCHES)]

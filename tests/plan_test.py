@@ -371,6 +371,67 @@ def test_remat_policies_trade_memory_for_flops():
           1.5 * saved.prediction.memory_traffic_bytes['loop_weight_reads'])
 
 
+def test_backward_schedules_and_stream_io_as_candidates(capsys):
+  """--backward_schedule reverse,1f1b and --stream_io false,true plan the
+  four combinations: 1f1b's stored activations are its rings, 2 R S - 1
+  stage inputs per device (reverse's the T-row history), its gradient
+  runs in three loops with one forward more, and stream_io's inputs,
+  outputs and their gradients are 1/S per device, so temp falls."""
+  status = plan.main([
+      '--params', 'tests.plan_test.LayerParams', '--input_shape',
+      f'{BATCH},{DIM}', '--num_devices', str(NUM_STAGES), '--tpu', 'v5e',
+      '--hbm_gib', '16', '--num_microbatches', '8', '--backward_schedule',
+      'reverse,1f1b', '--stream_io', 'false,true', '--json'])
+  assert status == 0
+  report = json.loads(capsys.readouterr().out)
+  got = {(c['backward_schedule'], c['stream_io']): c
+         for c in report['candidates']}
+  assert set(got) == {('reverse', False), ('reverse', True),
+                      ('1f1b', False), ('1f1b', True)}
+  t = NUM_MICROBATCHES + NUM_STAGES - 1
+  slot = BATCH // NUM_MICROBATCHES * DIM * 4  # one microbatch's activations
+  ring = 2 * NUM_STAGES - 1
+  for (schedule, stream_io), c in got.items():
+    stored = c['stored_activation_bytes']
+    loops = [loop['iterations'] for loop in c['loops']]
+    if schedule == 'reverse':
+      assert stored == t * slot, (schedule, stream_io, stored)
+      assert loops == [t, t]
+    else:
+      assert stored == ring * slot, (schedule, stream_io, stored)
+      delay = NUM_STAGES - 1
+      assert loops == [t, delay, t - delay, delay]
+    # The forward loop's permutes: the buffer, and with stream_io one
+    # column of the input stream and one of the output stream.
+    assert c['loops'][0]['collectives'] == {'collective-permute': {
+        'count': 3 if stream_io else 1, 'bytes': (3 if stream_io else 1) *
+        slot}}, c['loops'][0]
+    assert c['flops_ratio'] == pytest.approx(1.0, abs=0.02)
+  # 1f1b runs the forward once more: 2 of the 4 matmuls of a layer's step
+  # (see test_flops_match_a_count_of_the_matmuls) again, 5 / 4.
+  ratio = (got[('1f1b', False)]['flops_per_device'] /
+           got[('reverse', False)]['flops_per_device'])
+  assert 1.15 < ratio < 1.3, ratio
+  temp = {k: c['per_device_bytes']['temp'] for k, c in got.items()}
+  assert temp[('1f1b', True)] < temp[('reverse', True)] < temp[
+      ('reverse', False)], temp
+  assert temp[('1f1b', True)] < temp[('1f1b', False)], temp
+
+
+def test_stream_io_alone_means_true_and_lingvo_clients_plan_defaults_only():
+  from gpipe.plan import flags  # pylint: disable=g-import-not-at-top
+  _, args = flags.Parse(['--params', 'x.P', '--stream_io'])
+  assert args.stream_io == [True]
+  _, args = flags.Parse(['--params', 'x.P', '--stream_io', 'false,true'])
+  assert args.stream_io == [False, True]
+  with pytest.raises(SystemExit):
+    flags.Parse(['--params', 'x.P', '--backward_schedule', 'forward'])
+  from gpipe.plan import stacks  # pylint: disable=g-import-not-at-top
+  with pytest.raises(stacks.StackError, match=r"plan only those"):
+    stacks._OnlyTheDefaultPolicy(  # pylint: disable=protected-access
+        plan.Candidate(8, 1, backward_schedule='1f1b'), 'AClient')
+
+
 def test_recommends_the_fastest_fitting_candidate(linear_plan):
   reports = linear_plan.reports
   assert all(r.fits for r in reports)

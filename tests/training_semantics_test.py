@@ -41,6 +41,8 @@ class Case:
   divide_by_input: bool = False
   shard_stages_1d: bool = False
   rows: int = 2  # per microbatch
+  backward_schedule: str = 'reverse'
+  stream_io: bool = False
 
   @property
   def num_layers(self):
@@ -58,6 +60,8 @@ class Case:
         circular_repeat=self.circular_repeat,
         aux_loss_microbatch_accumulation=self.accumulation,
         shard_stages_1d=self.shard_stages_1d,
+        backward_schedule=self.backward_schedule,
+        stream_io=self.stream_io,
         unroll='never',
         single_stage_body=bodies.TrainingBody.Params().Set(
             keep_prob=self.keep_prob, divide_by_input=self.divide_by_input),
@@ -221,7 +225,9 @@ SWEEP = [
 def _Id(case):
   return (f'S{case.num_stages}-M{case.num_microbatches}-R'
           f'{case.circular_repeat}-{case.accumulation}'
-          f'{"-shard" if case.shard_stages_1d else ""}')
+          f'{"-shard" if case.shard_stages_1d else ""}'
+          f'{"-1f1b" if case.backward_schedule == "1f1b" else ""}'
+          f'{"-stream_io" if case.stream_io else ""}')
 
 
 def _CasesAndModes(cases, jit_cases):
@@ -255,6 +261,23 @@ def test_dropout_streams_equal_the_reference(case, mode):
   assert (res['pipe']['out'] == 0).any()
 
 
+# The same cases under backward_schedule='1f1b', with and without stream_io.
+_ONE_F_ONE_B = [
+    dataclasses.replace(c, backward_schedule='1f1b', stream_io=i % 2 == 1)
+    for i, c in enumerate(SWEEP[2:])]
+
+
+@pytest.mark.parametrize('case, mode', _CasesAndModes(_ONE_F_ONE_B,
+                                                      _ONE_F_ONE_B[2:4]))
+def test_1f1b_aux_losses_summaries_dropout_and_bubbles(case, mode):
+  _AssertMatches(Run(case, mode))
+  # Bubbles compute on real data (x / x would be NaN on zeros).
+  _AssertMatches(Run(dataclasses.replace(case, divide_by_input=True), mode))
+  res = Run(dataclasses.replace(case, keep_prob=0.5), mode)
+  _AssertMatches(res)
+  assert (res['pipe']['out'] == 0).any()
+
+
 def test_dropout_is_repeatable_and_independent_of_num_stages():
   rng = np.random.RandomState(5)
   weights = [dict(w=rng.normal(0, 0.5, [DIM, DIM]).astype(np.float32),
@@ -285,25 +308,29 @@ def test_dropout_masks_differ_across_layers_and_microbatches():
 # -- Non-trainable state. ---------------------------------------------------
 
 STATEFUL_SWEEP = [
-    (1, 2, 1, False), (2, 3, 1, False), (3, 4, 2, False), (2, 3, 3, False),
-    (3, 2, 1, True), (2, 5, 2, True),
+    (1, 2, 1, False, 'reverse'), (2, 3, 1, False, 'reverse'),
+    (3, 4, 2, False, 'reverse'), (2, 3, 3, False, 'reverse'),
+    (3, 2, 1, True, 'reverse'), (2, 5, 2, True, 'reverse'),
+    (3, 4, 2, False, '1f1b'), (2, 5, 2, True, '1f1b+stream_io'),
 ]
+_STATEFUL = ([c + ('graph',) for c in STATEFUL_SWEEP] +
+             [c + ('jit',) for c in STATEFUL_SWEEP[2:]])
 
 
 @pytest.mark.parametrize(
-    'num_stages,num_microbatches,circular_repeat,per_stage_vars,mode',
-    [c + ('graph',) for c in STATEFUL_SWEEP] +
-    [c + ('jit',) for c in STATEFUL_SWEEP[2:]],
-    ids=[f'S{s}-M{m}-R{r}{"-per_stage_vars" if v else ""}-{mode}'
-         for s, m, r, v, mode in ([c + ('graph',) for c in STATEFUL_SWEEP] +
-                                  [c + ('jit',) for c in STATEFUL_SWEEP[2:]])])
+    'num_stages,num_microbatches,circular_repeat,per_stage_vars,schedule,mode',
+    _STATEFUL,
+    ids=[f'S{s}-M{m}-R{r}{"-per_stage_vars" if v else ""}-{b}-{mode}'
+         for s, m, r, v, b, mode in _STATEFUL])
 def test_non_trainable_state_updates_like_the_plain_stack(
-    num_stages, num_microbatches, circular_repeat, per_stage_vars, mode):
+    num_stages, num_microbatches, circular_repeat, per_stage_vars, schedule,
+    mode):
   p = layers.PipelinedLayer.Params().Set(
       name='pipe', num_stages=num_stages, num_microbatches=num_microbatches,
       circular_repeat=circular_repeat, per_stage_vars=per_stage_vars,
       unroll='never', single_stage_body=bodies.StatefulBody.Params(),
-      random_seed=5)
+      random_seed=5, backward_schedule=schedule.split('+')[0],
+      stream_io=schedule.endswith('stream_io'))
   rng = np.random.RandomState(1)
   rows = 2
   x_np = rng.uniform(-1, 1, [rows * num_microbatches, 4]).astype(np.float32)

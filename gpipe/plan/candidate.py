@@ -48,6 +48,13 @@ class CandidateReport:
   # shard_stages_1d) and the axis of the stage dim.
   mesh_shape: tuple = ()
   stage_axis: int = 0
+  # The built stack's backward schedule and stream_io.
+  backward_schedule: str = 'reverse'
+  stream_io: bool = False
+
+  @property
+  def one_f_one_b(self):
+    return self.backward_schedule == '1f1b'
 
   def Bytes(self, kind):
     """Bytes one device holds of the step arguments of `kind`."""
@@ -190,10 +197,18 @@ class CandidateReport:
 
   @functools.cached_property
   def stored_activations(self):
-    """[(bytes, HLO type)] per device the forward loop stores for the
-    backward loop (see StoredActivations)."""
+    """[(bytes, HLO type)] per device the forward pass stores for the
+    backward pass: the forward loop's stacks (loops.StoredActivations),
+    or with backward_schedule='1f1b' the gradient loop's rings
+    (loops.Rings)."""
     if not self.compiled.loops:
       return []
+    if self.one_f_one_b:
+      if len(self.compiled.loops) < 2:
+        return []
+      ring_size = schedule_lib.OneFOneB(self.schedule).ring_size
+      return loops.Rings(self.compiled.hlo, self.compiled.loops[1],
+                         ring_size)
     return loops.StoredActivations(self.compiled.hlo, self.compiled.loops[0])
 
   @property
@@ -201,12 +216,27 @@ class CandidateReport:
     return sum(nbytes for nbytes, _ in self.stored_activations)
 
   @property
+  def _stored_traffic_bytes(self):
+    """What the stored activations amount to over a step, each written
+    once and read once: the stacks, or T ring entries."""
+    if self.one_f_one_b:
+      ring_size = schedule_lib.OneFOneB(self.schedule).ring_size
+      return (self.stored_activation_bytes / ring_size *
+              self.schedule.num_iterations)
+    return self.stored_activation_bytes
+
+  @property
   def recomputed_flops(self):
-    """Per device: the forward loop's FLOPs, which the backward loop runs
-    again under remat_policy 'recompute' (none counted otherwise)."""
-    if self.candidate.remat_policy != 'recompute' or not self.loop_flops:
+    """Per device: FLOPs spent running the forward again. The reverse
+    backward loop runs the forward loop's FLOPs again under remat_policy
+    'recompute'; the 1f1b gradient loop's forward wave always does, and
+    its backward wave again under 'recompute'."""
+    if not self.loop_flops:
       return 0.0
-    return self.loop_flops[0]
+    runs = int(self.candidate.remat_policy == 'recompute')
+    if self.one_f_one_b:
+      runs += 1
+    return runs * self.loop_flops[0]
 
   @property
   def step_bytes(self):
@@ -227,12 +257,13 @@ class CandidateReport:
         other_trainable=Weights(on_stages=False, only_trainable=True),
         slots=self.Bytes(train_step.SLOT),
         inputs=self.Bytes(train_step.INPUT),
-        stored=self.stored_activation_bytes,
+        stored=self._stored_traffic_bytes,
         # One iteration's buffer slot: what the rotation sends on.
         buffer=self.permute_bytes_per_iteration,
         iterations=self.schedule.num_iterations,
         circular_repeat=self.schedule.circular_repeat,
         recomputes_forward=self.candidate.remat_policy == 'recompute',
+        one_f_one_b=self.one_f_one_b,
         clips_gradients=self.step.clip_norm > 0)
 
   @property
@@ -256,6 +287,8 @@ class CandidateReport:
         'num_microbatches': self.candidate.num_microbatches,
         'circular_repeat': self.candidate.circular_repeat,
         'remat_policy': self.candidate.remat_policy,
+        'backward_schedule': self.backward_schedule,
+        'stream_io': self.stream_io,
         'iterations': self.schedule.num_iterations,
         'bubble_fraction': self.schedule.bubble_fraction,
         'per_device_bytes': self.per_device_bytes,
@@ -315,6 +348,8 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
   return CandidateReport(candidate=candidate, schedule=sched,
                          compiled=compiled, step=step, chip=chip,
                          hbm_bytes=hbm_bytes, seconds=time.time() - start,
+                         backward_schedule=stack_p.backward_schedule,
+                         stream_io=stack_p.stream_io,
                          **partitioned_step.StackMesh(stack_p, num_devices))
 
 

@@ -73,8 +73,10 @@ def _Candidates(parser, args):
                             '--num_microbatches.')
   policy0 = param_checks.RematPolicy(stack)
   candidates = [
-      targets.Candidate(m, r, policy, mesh)
+      targets.Candidate(m, r, policy, mesh, schedule, stream_io)
       for mesh in _Meshes(stack, args.mesh, num_devices)
+      for schedule in (args.backward_schedule or [None])
+      for stream_io in (args.stream_io or [None])
       for policy in (args.remat_policy or [policy0])
       for r in (args.circular_repeat or [stack.circular_repeat])
       for m in (args.num_microbatches or [m0])

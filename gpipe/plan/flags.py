@@ -91,6 +91,27 @@ def _PolicyList(text):
   return values
 
 
+def _ScheduleList(text):
+  values = [v for v in text.split(',') if v]
+  unknown = [v for v in values if v not in ('reverse', '1f1b')]
+  if not values or unknown:
+    raise argparse.ArgumentTypeError(
+        f'expected names from reverse, 1f1b, got {text!r}')
+  return values
+
+
+_BOOLS = {'true': True, 'false': False}
+
+
+def _BoolList(text):
+  """'false,true' -> [False, True]."""
+  values = [v.strip().lower() for v in text.split(',') if v.strip()]
+  if not values or any(v not in _BOOLS for v in values):
+    raise argparse.ArgumentTypeError(
+        f'expected true, false or both (false,true), got {text!r}')
+  return [_BOOLS[v] for v in values]
+
+
 def Parse(argv=None):
   """(parser, parsed arguments) of python -m gpipe.plan."""
   parser = argparse.ArgumentParser(
@@ -127,6 +148,15 @@ def Parse(argv=None):
   parser.add_argument('--remat_policy', type=_PolicyList, default=None,
                       help='candidates, e.g. recompute,save_all (default: '
                       'the model\'s); see gpipe.remat')
+  parser.add_argument('--backward_schedule', type=_ScheduleList,
+                      default=None,
+                      help='candidates, e.g. reverse,1f1b (default: the '
+                      'model\'s); see gpipe.one_f_one_b')
+  parser.add_argument('--stream_io', type=_BoolList, nargs='?',
+                      const=[True], default=None, metavar='false,true',
+                      help='candidates: --stream_io alone is true; or '
+                      'false, true, false,true (default: the model\'s); '
+                      'see gpipe.loop_io')
   parser.add_argument('--mesh', type=_MeshList, default=None,
                       help='candidate device meshes for a model on a mesh, '
                       'e.g. 8x1x4,4x2x4: the stage axis gives num_stages '

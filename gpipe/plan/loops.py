@@ -1,9 +1,11 @@
 """What the compiled module's while loops compute and hold.
 
 The partitioned per-device module (HLO text) has the pipeline's forward
-loop and its backward loop; the planner reads off it each loop's FLOPs
-(LoopFlops) and what the forward loop stores for the backward loop
-(StoredActivations).
+loop and its backward loop (with backward_schedule='1f1b', up to three
+gradient loops); the planner reads off it each loop's FLOPs (LoopFlops)
+and what the forward pass stores for the backward pass: the forward loop's
+per-iteration stacks (StoredActivations), or the 1f1b gradient loop's
+rings of stage inputs (Rings).
 """
 
 import functools
@@ -112,6 +114,26 @@ def StoredActivations(hlo_text, forward_body):
         _Reaches(result, shapes[0], taken_in, unary)):
       stored[index] = (partitioning.TypeBytes(hlo_type), hlo_type)
   return [stored[i] for i in sorted(stored)]
+
+
+def Rings(hlo_text, gradient_body, ring_size):
+  """[(bytes, HLO type)]: the rings a 1f1b gradient loop carries.
+
+  Each stage keeps its stage inputs (and what the remat policy stores) in
+  rings of ring_size entries, per device [stages of the device,
+  ring_size, ...]: the loop's carried arrays whose second dim is
+  ring_size. Every gradient loop carries the same rings; give one.
+  """
+  for line in hlo_text.splitlines():
+    loop = _WHILE_RE.match(line)
+    if not (loop and ' while(' in line and
+            _BODY_RE.search(line).group(1) == gradient_body):
+      continue
+    carried = line.split(' while(')[0].split('=', 1)[1]
+    return [(partitioning.TypeBytes(t), t) for t in
+            re.findall(r'[a-z]\w*\[[\d,]*\]', carried)
+            if partitioning.ShapesOf(t)[0][1:2] == (ring_size,)]
+  return []
 
 
 def _Reaches(name, dims, targets, unary, most_steps=4):

@@ -69,6 +69,12 @@ class Plan:
     return len({r.mesh_shape for r in self.reports} |
                {c.mesh for c, _ in self.skipped if c.mesh}) > 1
 
+  def SchedulesShown(self):
+    """Whether a candidate runs backward_schedule='1f1b' or stream_io
+    (the table then says which each runs)."""
+    return any(r.one_f_one_b or r.stream_io for r in self.reports) or any(
+        c.backward_schedule == '1f1b' or c.stream_io for c, _ in self.skipped)
+
   def SkippedReasons(self):
     """One line per skipped candidate: what and why."""
     return [f'{c.Describe()}: {reason}' for c, reason in self.skipped]
@@ -86,6 +92,8 @@ class Plan:
             'num_microbatches': c.num_microbatches,
             'circular_repeat': c.circular_repeat,
             'remat_policy': c.remat_policy,
+            'backward_schedule': c.backward_schedule,
+            'stream_io': c.stream_io,
             'mesh_shape': list(c.mesh) if c.mesh else None,
             'reason': reason
         } for c, reason in self.skipped],
@@ -121,7 +129,9 @@ def _Columns(plan):
   rec = plan.recommended
   meshes = [] if not plan.MeshesVary() else [
       ('candidate', 'mesh', 7, lambda r, i: targets.MeshName(r.mesh_shape))]
-  return meshes + [
+  backward = [] if not plan.SchedulesShown() else [
+      ('candidate', 'backward', 8, lambda r, i: BackwardName(r))]
+  return meshes + backward + [
       ('candidate', 'M', 4, lambda r, i: r.candidate.num_microbatches),
       ('candidate', 'R', 3, lambda r, i: r.candidate.circular_repeat),
       ('candidate', 'remat', 9, lambda r, i: r.candidate.remat_policy),
@@ -186,9 +196,10 @@ def _Table(plan):
   if plan.reports:
     lines += _Wrap(
         '(each figure in its own unit; peak = arguments + outputs + temp - '
-        'what the outputs update in place; stored: what the forward loop '
-        'stores for the backward loop, part of temp; permute/it: sent by '
-        'collective-permutes per forward iteration; * recommended)')
+        'what the outputs update in place; stored: what the forward pass '
+        'stores for the backward pass (1f1b: the rings), part of temp; '
+        'permute/it: sent by collective-permutes per forward iteration; * '
+        'recommended)')
   return lines
 
 
@@ -264,16 +275,24 @@ def _Sources(plan):
   lines = [line for p in paragraphs for line in _Wrap(p)]
   rec = plan.recommended
   if rec is not None:
-    c = plan.reports[rec].candidate
+    r = plan.reports[rec]
+    c = r.candidate
     lines.append(f'Recommendation: num_microbatches={c.num_microbatches}, '
                  f'circular_repeat={c.circular_repeat}, '
-                 f'remat_policy={c.remat_policy!r}.')
+                 f'remat_policy={c.remat_policy!r}, '
+                 f'backward_schedule={r.backward_schedule!r}, '
+                 f'stream_io={r.stream_io}.')
   elif plan.reports:
     lines.append('Recommendation: none of the candidates fits and splits '
                  'as intended.')
   else:
     lines.append('Recommendation: none: every candidate was skipped.')
   return lines
+
+
+def BackwardName(report):
+  """'reverse', '1f1b', with '+io' for stream_io: the table's short name."""
+  return report.backward_schedule + ('+io' if report.stream_io else '')
 
 
 def Bytes(nbytes):

@@ -92,25 +92,30 @@ class StepBytes:
   circular_repeat: int = 1
   recomputes_forward: bool = True  # the backward loop runs the body again
   clips_gradients: bool = False  # the global norm reads every gradient
+  # backward_schedule='1f1b': the gradient loop runs the forward again (a
+  # forward wave), and its backward wave carries the buffer's gradient.
+  one_f_one_b: bool = False
 
   def Traffic(self):
     """{part: bytes read + written in HBM} of one step, per device.
 
     loop_weight_reads: each iteration reads its repeat's weights once
       forward, and backward once for the input gradient (twice with a
-      recomputed forward).
+      recomputed forward; 1f1b: once more, for its forward wave).
     gradient_accumulation: each backward iteration reads and writes its
       repeat's weight-gradient accumulator; other gradients are written once.
     update: the optimizer reads weights, gradients and slots and writes
       weights and slots (clipping reads the gradients once more).
-    stored_activations: written by the forward loop, read by the backward.
+    stored_activations: written by the forward pass, read by the backward
+      (1f1b: `stored` is T ring entries).
     buffer: each iteration reads and writes the buffer slot, forward and
-      (its gradient) backward.
+      (its gradient) backward (1f1b: and in its forward wave).
     other_weights_and_inputs: read forward and backward; inputs once.
     """
     t, r = self.iterations, self.circular_repeat
     trainable = self.loop_trainable + self.other_trainable
-    backward_reads = 2 if self.recomputes_forward else 1
+    backward_reads = (2 if self.recomputes_forward else 1) + int(
+        self.one_f_one_b)
     return {
         'loop_weight_reads': t * self.loop_weights / r * (1 + backward_reads),
         'gradient_accumulation': (2 * t * self.loop_trainable / r +
@@ -118,7 +123,7 @@ class StepBytes:
         'update': ((4 if self.clips_gradients else 3) * trainable +
                    2 * self.slots),
         'stored_activations': 2 * self.stored,
-        'buffer': 4 * t * self.buffer,
+        'buffer': (6 if self.one_f_one_b else 4) * t * self.buffer,
         'other_weights_and_inputs': 2 * self.other_weights + self.inputs,
     }
 

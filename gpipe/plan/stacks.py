@@ -145,16 +145,22 @@ class GshardClient(LingvoClient):
 
 
 def SetSchedule(stack_params, candidate):
-  """Sets a candidate's M, R, remat policy and mesh on PipelinedLayer
-  Params (the depth is the caller's: see _KeepDepth). skip_bubbles and
-  layer_by_layer go off: the one-device reference step must run the
-  pipeline loop and compute every slot, as each partitioned device does."""
+  """Sets a candidate's M, R, remat policy, backward schedule, stream_io
+  and mesh on PipelinedLayer Params (the depth is the caller's: see
+  _KeepDepth; a backward schedule or stream_io of None keeps the stack's
+  own). skip_bubbles and layer_by_layer go off: the one-device reference
+  step must run the pipeline loop and compute every slot, as each
+  partitioned device does."""
   stack_params.Set(num_microbatches=candidate.num_microbatches,
                    microbatch_size=None,
                    circular_repeat=candidate.circular_repeat,
                    remat_policy=candidate.remat_policy,
                    store_body_intermediates=False, skip_bubbles=False,
                    layer_by_layer=False)
+  if candidate.backward_schedule is not None:
+    stack_params.Set(backward_schedule=candidate.backward_schedule)
+  if candidate.stream_io is not None:
+    stack_params.Set(stream_io=candidate.stream_io)
   if candidate.mesh:
     stack_params.Set(
         num_stages=candidate.mesh[stack_params.pipeline_stage_mesh_dim],
@@ -170,6 +176,11 @@ def _OnlyTheDefaultPolicy(candidate, client_name):
     raise StackError(f'mesh {candidate.mesh}: {client_name} builds its '
                      'pipelined layer on a mesh of its own; plan it without '
                      '--mesh.')
+  if candidate.backward_schedule not in (None, 'reverse') or candidate.stream_io:
+    raise StackError(
+        f'{candidate.Describe()}: {client_name} builds its pipelined layer '
+        "without backward_schedule or stream_io, so it runs gpipe's "
+        "defaults ('reverse', no stream_io); plan only those.")
   default = param_checks.RematPolicy(gpipe_layers.PipelinedLayer.Params())
   if candidate.remat_policy != default:
     raise StackError(

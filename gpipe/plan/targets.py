@@ -31,11 +31,16 @@ class Candidate:
   # The device mesh's shape, its stage axis giving num_stages (a model on
   # a mesh only); None: the model's own.
   mesh: tuple = None
+  # 'reverse' or '1f1b', and stream_io; None: the stack's own.
+  backward_schedule: str = None
+  stream_io: bool = None
 
   def Describe(self):
     mesh = f' mesh {MeshName(self.mesh)}' if self.mesh else ''
+    schedule = f' {self.backward_schedule}' if self.backward_schedule else ''
+    io = {None: '', True: ' stream_io', False: ' no stream_io'}[self.stream_io]
     return (f'M={self.num_microbatches} R={self.circular_repeat} '
-            f'{self.remat_policy}{mesh}')
+            f'{self.remat_policy}{schedule}{io}{mesh}')
 
 
 def MeshName(shape):
