@@ -83,7 +83,8 @@ class GradientLoop:
     place = self._place
     entry = lambda x: tf.TensorSpec(x.shape, x.dtype)
     size = self._waves.ring_size
-    ring = lambda spec: stage_slots.Ring(spec, size, place.SplitStages)
+    self._rows = stage_slots.For(place, cell.spec.manual_mesh)
+    ring = lambda spec: stage_slots.Ring(spec, size, place)
     self._rings = NestedMap(
         buffer=[ring(entry(x)) for x in cell.state0.buffer],
         vars=[ring(entry(x)) for x in self._var_values],
@@ -199,7 +200,7 @@ class GradientLoop:
                     for x in grads.d_x]
     out.d_theta = [a + g for a, g in zip(carry.d_theta, grads.theta)]
     out.d_captures = [a + g for a, g in zip(carry.d_captures, grads.captures)]
-    out.d_states = [per_stage(stage_slots.AddRows(a, at, g))
+    out.d_states = [self._rows.Add(a, at, g)
                     for a, g in zip(carry.d_states, grads.states)]
     return out
 
@@ -208,7 +209,7 @@ class GradientLoop:
     leaf, theta, states, captures) of the differentiable entries."""
     graph = self._graph
     diff = graph.differentiable
-    read = lambda x: stage_slots.ReadRows(x, at)
+    read = lambda x: self._rows.Read(x, at)
     state = NestedMap(buffer=entries.buffer, vars=entries.vars)
     flat_state = tf.nest.flatten(state)
     num_buffer = len(entries.buffer)

@@ -55,6 +55,10 @@ from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
 
+# The name scope of the forward loop (the planner tells it from the
+# gradient loops by it).
+FORWARD_LOOP = 'one_f_one_b_forward'
+
 # What the stage cell reads of a table row (the backward tables say more).
 _CELL_ROWS = ('microbatch', 'repeat', 'seed_offset', 'valid', 'reads')
 
@@ -209,7 +213,9 @@ def _ForwardLoop(cell, io, theta, native, state_leaves, var_values, caps):
   carry = NestedMap(
       buffer=filler, vars=[place.SplitStages(v) for v in var_values],
       reading=io.StartReading(native), writing=io.StartWriting(filler),
-      aux=tf.zeros([], tf.float32),
+      # Per iteration, summed after the loop: a loop-carried scalar is what
+      # the partitioner tends to give the body's manual sharding.
+      aux=_Reserve(tf.TensorSpec([], tf.float32), t),
       summaries=tf.nest.map_structure(lambda s: _Reserve(s, t),
                                       extras_spec.summaries),
       states=[_Reserve(s, t) for s in extras_spec.states])
@@ -226,16 +232,19 @@ def _ForwardLoop(cell, io, theta, native, state_leaves, var_values, caps):
                 for o in new.buffer],
         vars=new.vars, reading=reading,
         writing=io.Write(carry.writing, i, new.buffer),
-        aux=carry.aux + tf.reduce_sum(extras.aux),
+        aux=_SetItem(carry.aux, i, place.ReplicateBookkeeping(
+            tf.reduce_sum(extras.aux))),
         summaries=tf.nest.map_structure(lambda l, v: _SetItem(l, i, v),
                                         carry.summaries, extras.summaries),
         states=[_SetItem(l, i, v) for l, v in zip(carry.states,
                                                   extras.states)])
 
-  _, final = while_loops.WhileLoop(Body, [tf.constant(0), carry], t)
+  with tf.name_scope(FORWARD_LOOP):
+    _, final = while_loops.WhileLoop(Body, [tf.constant(0), carry], t)
   return NestedMap(
       outputs=io.FinishWriting(final.writing, filler),
-      aux=place.ReplicateBookkeeping(final.aux),
+      aux=place.ReplicateBookkeeping(tf.reduce_sum(
+          _Stack(final.aux, tf.TensorSpec([], tf.float32), t))),
       summaries=tf.nest.map_structure(
           lambda l, s: place.SplitStages(_Stack(l, s, t), 1),
           final.summaries, extras_spec.summaries),

@@ -477,6 +477,12 @@ def GatheredTensors(collectives, shapes):
   ]
 
 
+def OpNameOf(line):
+  """The TF op name an HLO instruction's metadata gives, or ''."""
+  match = _OP_NAME_RE.search(line)
+  return match.group(1) if match else ''
+
+
 def LoopTripCounts(hlo_text):
   """{while body computation: iterations} (XLA's known_trip_count)."""
   trips = {}

@@ -226,3 +226,23 @@ def test_partitioned_on_a_stage_data_mesh_equals_one_device():
   for name, got, want in zip(report.step.ResultNames(), report.run.outputs,
                              report.expected):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_partitioned_aux_losses_and_summaries_equal_one_device():
+  """A body adding an aux loss and a summary in every call, partitioned:
+  what the loop keeps of them per iteration stays replicated bookkeeping
+  (a loop-carried scalar would take the body's manual sharding, which the
+  partitioner cannot hand out of the step)."""
+  from gpipe import check_partitioning  # pylint: disable=g-import-not-at-top
+  from gpipe import layers  # pylint: disable=g-import-not-at-top
+  from tests import bodies  # pylint: disable=g-import-not-at-top
+  params = layers.PipelinedLayer.Params().Set(
+      name='pipe', num_stages=4, num_microbatches=6, circular_repeat=2,
+      shard_stages_1d=True, backward_schedule='1f1b', stream_io=True,
+      unroll='never', single_stage_body=bodies.TrainingBody.Params().Set(
+          dim=4))
+  report = check_partitioning.CheckPartitioning(params, [(12, 4)], 4)
+  for name, got, want in zip(report.step.ResultNames(), report.run.outputs,
+                             report.expected):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+  assert not report.Problems(1e-5), report.Problems(1e-5)

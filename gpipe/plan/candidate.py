@@ -21,6 +21,7 @@ import numpy as np
 
 from gpipe import check_partitioning
 from gpipe import layers as gpipe_layers
+from gpipe import one_f_one_b
 from gpipe import partitioned_step
 from gpipe import partitioning
 from gpipe import schedule as schedule_lib
@@ -137,13 +138,15 @@ class CandidateReport:
     return problems
 
   def LoopSummaries(self):
-    """Per loop: trip count and, per iteration, {kind: {count, bytes}}
-    and {'kind over axes': {count, bytes}} (`ByMeshAxes`)."""
+    """Per loop: its role ('forward', or 'backward': the reverse loop or
+    a 1f1b gradient loop), trip count and, per iteration, {kind: {count,
+    bytes}} and {'kind over axes': {count, bytes}} (`ByMeshAxes`)."""
     summaries = []
     trips = partitioning.LoopTripCounts(self.compiled.hlo)
     for i, body in enumerate(self.compiled.loops):
       collectives = self.compiled.LoopCollectives(i)
       summaries.append({
+          'role': 'forward' if i == self.forward_loop else 'backward',
           'iterations': trips.get(body, 1),
           'collectives': _CountAndBytes(collectives, lambda c: c.kind),
           'by_mesh_axes': self.ByMeshAxes(collectives),
@@ -173,14 +176,26 @@ class CandidateReport:
       total[c.kind] = total.get(c.kind, 0) + c.bytes
     return total
 
+  @functools.cached_property
+  def forward_loop(self):
+    """Index of the forward loop among the compiled loops: the first, or
+    with 1f1b the one in its name scope (XLA may order the gradient's
+    loops before it)."""
+    if self.one_f_one_b:
+      names = loops.OpNames(self.compiled.hlo, self.compiled.loops)
+      for i, name in enumerate(names):
+        if one_f_one_b.FORWARD_LOOP in name:
+          return i
+    return 0
+
   @property
   def permute_bytes_per_iteration(self):
-    """Collective-permute bytes per iteration of the forward (first) loop."""
+    """Collective-permute bytes per iteration of the forward loop."""
     summaries = self.LoopSummaries()
     if not summaries:
       return 0
-    return summaries[0]['collectives'].get('collective-permute',
-                                          {}).get('bytes', 0)
+    return summaries[self.forward_loop]['collectives'].get(
+        'collective-permute', {}).get('bytes', 0)
 
   @property
   def flops_per_device(self):
@@ -203,13 +218,13 @@ class CandidateReport:
     (loops.Rings)."""
     if not self.compiled.loops:
       return []
+    gradient = [b for i, b in enumerate(self.compiled.loops)
+                if i != self.forward_loop]
     if self.one_f_one_b:
-      if len(self.compiled.loops) < 2:
-        return []
       ring_size = schedule_lib.OneFOneB(self.schedule).ring_size
-      return loops.Rings(self.compiled.hlo, self.compiled.loops[1],
-                         ring_size)
-    return loops.StoredActivations(self.compiled.hlo, self.compiled.loops[0])
+      return loops.Rings(self.compiled.hlo, gradient, ring_size)
+    return loops.StoredActivations(self.compiled.hlo,
+                                   self.compiled.loops[self.forward_loop])
 
   @property
   def stored_activation_bytes(self):
@@ -236,7 +251,7 @@ class CandidateReport:
     runs = int(self.candidate.remat_policy == 'recompute')
     if self.one_f_one_b:
       runs += 1
-    return runs * self.loop_flops[0]
+    return runs * self.loop_flops[self.forward_loop]
 
   @property
   def step_bytes(self):

@@ -116,24 +116,42 @@ def StoredActivations(hlo_text, forward_body):
   return [stored[i] for i in sorted(stored)]
 
 
-def Rings(hlo_text, gradient_body, ring_size):
-  """[(bytes, HLO type)]: the rings a 1f1b gradient loop carries.
+def OpNames(hlo_text, bodies):
+  """The TensorFlow op name of each while loop (by body computation), as
+  the HLO's metadata has it ('' where it has none)."""
+  names = {}
+  for line in hlo_text.splitlines():
+    loop = _WHILE_RE.match(line)
+    if loop and ' while(' in line:
+      op_name = partitioning.OpNameOf(line)
+      names[_BODY_RE.search(line).group(1)] = op_name
+  return [names.get(body, '') for body in bodies]
+
+
+def Rings(hlo_text, gradient_bodies, ring_size):
+  """[(bytes, HLO type)]: the rings the 1f1b gradient loops carry.
 
   Each stage keeps its stage inputs (and what the remat policy stores) in
-  rings of ring_size entries, per device [stages of the device,
-  ring_size, ...]: the loop's carried arrays whose second dim is
-  ring_size. Every gradient loop carries the same rings; give one.
+  rings of ring_size entries, per device [stages of the device, ring_size,
+  ...] (gpipe.stage_slots.Ring): a loop's carried arrays of rank 3 or more
+  whose second dim is ring_size. The gradient loops carry the same rings (a
+  phase that only reads them may take them in otherwise): the largest set
+  of one loop counts.
   """
+  found = []
   for line in hlo_text.splitlines():
     loop = _WHILE_RE.match(line)
     if not (loop and ' while(' in line and
-            _BODY_RE.search(line).group(1) == gradient_body):
+            _BODY_RE.search(line).group(1) in gradient_bodies):
       continue
     carried = line.split(' while(')[0].split('=', 1)[1]
-    return [(partitioning.TypeBytes(t), t) for t in
-            re.findall(r'[a-z]\w*\[[\d,]*\]', carried)
-            if partitioning.ShapesOf(t)[0][1:2] == (ring_size,)]
-  return []
+    rings = [(partitioning.TypeBytes(t), t) for t in
+             re.findall(r'[a-z]\w*\[[\d,]*\]', carried)
+             if len(partitioning.ShapesOf(t)[0]) >= 3 and
+             partitioning.ShapesOf(t)[0][1] == ring_size]
+    if sum(b for b, _ in rings) > sum(b for b, _ in found):
+      found = rings
+  return found
 
 
 def _Reaches(name, dims, targets, unary, most_steps=4):

@@ -214,8 +214,9 @@ def _Details(r):
     lines.append(f'  device mesh {list(r.mesh_shape)}, stages on axis '
                  f'{r.stage_axis}')
   for i, loop in enumerate(r.LoopSummaries()):
-    lines.append(f'  loop {i} ({loop["iterations"]} iterations), per '
-                 f'iteration: {_Collectives(loop["by_mesh_axes"])}')
+    lines.append(f'  loop {i}, {loop["role"]} ({loop["iterations"]} '
+                 'iterations), per iteration: '
+                 f'{_Collectives(loop["by_mesh_axes"])}')
   lines.append('  outside the loops: ' +
                _Collectives(r.outside_by_mesh_axes))
   stored = ', '.join(t.split('{')[0] for _, t in r.stored_activations)
