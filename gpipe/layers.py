@@ -23,17 +23,22 @@ is:
 
     split inputs       gpipe.microbatch         [B, ...] -> [M, B/M, ...]
     run the loop       gpipe.pipeline_loop      T iterations over the buffer
-      each iteration   gpipe.stage_runners      every stage once (on one
-                       gpipe.vectorized_stages  device: all as one
-                       gpipe.stage_call         computation), through the
-                                                one body call site
+                       (gpipe.one_f_one_b       its gradient in forward
+                        with '1f1b')            order, two waves
+      its inputs and   gpipe.loop_io            whole on every device, or
+      outputs                                   streamed over the stages
+      each iteration   gpipe.stage_step         every stage once, bubbles
+                       gpipe.stage_runners      masked (on one device: all
+                       gpipe.vectorized_stages  as one computation), through
+                       gpipe.stage_call         the one body call site
     reassemble         gpipe.microbatch         [M, B/M, ...] -> [B, ...]
 
 What varies is delegated: where the weights live (`gpipe.layouts`), which
 circular repeat is in use (`gpipe.repeats`), where tensors are placed
 (`gpipe.sharding`), the schedule's arithmetic (`gpipe.schedule`), the loop
-and its gradient loop (`gpipe.recurrent`), what that gradient stores or
-recomputes (`gpipe.remat`).
+and its gradient loop (`gpipe.recurrent`; with backward_schedule='1f1b'
+`gpipe.gradient_waves`), what that gradient stores or recomputes
+(`gpipe.remat`).
 """
 
 from absl import logging
