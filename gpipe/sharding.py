@@ -281,6 +281,25 @@ def ManualStageRegion(mesh_dim):
     _STACKS.manual_mesh_dims.pop()
 
 
+def AnnotationsNow():
+  """A context factory that annotates as the code running now does (in a
+  manual stage region, vectorized over the stages): for what is built
+  later on this code's behalf, e.g. a body's recomputation in its custom
+  gradient, which TensorFlow builds outside the region the body ran in."""
+  dims, vectorized = list(_STACKS.manual_mesh_dims), _STACKS.vectorized
+
+  @contextlib.contextmanager
+  def Again():
+    with contextlib.ExitStack() as stack:
+      for dim in dims:
+        stack.enter_context(ManualStageRegion(dim))
+      for _ in range(vectorized):
+        stack.enter_context(VectorizedOverStages())
+      yield
+
+  return Again
+
+
 def StagePlacement(num_stages, shard_stages_1d=False, device_mesh=None,
                    mesh_dim=None):
   """Where a pipelined layer puts its tensors, from its sharding params."""

@@ -251,6 +251,10 @@ class PipelinedLMTask(base_model.BaseTask):
     self.CreateChild('stack', p.stack)
     self.CreateChild('final_ln', layers.LayerNorm.Params().Set(
         input_dim=p.model_dim))
+    self._CreateSoftmax()
+
+  def _CreateSoftmax(self):
+    p = self.params
     self.CreateChild('softmax', layers.SimpleFullSoftmax.Params().Set(
         input_dim=p.model_dim, num_classes=p.vocab_size))
 
@@ -357,17 +361,27 @@ class PipelinedLMTask(base_model.BaseTask):
                                  tf.reshape(x, [-1, shape[-1]]))
     return tf.reshape(logits, shape[:-1] + [-1])
 
-  def ComputePredictions(self, theta, input_batch):
-    """Logits [b, t, vocab] (split by batch over the stage devices)."""
+  def _StackOutputs(self, theta, input_batch):
+    """The embedded ids through the pipelined stack: [b, t, d] (split by
+    batch over the stage devices)."""
     ids = self._OverStageDevices(input_batch.ids, 0)
     seq_len = py_utils.GetShape(ids)[1]
     x = self._OverStageDevices(self._Embed(theta, ids, tf.range(seq_len)), 0)
     x = self.input_dropout.FProp(theta.input_dropout, x)
     x, _ = self.stack.FProp(theta.stack, tf.cast(x, self.params.stack_dtype),
                             input_batch.paddings)
-    x = self._OverStageDevices(x, 0)
+    return self._OverStageDevices(x, 0)
+
+  def ComputePredictions(self, theta, input_batch):
+    """Logits [b, t, vocab] (split by batch over the stage devices)."""
+    x = self._StackOutputs(theta, input_batch)
     logits = self._OverStageDevices(self._Logits(theta, x), 0)
     return py_utils.NestedMap(logits=logits)
+
+  def PredictedLogits(self, theta, predictions):
+    """The logits [b, t, vocab] of ComputePredictions' predictions."""
+    del theta
+    return predictions.logits
 
   # -- Incremental decoding through the pipeline. ----------------------------
 
@@ -450,8 +464,9 @@ class PipelinedLMTask(base_model.BaseTask):
     prompt_len = py_utils.GetShape(prompts)[1]
     num_tokens = py_utils.GetShape(decoded)[1]
     ids = tf.concat([prompts, decoded[:, :-1]], axis=1)
-    logits = self.ComputePredictions(theta, py_utils.NestedMap(
-        ids=ids, paddings=tf.zeros(py_utils.GetShape(ids)))).logits
+    logits = self.PredictedLogits(theta, self.ComputePredictions(
+        theta, py_utils.NestedMap(ids=ids,
+                                  paddings=tf.zeros(py_utils.GetShape(ids)))))
     picks = logits[:, prompt_len - 1:prompt_len - 1 + num_tokens]
     top2, _ = tf.math.top_k(picks, k=2)
     return _Argmax(picks), top2[..., 0] - top2[..., 1]
@@ -516,7 +531,8 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
                  num_microbatches, dropout_prob, shard_stages_1d,
                  learning_rate, max_steps, max_seq_len=64, batch_major=False,
                  fprop_dtype=None, input_dropout_prob=None,
-                 stack_dtype=tf.float32, optimizer_tpl=None, mesh=None):
+                 stack_dtype=tf.float32, optimizer_tpl=None, mesh=None,
+                 remat_blocks=False, stack_options=None, task_cls=None):
   """Task params of the pipelined copy LM (without input params).
 
   Args:
@@ -532,6 +548,11 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
     mesh: a pod_blocks.PodMesh to split the model over (stages on its
       axis 0, the batch on axis 1, heads and feed-forward width on axis 2),
       for the batch-major body; None: the stack as shard_stages_1d says.
+    remat_blocks: the batch-major stage recomputes each block in its
+      backward pass (pod_blocks.BatchMajorStage.remat_blocks).
+    stack_options: more PipelinedLayer params for the stack (e.g.
+      backward_schedule, stream_io).
+    task_cls: the task class; None: PipelinedLMTask.
     (The others name what they set.)
   """
   if model_dim % num_heads:
@@ -549,7 +570,8 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
                                       dropout_prob, fprop_dtype)
     if mesh is not None:
       block = pod_blocks.SplitBlockOverMesh(block)
-    stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype)
+    stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype,
+                                      remat_blocks)
   else:
     block = CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob)
     stage = StageBlocks.Params().Set(num_blocks=blocks_per_stage,
@@ -557,11 +579,12 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
   stack = gpipe_layers.PipelinedLayer.Params().Set(
       name='stack', num_stages=num_stages, single_stage_body=stage,
       circular_repeat=circular_repeat, num_microbatches=num_microbatches,
-      shard_stages_1d=shard_stages_1d, unroll='never')
+      shard_stages_1d=shard_stages_1d, unroll='never').Set(
+          **(stack_options or {}))
   if mesh is not None:
     stack.Set(device_mesh=mesh.device_mesh,
               pipeline_stage_mesh_dim=pod_blocks.PodMesh.STAGE_AXIS)
-  p = PipelinedLMTask.Params().Set(
+  p = (task_cls or PipelinedLMTask).Params().Set(
       name=name, vocab_size=vocab_size, model_dim=model_dim, stack=stack,
       max_seq_len=max_seq_len, stack_dtype=stack_dtype,
       input_dropout_prob=(dropout_prob if input_dropout_prob is None else
@@ -789,8 +812,9 @@ def ParameterBytes(task):
   split = {id(v): (0, num_stages) for v in task.stack.vars.Flatten()}
   split.update({id(v): (0, num_devices)
                 for v in (task.emb.vars.wm, task.pos_emb.vars.wm)})
-  split.update({id(v): (v.shape.rank - 1, num_devices)
-                for v in task.softmax.vars.Flatten()})
+  if 'softmax' in task.children:
+    split.update({id(v): (v.shape.rank - 1, num_devices)
+                  for v in task.softmax.vars.Flatten()})
   total = per_device = 0
   for v in task.vars.Flatten():
     shape = v.shape.as_list()
@@ -800,3 +824,63 @@ def ParameterBytes(task):
       shape[dim] = -(-shape[dim] // n)
     per_device += math.prod(shape) * v.dtype.size
   return total, per_device
+
+
+# -- The largest LMs that fit (params/large_lm.py: what lets them). ----------
+
+
+@model_registry.RegisterSingleTaskModel
+class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
+  """The largest LM planned to fit 8 chips of 16 GiB: 10.6 billion
+  parameters, twice GPipe's 5.3 B on 8 accelerators of 16 GB.
+
+  52 batch-major causal Transformer blocks of width 4096 (32 heads of 128,
+  feed-forward 16384), vocab 32000 (one table for the embedding and the
+  softmax), sequences of 1024, 32 sequences a step: 4 stages of 13 blocks
+  on a [4 stages, 2 model] mesh (`pod_blocks.SplitBlockOverMesh`: heads
+  and feed-forward width over the model axis), so each chip holds 1/8 of
+  every weight. Microbatches of one sequence: 32 + 3 iterations, bubble
+  3/35 = 0.086. Adafactor (factored, beta1 = 0), bfloat16 compute and
+  activations between stages, float32 weights. What makes it fit
+  (`large_lm.LargeLMTask`): backward_schedule='1f1b' with stream_io, each
+  block recomputed in the stage's backward pass, the loss one sequence per
+  chip at a time. No dropout (a mesh body draws no random numbers, see
+  CopyLMPod8x4). `python -m gpipe.plan --model lm.LargestOn8x16GiB
+  --num_devices 8 --hbm_gib 16 --tpu v5e` plans it (docs/flagships.md).
+  """
+  MESH = pod_blocks.PodMesh(stages=4, model=2)
+  MODEL_DIM = 4096
+  BLOCKS_PER_STAGE = 13
+  NUM_MICROBATCHES = 32
+  BATCH_SIZE = 32
+
+  def Task(self):
+    from params import large_lm  # pylint: disable=g-import-not-at-top
+    return CopyLMParams(
+        vocab_size=self.VOCAB_SIZE, model_dim=self.MODEL_DIM,
+        num_heads=self.MODEL_DIM // 128, hidden_dim=4 * self.MODEL_DIM,
+        blocks_per_stage=self.BLOCKS_PER_STAGE, num_stages=self.MESH.stages,
+        circular_repeat=1, num_microbatches=self.NUM_MICROBATCHES,
+        dropout_prob=0.0, shard_stages_1d=False, learning_rate=1e-4,
+        max_steps=100000, max_seq_len=2 * self.COPY_LENGTH, batch_major=True,
+        fprop_dtype=tf.bfloat16, stack_dtype=tf.bfloat16,
+        optimizer_tpl=self.Optimizer(), mesh=self.MESH, remat_blocks=True,
+        stack_options=dict(backward_schedule='1f1b', stream_io=True),
+        task_cls=large_lm.LargeLMTask)
+
+
+@model_registry.RegisterSingleTaskModel
+class LargestOn32x16GiB(LargestOn8x16GiB):
+  """The largest LM planned to fit 32 chips of 16 GiB: 43.7 billion
+  parameters, twice GPipe's 21.0 B on 32 accelerators of 16 GB.
+
+  96 blocks of width 6144 (48 heads of 128, feed-forward 24576), as
+  LargestOn8x16GiB otherwise: 8 stages of 12 blocks on a [8 stages, 4
+  model] mesh, 128 sequences a step in microbatches of one (128 + 7
+  iterations, bubble 7/135 = 0.052).
+  """
+  MESH = pod_blocks.PodMesh(stages=8, model=4)
+  MODEL_DIM = 6144
+  BLOCKS_PER_STAGE = 12
+  NUM_MICROBATCHES = 128
+  BATCH_SIZE = 128

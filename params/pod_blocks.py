@@ -18,7 +18,12 @@ import dataclasses
 import numpy as np
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import sharding
 from lingvo import compat as tf
+# pylint: disable=g-direct-tensorflow-import
+from tensorflow.compiler.tf2xla.python import xla as xla_ops
+from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
+# pylint: enable=g-direct-tensorflow-import
 from lingvo.core import base_layer
 from lingvo.core import batch_major_attention
 from lingvo.core import layers
@@ -69,6 +74,19 @@ class BatchMajorStage(BlockStage):
   manual-sharding region, a mix XLA's SPMD partitioner rejects.
   """
 
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define(
+        'remat_blocks', False,
+        'Recompute each block in the backward pass from its input: a '
+        'stage\'s backward then holds its blocks\' inputs and one block\'s '
+        'activations (and its weights cast to fprop_dtype) at a time, not '
+        'every block\'s, for one more forward of the stage. The body must '
+        'draw no random numbers (no dropout): the recomputation would draw '
+        'other ones.')
+    return p
+
   @property
   def _dtype(self):
     return py_utils.FPropDtype(self.params)
@@ -89,24 +107,34 @@ class BatchMajorStage(BlockStage):
         lambda w: tf.cast(w, dtype) if w.dtype.is_floating else w)
 
   def FProp(self, theta, inputs, paddings):
-    theta = self._CastWeights(theta)
     x = tf.cast(inputs, self._dtype)
     is_padded = tf.greater(paddings, 0.5)
-    shape = py_utils.GetShape(x)
+    if not self.params.remat_blocks:
+      theta = self._CastWeights(theta)
     for block, block_theta in zip(self.blocks, theta.blocks):
-      x, _ = block.self_atten.FProp(block_theta.self_atten, x, None,
-                                    is_padded)
-      # Tokens as rows: a 2-D matmul on every platform (Lingvo projects a
-      # 3-D input off TPU with a broadcasting matmul, whose weight gradient
-      # is a [batch, in, out] product summed afterwards).
-      tokens = tf.reshape(x, [-1, shape[-1]])
-      x = tf.reshape(block.fflayer.FProp(block_theta.fflayer, tokens, None),
-                     shape)
+      if self.params.remat_blocks:
+        x = RecomputedInBackward(
+            lambda th, x, b=block: self._Block(b, self._CastWeights(th), x,
+                                               is_padded), block_theta, x)
+      else:
+        x = self._Block(block, block_theta, x, is_padded)
     x = tf.cast(x, inputs.dtype)
     # The pipeline reports it per stage: activation_rms/stage_<i>.
     rms = tf.sqrt(tf.reduce_mean(tf.square(tf.cast(x, tf.float32))))
     py_utils.AddTpuSummaryTensor('activation_rms', rms)
     return x, paddings
+
+  @staticmethod
+  def _Block(block, block_theta, x, is_padded):
+    """One block: self-attention, then feed-forward, on x [b, t, d]."""
+    shape = py_utils.GetShape(x)
+    x, _ = block.self_atten.FProp(block_theta.self_atten, x, None, is_padded)
+    # Tokens as rows: a 2-D matmul on every platform (Lingvo projects a
+    # 3-D input off TPU with a broadcasting matmul, whose weight gradient
+    # is a [batch, in, out] product summed afterwards).
+    tokens = tf.reshape(x, [-1, shape[-1]])
+    return tf.reshape(block.fflayer.FProp(block_theta.fflayer, tokens, None),
+                      shape)
 
   def InitStates(self, theta, batch_size, max_len):
     """Empty key/value caches of every block, [b, max_len, heads, head_dim]."""
@@ -139,6 +167,42 @@ class BatchMajorStage(BlockStage):
         new_states.append(cache.Transform(_SwapBatchAndTime))
     return (tf.cast(y[:, 0, :], x.dtype),
             py_utils.NestedMap(blocks=new_states))
+
+
+def RecomputedInBackward(fn, weights, x):
+  """fn(weights, x) -> y, whose gradient runs fn again from (weights, x).
+
+  Nothing fn computes is kept for the backward pass but its inputs. Under
+  XLA the recomputation starts from its input behind an optimization
+  barrier, so that the compiler does not merge it with the forward
+  computation (which would keep fn's activations alive after all).
+  """
+  flat = tf.nest.flatten(weights)
+  # The gradient is built later, outside the pipeline's manual region the
+  # body runs in: its annotations must say the same as the forward's.
+  annotated_as_now = sharding.AnnotationsNow()
+
+  @tf.custom_gradient
+  def Run(x, *flat_weights):
+    y = fn(tf.nest.pack_sequence_as(weights, list(flat_weights)), x)
+
+    def Grad(dy):
+      x_again = x
+      if pfor_ops._is_under_xla_context():  # pylint: disable=protected-access
+        # The input only (a barrier's results are new buffers: the weights
+        # through one would be copied).
+        x_again, = xla_ops.optimization_barrier(tf.stop_gradient(x))
+      inputs = [x_again] + list(flat_weights)
+      with annotated_as_now():
+        y_again = fn(tf.nest.pack_sequence_as(weights, inputs[1:]),
+                     inputs[0])
+      grads = tf.gradients(y_again, inputs, grad_ys=dy)
+      return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
+              for g, v in zip(grads, inputs)]
+
+    return y, Grad
+
+  return Run(x, *flat)
 
 
 def _SwapBatchAndTime(cache):
@@ -230,10 +294,11 @@ def SplitBlockOverMesh(block):
   return block
 
 
-def PodStageParams(num_blocks, block, fprop_dtype=None):
+def PodStageParams(num_blocks, block, fprop_dtype=None, remat_blocks=False):
   """BatchMajorStage params: num_blocks copies of `block` (PodBlockParams)."""
   return BatchMajorStage.Params().Set(num_blocks=num_blocks, block_tpl=block,
-                                      fprop_dtype=fprop_dtype)
+                                      fprop_dtype=fprop_dtype,
+                                      remat_blocks=remat_blocks)
 
 
 def _DeterministicDropout():

@@ -1,0 +1,115 @@
+"""The largest LMs that fit: what lets a chip hold twice GPipe's model.
+
+On 16 GiB chips a model of 1.3 billion parameters per chip fills most of
+the memory with its float32 weights and their float32 gradients (10 GiB);
+what a step holds beside them must stay small. `LargeLMTask` is
+`lm.PipelinedLMTask` with the three places that grow with the model kept
+down:
+
+  * the pipeline runs `backward_schedule='1f1b'` with `stream_io`: its
+    activations are bounded by the stages (docs/memory.md);
+  * each stage recomputes its blocks one at a time in the backward pass
+    (`pod_blocks.BatchMajorStage.remat_blocks`): its blocks' activations
+    and bfloat16 weights are never all held at once;
+  * one vocab-sized table serves the embedding and the softmax
+    (`tie_embedding`), gathered once on each chip, and the softmax and loss
+    run one sequence per chip at a time in a loop that recomputes each
+    chunk's logits in its backward pass (`gpipe.recurrent`): a chip holds
+    the logits of one sequence, not of its whole batch.
+"""
+
+import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import recurrent
+from lingvo import compat as tf
+from lingvo.core import py_utils
+from params import lm
+
+NestedMap = py_utils.NestedMap
+
+
+class LargeLMTask(lm.PipelinedLMTask):
+  """PipelinedLMTask with a tied embedding and a loss chunked by sequence.
+
+  The softmax scores with the token embedding table (transposed) and a
+  bias of its own; the loss and accuracy are summed over the chip's
+  sequences one per chip at a time (predictions carry the final hidden
+  states; `Logits` scores a whole batch where one is wanted, e.g. in
+  decoding).
+  """
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.CreateVariable(
+        'softmax_bias',
+        py_utils.WeightParams([self.params.vocab_size],
+                              py_utils.WeightInit.Constant(0.0)))
+
+  def _CreateSoftmax(self):
+    """No softmax weight of its own: the embedding table serves."""
+
+  def _Score(self, theta, x):
+    """x [..., d] (after the final layer norm) -> float32 logits."""
+    table = self._TableTheta(theta.emb).wm  # [vocab, d], gathered
+    return (tf.einsum('...d,vd->...v', x, table) +
+            self._OverStageDevices(theta.softmax_bias, 0))
+
+  def _Logits(self, theta, x):
+    """x [..., d] from the stack -> float32 logits [..., vocab]."""
+    return self._Score(theta, self._FinalNorm(theta, x))
+
+  def _FinalNorm(self, theta, x):
+    return self.final_ln.FProp(theta.final_ln, tf.cast(x, tf.float32))
+
+  def ComputePredictions(self, theta, input_batch):
+    """The final hidden states [b, t, d] (split by batch over the stage
+    devices); the loss scores them chunk by chunk."""
+    x = self._StackOutputs(theta, input_batch)
+    return NestedMap(hidden=self._OverStageDevices(
+        self._FinalNorm(theta, x), 0))
+
+  def PredictedLogits(self, theta, predictions):
+    return self._Score(theta, predictions.hidden)
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    weights = input_batch.weights * (1.0 - input_batch.paddings)
+    xent, correct = self._ChunkedScores(theta, predictions.hidden,
+                                        input_batch.labels, weights)
+    num_scored = tf.reduce_sum(weights)
+    metrics = {'loss': (xent / num_scored, num_scored),
+               'accuracy': (correct / num_scored, num_scored)}
+    metrics.update(py_utils.GetTpuSummaryTensors())
+    return metrics, {}
+
+  def _ChunkedScores(self, theta, hidden, labels, weights):
+    """(sum of weighted cross entropy, of weighted correct argmaxes),
+    one sequence per chip at a time, each chunk's logits recomputed in
+    the backward pass."""
+    devices = self.NumStackDevices()
+    per_device = py_utils.GetShape(hidden)[0] // devices
+
+    def Chunks(x):
+      """[b, ...] -> [b / N, N, ...]: chunk j holds each device's j-th."""
+      shape = py_utils.GetShape(x)
+      x = tf.reshape(x, [devices, per_device] + shape[1:])
+      x = tf.transpose(x, [1, 0] + list(range(2, len(shape) + 1)))
+      return self._OverStageDevices(x, 1)
+
+    def Chunk(th, state, chunk):
+      logits = self._Score(th, chunk.hidden)
+      xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=chunk.labels, logits=logits)
+      correct = tf.cast(tf.equal(
+          tf.argmax(logits, -1, output_type=tf.int32), chunk.labels),
+                        tf.float32)
+      return NestedMap(
+          xent=state.xent + tf.reduce_sum(xent * chunk.weights),
+          correct=state.correct + tf.reduce_sum(correct * chunk.weights)), {}
+
+    score_theta = NestedMap(emb=theta.emb, softmax_bias=theta.softmax_bias)
+    zero = tf.zeros([], tf.float32)
+    _, final, _ = recurrent.Recurrent(
+        score_theta, NestedMap(xent=zero, correct=zero),
+        NestedMap(hidden=Chunks(hidden), labels=Chunks(labels),
+                  weights=Chunks(weights)),
+        Chunk, return_states=False, name='chunked_loss')
+    return final.xent, final.correct
