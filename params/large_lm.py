@@ -3,7 +3,7 @@
 On 16 GiB chips a model of 1.3 billion parameters per chip fills most of
 the memory with its float32 weights and their float32 gradients (10 GiB);
 what a step holds beside them must stay small. `LargeLMTask` is
-`lm.PipelinedLMTask` with the three places that grow with the model kept
+`lm_task.PipelinedLMTask` with the three places that grow with the model kept
 down:
 
   * the pipeline runs `backward_schedule='1f1b'` with `stream_io`: its
@@ -22,12 +22,12 @@ import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import recurrent
 from lingvo import compat as tf
 from lingvo.core import py_utils
-from params import lm
+from params import lm_task
 
 NestedMap = py_utils.NestedMap
 
 
-class LargeLMTask(lm.PipelinedLMTask):
+class LargeLMTask(lm_task.PipelinedLMTask):
   """PipelinedLMTask with a tied embedding and a loss chunked by sequence.
 
   The softmax scores with the token embedding table (transposed) and a

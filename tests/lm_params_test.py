@@ -18,6 +18,7 @@ from gpipe import stage_call
 from gpipe import trainer
 from lingvo import model_registry
 from lingvo.core import base_model
+from lingvo.core import py_utils
 import params.lm as lm
 from params import pod_blocks
 
@@ -226,7 +227,7 @@ def _FullSequenceLogitsFn(graph, task, sess, shape):
   """ids [b, t] -> the task's full-sequence logits, one graph for all."""
   with graph.as_default():
     ids = tf.compat.v1.placeholder(tf.int32, shape)
-    logits = task.ComputePredictions(task.theta, lm.py_utils.NestedMap(
+    logits = task.ComputePredictions(task.theta, py_utils.NestedMap(
         ids=ids, paddings=tf.zeros(shape))).logits
   return lambda ids_np: sess.run(logits, {ids: ids_np})
 
@@ -277,7 +278,7 @@ def test_decoding_through_the_pipeline_equals_the_unrolled_model(
       step_logits, flat = sess.run([logits, tf.nest.flatten(states)], feed)
       steps.append(step_logits)
     # Copy length 3: prompts are the first 4 ids, 3 tokens are decoded.
-    decoded = sess.run(task.Decode(lm.py_utils.NestedMap(
+    decoded = sess.run(task.Decode(py_utils.NestedMap(
         ids=tf.constant(ids_np), labels=tf.constant(ids_np)))).decoded
   sess.close()
   ref_graph, ref_task, ref_sess = _BuildTask(cfg, 'always', values)

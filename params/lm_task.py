@@ -1,0 +1,617 @@
+"""The copy-task LM: its data, its task and the builder of its Params.
+
+A decoder-only Transformer LM whose stack is pipelined, trained to copy a
+random sequence (params/lm.py's docstring has the task; params/lm.py
+registers the models built from here).
+"""
+
+import math
+
+import numpy as np
+
+import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import layers as gpipe_layers
+from gpipe import sharding
+from lingvo import compat as tf
+from lingvo.core import base_input_generator
+from lingvo.core import base_model
+from lingvo.core import layers
+from lingvo.core import layers_with_attention
+from lingvo.core import metrics as metrics_lib
+from lingvo.core import optimizer
+from lingvo.core import py_utils
+from lingvo.core import schedule
+from params import pod_blocks
+
+PAD_ID = 0
+SEP_ID = 1
+FIRST_TOKEN_ID = 2
+
+
+class CopyTaskInput(base_input_generator.BaseInputGenerator):
+  """Random sequences to copy, a deterministic function of the global step.
+
+  Batch b of step s is the same however training was interrupted and
+  resumed, so a restored checkpoint continues on exactly the data it would
+  have seen.
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('vocab_size', 16, 'Vocabulary, including PAD and SEP.')
+    p.Define('copy_length', 8, 'L: tokens to copy; sequences are 2L long.')
+    p.Define('data_seed', 1234, 'Seed of the stateless random tokens.')
+    p.Define('held_out_batches', 0,
+             '0: training data, batch b of global step s (see the class '
+             'doc). N > 0: a fixed held-out set of N batches (Dev, Test), '
+             'read in turn, cyclically.')
+    p.batch_size = 32
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    self.ValidateParams(self.params)
+    self._held_out_counter = None  # see _NextHeldOutIndex
+
+  @classmethod
+  def ValidateParams(cls, p):
+    if p.vocab_size <= FIRST_TOKEN_ID:
+      raise ValueError(f'CopyTaskInput: vocab_size={p.vocab_size} leaves no '
+                       f'tokens besides PAD and SEP; use at least '
+                       f'{FIRST_TOKEN_ID + 1}.')
+    if p.copy_length < 1:
+      raise ValueError(f'CopyTaskInput: copy_length={p.copy_length} must be '
+                       'at least 1.')
+    if p.batch_size < 1:
+      raise ValueError(f'CopyTaskInput: batch_size={p.batch_size} must be '
+                       'at least 1.')
+    if p.held_out_batches < 0:
+      raise ValueError(f'CopyTaskInput: held_out_batches='
+                       f'{p.held_out_batches} must be 0 (training data) or '
+                       'the number of held-out batches.')
+
+  def _InputBatch(self):
+    p = self.params
+    if p.held_out_batches:
+      index = self._NextHeldOutIndex()
+    else:
+      index = tf.cast(_GlobalStepOrZero(), tf.int64)
+    seed = tf.stack([tf.constant(p.data_seed, tf.int64), index])
+    return MakeCopyBatch(seed, p.batch_size, p.copy_length, p.vocab_size)
+
+  def _NextHeldOutIndex(self):
+    """0, 1, ..., N - 1, 0, ... one per read (session run, or eager call).
+
+    Any N consecutive reads are the whole held-out set once, whichever batch
+    they start from: the evaler and decoder read num_samples = N batches
+    per checkpoint. The counter is a local variable (not checkpointed),
+    made once per input generator.
+    """
+    if self._held_out_counter is None:
+      self._held_out_counter = tf.Variable(
+          tf.constant(0, tf.int64), trainable=False, name='held_out_batch',
+          collections=[tf.GraphKeys.LOCAL_VARIABLES])
+    taken = self._held_out_counter.assign_add(1, use_locking=True) - 1
+    return tf.math.floormod(taken, self.params.held_out_batches)
+
+
+def MakeCopyBatch(seed, batch_size, copy_length, vocab_size):
+  """The copy-task batch for a [2] int64 stateless seed (see module doc)."""
+  tokens = tf.random.stateless_uniform([batch_size, copy_length], seed,
+                                       minval=FIRST_TOKEN_ID,
+                                       maxval=vocab_size, dtype=tf.int32)
+  sep = tf.fill([batch_size, 1], SEP_ID)
+  ids = tf.concat([tokens, sep, tokens], axis=1)
+  seq_len = 2 * copy_length
+  weights = tf.concat([tf.zeros([batch_size, copy_length]),
+                       tf.ones([batch_size, copy_length])], axis=1)
+  return py_utils.NestedMap(
+      ids=ids[:, :seq_len],
+      labels=ids[:, 1:],
+      weights=weights,
+      paddings=tf.zeros([batch_size, seq_len]))
+
+
+def _GlobalStepOrZero():
+  step = py_utils.GetGlobalStep()
+  return tf.constant(0, tf.int64) if step is None else step
+
+
+class StageBlocks(pod_blocks.BlockStage):
+  """One pipeline stage: k causal Transformer blocks, batch-major in and out.
+
+  The pipeline microbatches along the leading (batch) dim, so a stage takes
+  and returns ([batch, time, dim], [batch, time]); Lingvo's TransformerLayer
+  is time-major, so the stage transposes around its blocks.
+  """
+
+  def FProp(self, theta, inputs, paddings):
+    x = tf.transpose(inputs, [1, 0, 2])
+    time_major_paddings = tf.transpose(paddings)
+    for block, block_theta in zip(self.blocks, theta.blocks):
+      x, _ = block.FProp(block_theta, x, time_major_paddings)
+    # The pipeline reports it per stage: activation_rms/stage_<i>.
+    py_utils.AddTpuSummaryTensor('activation_rms',
+                                 tf.sqrt(tf.reduce_mean(tf.square(x))))
+    return tf.transpose(x, [1, 0, 2]), paddings
+
+  def InitStates(self, theta, batch_size, max_len):
+    """Empty key/value caches of every block, batch-major [b, max_len, d].
+
+    Batch-major so that the pipeline can split the batch of each stage's
+    state into microbatches (PipelinedLayer.MicrobatchStates).
+    """
+    del theta
+    dim = self.params.block_tpl.source_dim
+    zeros = tf.zeros([batch_size, max_len, dim], py_utils.FPropDtype(
+        self.params))
+    return py_utils.NestedMap(blocks=[
+        py_utils.NestedMap(key=zeros, value=zeros) for _ in self.blocks])
+
+  def ExtendStep(self, theta, x, states, time_step):
+    """One position through every block: x [b, d] -> (y [b, d], states).
+
+    Position `time_step` of each block's cache is written; the block attends
+    to positions 0..time_step, as its causal FProp does.
+    """
+    new_states = []
+    for block, block_theta, cache in zip(self.blocks, theta.blocks,
+                                         states.blocks):
+      time_major = cache.Transform(lambda c: tf.transpose(c, [1, 0, 2]))
+      x, _, updated = block.ExtendStep(block_theta, x, time_major,
+                                       t=time_step)
+      new_states.append(
+          updated.Transform(lambda c: tf.transpose(c, [1, 0, 2])))
+    return x, py_utils.NestedMap(blocks=new_states)
+
+
+def CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob):
+  """A pre-LN causal self-attention + feed-forward block.
+
+  Dropout is Lingvo's deterministic (stateless) kind, seeded by the global
+  step: a run resumed from a checkpoint draws the masks it would have drawn
+  had it never stopped.
+  """
+  p = layers_with_attention.TransformerLayer.Params().Set(
+      source_dim=model_dim, output_dim=model_dim, is_decoder=False,
+      mask_self_atten=True)  # (the layer overrides tr_atten_tpl.is_masked)
+  p.tr_atten_tpl.Set(num_attention_heads=num_heads,
+                     residual_dropout_prob=dropout_prob,
+                     atten_dropout_prob=dropout_prob,
+                     residual_dropout_tpl=_DeterministicDropout())
+  p.tr_atten_tpl.atten_tpl.atten_dropout_deterministic = True
+  p.tr_fflayer_tpl.Set(hidden_dim=hidden_dim,
+                       residual_dropout_prob=dropout_prob,
+                       relu_dropout_prob=dropout_prob)
+  p.tr_fflayer_tpl.fflayer_tpl.dropout = _DeterministicDropout()
+  p.tr_fflayer_tpl.residual_dropout_tpl = _DeterministicDropout()
+  return p
+
+
+def _DeterministicDropout():
+  return layers.DeterministicDropoutLayer.Params()
+
+
+class PipelinedLMTask(base_model.BaseTask):
+  """Decoder-only LM: embedding -> pipelined Transformer stack -> softmax."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('vocab_size', 16, 'Vocabulary size.')
+    p.Define('model_dim', 64, 'Width of the residual stream.')
+    p.Define('max_seq_len', 64, 'Longest sequence (learned positions).')
+    p.Define('input_dropout_prob', 0.0, 'Dropout on the embeddings.')
+    p.Define('stack', None, 'PipelinedLayer params; its single_stage_body '
+             'takes and returns (activations [b, t, d], paddings [b, t]).')
+    p.Define('stack_dtype', tf.float32,
+             'Dtype of the activations entering and leaving the stack: what '
+             'the pipeline carries between stages and keeps per iteration. '
+             'The stage body may compute in another (its fprop_dtype).')
+    return p
+
+  def __init__(self, params):
+    super().__init__(params)
+    p = self.params
+    self.ValidateParams(p, p.input)
+    init = py_utils.WeightInit.Gaussian(1.0 / math.sqrt(p.model_dim))
+    self.CreateChild('emb', layers.SimpleEmbeddingLayer.Params().Set(
+        vocab_size=p.vocab_size, embedding_dim=p.model_dim,
+        params_init=init))
+    self.CreateChild('pos_emb', layers.SimpleEmbeddingLayer.Params().Set(
+        vocab_size=p.max_seq_len, embedding_dim=p.model_dim,
+        params_init=init))
+    self.CreateChild('input_dropout', _DeterministicDropout().Set(
+        keep_prob=1.0 - p.input_dropout_prob))
+    self.CreateChild('stack', p.stack)
+    self.CreateChild('final_ln', layers.LayerNorm.Params().Set(
+        input_dim=p.model_dim))
+    self._CreateSoftmax()
+
+  def _CreateSoftmax(self):
+    p = self.params
+    self.CreateChild('softmax', layers.SimpleFullSoftmax.Params().Set(
+        input_dim=p.model_dim, num_classes=p.vocab_size))
+
+  @classmethod
+  def ValidateParams(cls, p, input_p):
+    """Clear errors for configs that cannot work, before any graph exists.
+
+    Args:
+      p: this task's params.
+      input_p: the input generator params it will be trained on, or None.
+
+    Raises:
+      ValueError: naming the parameter and the fix.
+    """
+    if p.stack is None:
+      raise ValueError('PipelinedLMTask: set p.stack to PipelinedLayer '
+                       'params (see CopyLMParams).')
+    if p.model_dim < 1 or p.vocab_size < 1:
+      raise ValueError(f'PipelinedLMTask: model_dim={p.model_dim} and '
+                       f'vocab_size={p.vocab_size} must be positive.')
+    batch_size = None
+    if input_p is not None:
+      input_p.cls.ValidateParams(input_p)
+      seq_len = 2 * input_p.copy_length
+      if seq_len > p.max_seq_len:
+        raise ValueError(f'PipelinedLMTask: sequences of length {seq_len} '
+                         f'(2 * input.copy_length) exceed max_seq_len='
+                         f'{p.max_seq_len}; raise max_seq_len.')
+      if input_p.vocab_size != p.vocab_size:
+        raise ValueError(f'PipelinedLMTask: input.vocab_size='
+                         f'{input_p.vocab_size} differs from vocab_size='
+                         f'{p.vocab_size}; set both to the same value.')
+      batch_size = input_p.batch_size
+    if issubclass(p.stack.cls, gpipe_layers.PipelinedLayer):
+      # Another pipelined layer with the same Params names (Lingvo's own,
+      # planned side by side) checks its own.
+      gpipe_layers.ValidateParams(p.stack, batch_size)
+
+  # -- Where the vocab-sized weights and the loss live. ------------------------
+  #
+  # On a stack whose stages are spread over devices (shard_stages_1d or
+  # pipeline_stage_mesh_dim), the rest of the model is spread over every
+  # device the stack spans (all of a mesh's, not only one stage axis): the
+  # embedding and softmax weights (and so their gradients and optimizer
+  # slots) are split by vocab, and each chip embeds and scores its 1/N of
+  # the sequences, so the logits [tokens, vocab] are never whole on one
+  # chip. On an unsplit stack nothing is annotated.
+
+  def SplitsStages(self):
+    """True if the stack spreads its stages over devices."""
+    sp = self.params.stack
+    return sp.shard_stages_1d or sp.pipeline_stage_mesh_dim is not None
+
+  def NumStackDevices(self):
+    """The devices the stack spans: S, a mesh's size, or 1 (unsplit)."""
+    sp = self.params.stack
+    if sp.shard_stages_1d:
+      return sp.num_stages
+    if sp.pipeline_stage_mesh_dim is not None:
+      return int(np.size(sp.device_mesh))
+    return 1
+
+  def _OverStageDevices(self, x, dim):
+    """x split on `dim` over every device of the stack, if it is split."""
+    sp = self.params.stack
+    if sp.shard_stages_1d:
+      return sharding.Split(x, dim, sp.num_stages)
+    if sp.pipeline_stage_mesh_dim is not None:
+      # The mesh's devices in its own order, as one axis.
+      return sharding.MeshSplit(
+          x, np.reshape(sp.device_mesh, [-1]),
+          [0 if d == dim else -1 for d in range(x.shape.rank)])
+    return x
+
+  def _TableTheta(self, layer_theta):
+    """An embedding table: kept split by rows, looked up gathered.
+
+    Each chip looks up its own sequences in the gathered table, and the
+    table's gradient is reduce-scattered back to the split rows; a lookup
+    in the split table would give every chip the whole batch's embeddings
+    (and their gradient) instead.
+    """
+    layer_theta = layer_theta.copy()
+    wm = self._OverStageDevices(layer_theta.wm, 0)
+    layer_theta.wm = sharding.Replicate(wm) if self.SplitsStages() else wm
+    return layer_theta
+
+  def _SoftmaxTheta(self, theta):
+    """The softmax weight [d, vocab] and bias [vocab], split by vocab."""
+    return theta.softmax.Transform(
+        lambda w: self._OverStageDevices(w, w.shape.rank - 1))
+
+  def _Embed(self, theta, ids, positions):
+    """Token + position embeddings, float32."""
+    x = self.emb.EmbLookup(self._TableTheta(theta.emb), ids)
+    return x + self.pos_emb.EmbLookup(self._TableTheta(theta.pos_emb),
+                                      positions)
+
+  def _Logits(self, theta, x):
+    """x [..., d] from the stack -> float32 logits [..., vocab]."""
+    x = self.final_ln.FProp(theta.final_ln, tf.cast(x, tf.float32))
+    shape = py_utils.GetShape(x)
+    logits = self.softmax.Logits(self._SoftmaxTheta(theta),
+                                 tf.reshape(x, [-1, shape[-1]]))
+    return tf.reshape(logits, shape[:-1] + [-1])
+
+  def _StackOutputs(self, theta, input_batch):
+    """The embedded ids through the pipelined stack: [b, t, d] (split by
+    batch over the stage devices)."""
+    ids = self._OverStageDevices(input_batch.ids, 0)
+    seq_len = py_utils.GetShape(ids)[1]
+    x = self._OverStageDevices(self._Embed(theta, ids, tf.range(seq_len)), 0)
+    x = self.input_dropout.FProp(theta.input_dropout, x)
+    x, _ = self.stack.FProp(theta.stack, tf.cast(x, self.params.stack_dtype),
+                            input_batch.paddings)
+    return self._OverStageDevices(x, 0)
+
+  def ComputePredictions(self, theta, input_batch):
+    """Logits [b, t, vocab] (split by batch over the stage devices)."""
+    x = self._StackOutputs(theta, input_batch)
+    logits = self._OverStageDevices(self._Logits(theta, x), 0)
+    return py_utils.NestedMap(logits=logits)
+
+  def PredictedLogits(self, theta, predictions):
+    """The logits [b, t, vocab] of ComputePredictions' predictions."""
+    del theta
+    return predictions.logits
+
+  # -- Incremental decoding through the pipeline. ----------------------------
+
+  def InitDecodeStates(self, theta, batch_size):
+    """Every stage's empty caches, laid out for the pipeline's loop."""
+    stack = self.stack
+    per_stage, _ = stack.BodyFPropNoMicrobatching(
+        theta.stack, 'InitStates', batch_size, self.params.max_seq_len)
+    return stack.PadMicrobatches(stack.MicrobatchStates(per_stage))
+
+  def ExtendStep(self, theta, ids, time_step, states):
+    """Token ids [b] at position time_step -> (logits [b, vocab], states).
+
+    The stack runs pipelined, every stage extending its own caches of the
+    microbatches it works on.
+    """
+    x = self._Embed(theta, ids, time_step[None])
+    x = tf.cast(x, self.params.stack_dtype)
+    y, states = self.stack.FPropFn(theta.stack, 'ExtendStep', x,
+                                   padded_per_stage_states=[states],
+                                   kwargs_no_batch={'time_step': time_step})
+    return self._Logits(theta, y), states
+
+  def Decode(self, input_batch):
+    """Greedy copies of the batch's prompts, decoded through the pipeline.
+
+    The prompt is the sequence to copy and SEP (the first L + 1 ids); the
+    targets are the L tokens after it.
+
+    Returns:
+      NestedMap(prompts [b, L + 1], decoded [b, L], targets [b, L]).
+    """
+    copy_length = py_utils.GetShape(input_batch.ids)[1] // 2
+    prompts = input_batch.ids[:, :copy_length + 1]
+    return py_utils.NestedMap(
+        prompts=prompts,
+        decoded=self.GreedyDecode(self.theta, prompts, copy_length),
+        targets=input_batch.labels[:, copy_length:])
+
+  def GreedyDecode(self, theta, prompt, num_tokens):
+    """prompt [b, P] -> the num_tokens greedy continuations [b, num_tokens].
+
+    One ExtendStep per position: the prompt's tokens are fed one by one
+    (their predictions ignored), then each argmax is fed back.
+    """
+    batch, prompt_len = py_utils.GetShape(prompt)
+    total = prompt_len + num_tokens
+    # Positions 0 .. total - 2 are fed (the last token is only predicted).
+    max_len = self.params.max_seq_len
+    if isinstance(total, int) and total - 1 > max_len:
+      raise ValueError(
+          f'GreedyDecode: a prompt of {prompt_len} tokens and {num_tokens} '
+          f'tokens to decode feed {total - 1} positions, more than the '
+          f'model\'s max_seq_len={max_len}. Decode fewer tokens or raise '
+          'max_seq_len.')
+    ids = tf.pad(prompt, [[0, 0], [0, num_tokens]])
+
+    def Step(t, ids, states):
+      logits, states = self.ExtendStep(theta, ids[:, t], t, states)
+      return t + 1, _WriteColumn(ids, t + 1, _Argmax(logits), prompt_len), states
+
+    _, ids, _ = tf.while_loop(
+        lambda t, *_: t < total - 1, Step,
+        (tf.constant(0), ids, self.InitDecodeStates(theta, batch)))
+    return ids[:, prompt_len:]
+
+  def FullSequenceGreedyCheck(self, theta, prompts, decoded):
+    """What full-sequence greedy decoding picks after each decoded prefix.
+
+    One causal FProp over prompts + decoded (no caches, no per-stage
+    states): position P - 1 + k sees exactly the prefix greedy decoding had
+    when it picked token k. The decoded tokens are the model's full-sequence
+    greedy decoding iff they equal this argmax at every k (by induction,
+    every prefix is then the same).
+
+    Returns:
+      (argmax [b, L], margin [b, L]: the top logit minus the runner-up, to
+      tell a disagreement from a tie).
+    """
+    prompt_len = py_utils.GetShape(prompts)[1]
+    num_tokens = py_utils.GetShape(decoded)[1]
+    ids = tf.concat([prompts, decoded[:, :-1]], axis=1)
+    logits = self.PredictedLogits(theta, self.ComputePredictions(
+        theta, py_utils.NestedMap(ids=ids,
+                                  paddings=tf.zeros(py_utils.GetShape(ids)))))
+    picks = logits[:, prompt_len - 1:prompt_len - 1 + num_tokens]
+    top2, _ = tf.math.top_k(picks, k=2)
+    return _Argmax(picks), top2[..., 0] - top2[..., 1]
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    weights = input_batch.weights * (1.0 - input_batch.paddings)
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=input_batch.labels, logits=predictions.logits)
+    num_scored = tf.reduce_sum(weights)
+    loss = tf.reduce_sum(xent * weights) / num_scored
+    correct = tf.cast(
+        tf.equal(tf.argmax(predictions.logits, -1, output_type=tf.int32),
+                 input_batch.labels), tf.float32)
+    accuracy = tf.reduce_sum(correct * weights) / num_scored
+    metrics = {'loss': (loss, num_scored), 'accuracy': (accuracy, num_scored)}
+    # The pipelined stack's per-stage summaries (<name>/stage_<i>).
+    metrics.update(py_utils.GetTpuSummaryTensors())
+    return metrics, {}
+
+  # -- Lingvo's decoder job (--job=decoder_dev). -------------------------------
+
+  def CreateDecoderMetrics(self):
+    return {
+        'num_samples_in_batch': metrics_lib.AverageMetric(),
+        'token_accuracy': metrics_lib.AverageMetric(),
+        'exact_copy_accuracy': metrics_lib.AverageMetric(),
+    }
+
+  def PostProcessDecodeOut(self, decode_out_dict, decode_metrics_dict):
+    """Scores the greedy copies; returns (prompt, decoded) token lines."""
+    decoded = decode_out_dict['decoded']
+    targets = decode_out_dict['targets']
+    correct = decoded == targets
+    batch = len(decoded)
+    decode_metrics_dict['num_samples_in_batch'].Update(batch)
+    decode_metrics_dict['token_accuracy'].Update(correct.mean(), correct.size)
+    decode_metrics_dict['exact_copy_accuracy'].Update(
+        correct.all(axis=1).mean(), batch)
+    # Keyed by the prompt (Lingvo keeps one value per key over all
+    # batches; equal prompts decode to equal tokens).
+    return [(' '.join(map(str, prompt)), ' '.join(map(str, tokens)))
+            for prompt, tokens in zip(decode_out_dict['prompts'], decoded)]
+
+
+def _Argmax(logits):
+  return tf.argmax(logits, -1, output_type=tf.int32)
+
+
+def _WriteColumn(ids, column, values, first_writable):
+  """ids [b, n] with column `column` set to values [b], if >= first_writable.
+
+  Columns before first_writable (the prompt) are never written.
+  """
+  width = py_utils.GetShape(ids)[1]
+  write = tf.logical_and(
+      tf.equal(tf.range(width), column), column >= first_writable)[None]
+  return tf.compat.v2.where(write, values[:, None], ids)
+
+
+def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
+                 hidden_dim, blocks_per_stage, num_stages, circular_repeat,
+                 num_microbatches, dropout_prob, shard_stages_1d,
+                 learning_rate, max_steps, max_seq_len=64, batch_major=False,
+                 fprop_dtype=None, input_dropout_prob=None,
+                 stack_dtype=tf.float32, optimizer_tpl=None, mesh=None,
+                 remat_blocks=False, stack_options=None, task_cls=None):
+  """Task params of the pipelined copy LM (without input params).
+
+  Args:
+    batch_major: the stage body. False: `StageBlocks` of Lingvo's time-major
+      TransformerLayer (the demo's). True: `pod_blocks.BatchMajorStage`,
+      batch-major blocks with einsum projections (the pod configs').
+    fprop_dtype: the batch-major blocks' activation dtype (e.g.
+      tf.bfloat16; weights and optimizer state stay float32). None: float32.
+    input_dropout_prob: dropout on the embeddings; None: dropout_prob.
+    stack_dtype: the activations' dtype between stages (the task's
+      `stack_dtype`).
+    optimizer_tpl: the optimizer params; None: Adam (0.9, 0.98).
+    mesh: a pod_blocks.PodMesh to split the model over (stages on its
+      axis 0, the batch on axis 1, heads and feed-forward width on axis 2),
+      for the batch-major body; None: the stack as shard_stages_1d says.
+    remat_blocks: the batch-major stage recomputes each block in its
+      backward pass (pod_blocks.BatchMajorStage.remat_blocks).
+    stack_options: more PipelinedLayer params for the stack (e.g.
+      backward_schedule, stream_io).
+    task_cls: the task class; None: PipelinedLMTask.
+    (The others name what they set.)
+  """
+  if model_dim % num_heads:
+    raise ValueError(f'CopyLMParams: model_dim={model_dim} is not divisible '
+                     f'by num_heads={num_heads}; pick a divisor.')
+  if fprop_dtype is not None and not batch_major:
+    raise ValueError('CopyLMParams: fprop_dtype is for the batch-major body; '
+                     'set batch_major=True.')
+  if mesh is not None and (not batch_major or shard_stages_1d):
+    raise ValueError('CopyLMParams: a mesh is for the batch-major body and '
+                     'replaces shard_stages_1d; set batch_major=True, '
+                     'shard_stages_1d=False.')
+  if batch_major:
+    block = pod_blocks.PodBlockParams(model_dim, num_heads, hidden_dim,
+                                      dropout_prob, fprop_dtype)
+    if mesh is not None:
+      block = pod_blocks.SplitBlockOverMesh(block)
+    stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype,
+                                      remat_blocks)
+  else:
+    block = CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob)
+    stage = StageBlocks.Params().Set(num_blocks=blocks_per_stage,
+                                     block_tpl=block)
+  stack = gpipe_layers.PipelinedLayer.Params().Set(
+      name='stack', num_stages=num_stages, single_stage_body=stage,
+      circular_repeat=circular_repeat, num_microbatches=num_microbatches,
+      shard_stages_1d=shard_stages_1d, unroll='never').Set(
+          **(stack_options or {}))
+  if mesh is not None:
+    stack.Set(device_mesh=mesh.device_mesh,
+              pipeline_stage_mesh_dim=pod_blocks.PodMesh.STAGE_AXIS)
+  p = (task_cls or PipelinedLMTask).Params().Set(
+      name=name, vocab_size=vocab_size, model_dim=model_dim, stack=stack,
+      max_seq_len=max_seq_len, stack_dtype=stack_dtype,
+      input_dropout_prob=(dropout_prob if input_dropout_prob is None else
+                          input_dropout_prob))
+  tp = p.train
+  tp.max_steps = max_steps  # Lingvo's trainer stops here.
+  tp.learning_rate = learning_rate
+  tp.optimizer = optimizer_tpl or optimizer.Adam.Params().Set(beta1=0.9,
+                                                              beta2=0.98)
+  tp.lr_schedule = schedule.LinearRampupExponentialDecay.Params().Set(
+      warmup=50, decay_start=100000, decay_end=200000, min=1.0)
+  tp.clip_gradient_norm_to_value = 1.0
+  tp.grad_norm_tracker = None
+  return p
+
+
+def HeldOut(train_p, data_seed, num_batches):
+  """Held-out copy data: num_batches fixed batches; the evaler and decoder
+  read all of them for every checkpoint (num_samples)."""
+  return train_p.Set(data_seed=data_seed, held_out_batches=num_batches,
+                     num_samples=num_batches * train_p.batch_size)
+
+
+def ParameterBytes(task):
+  """(total bytes, bytes one device holds) of a built task's variables.
+
+  On a stack that spreads its S stages over devices, each device holds 1/S
+  of the stage-stacked body's variables (split on their stage dim; a mesh
+  body's own model-axis split is not counted here: the planner measures
+  it), 1/N of the embedding tables and softmax (split by vocab over the
+  stack's N devices; a dim that does not divide is padded), and the final
+  layer norm whole. On an unsplit stack every device holds everything.
+  """
+  if task.SplitsStages():
+    num_stages = task.params.stack.num_stages
+    num_devices = task.NumStackDevices()
+  else:
+    num_stages = num_devices = 1
+  # id(variable) -> (dim, devices it is split over)
+  split = {id(v): (0, num_stages) for v in task.stack.vars.Flatten()}
+  split.update({id(v): (0, num_devices)
+                for v in (task.emb.vars.wm, task.pos_emb.vars.wm)})
+  if 'softmax' in task.children:
+    split.update({id(v): (v.shape.rank - 1, num_devices)
+                  for v in task.softmax.vars.Flatten()})
+  total = per_device = 0
+  for v in task.vars.Flatten():
+    shape = v.shape.as_list()
+    total += math.prod(shape) * v.dtype.size
+    if id(v) in split:
+      dim, n = split[id(v)]
+      shape[dim] = -(-shape[dim] // n)
+    per_device += math.prod(shape) * v.dtype.size
+  return total, per_device

@@ -1,0 +1,133 @@
+"""params/large_lm.py and the largest registered LMs.
+
+LargeLMTask's chunked loss and the stage's per-block recomputation change
+no number: the loss and every gradient equal those of the same model
+scoring its whole batch at once, its blocks differentiated by TensorFlow
+(tf.gradients of the plain forward), at the same weights.
+"""
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import schedule as schedule_lib
+from gpipe import stage_call
+from gpipe import trainer
+from lingvo.core import base_model
+from lingvo.core import py_utils
+import params.lm as lm
+from params import large_lm
+from params import pod_blocks
+
+stage_call.EnsureFlagsParsed()
+
+
+class _WholeBatchLoss(large_lm.LargeLMTask):
+  """The reference: the whole batch's logits at once, one cross entropy."""
+
+  def ComputeLoss(self, theta, predictions, input_batch):
+    weights = input_batch.weights * (1.0 - input_batch.paddings)
+    logits = self.PredictedLogits(theta, predictions)
+    xent = tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=input_batch.labels, logits=logits)
+    num_scored = tf.reduce_sum(weights)
+    return {'loss': (tf.reduce_sum(xent * weights) / num_scored,
+                     num_scored)}, {}
+
+
+def _Cfg(task_cls, remat_blocks, backward_schedule='1f1b', mesh=None):
+  mesh = mesh or pod_blocks.PodMesh(stages=2, model=2)
+  task = lm.CopyLMParams(
+      vocab_size=11, model_dim=16, num_heads=2, hidden_dim=32,
+      blocks_per_stage=2, num_stages=mesh.stages, circular_repeat=1,
+      num_microbatches=2, dropout_prob=0.0, shard_stages_1d=False,
+      learning_rate=1e-3, max_steps=10, max_seq_len=8, batch_major=True,
+      mesh=mesh, remat_blocks=remat_blocks,
+      stack_options=dict(backward_schedule=backward_schedule,
+                         stream_io=True),
+      task_cls=task_cls)
+  cfg = base_model.SingleTaskModel.Params(task)
+  cfg.input = lm.CopyTaskInput.Params().Set(vocab_size=11, copy_length=4,
+                                            batch_size=8)
+  return cfg
+
+
+@pytest.mark.parametrize('backward_schedule', ['1f1b', 'reverse'])
+def test_chunked_loss_and_recomputed_blocks_change_no_number(
+    backward_schedule):
+  loss, grads, values = trainer._LossAndGradients(  # pylint: disable=protected-access
+      _Cfg(large_lm.LargeLMTask, True, backward_schedule), None)
+  ref_loss, ref_grads, _ = trainer._LossAndGradients(  # pylint: disable=protected-access
+      _Cfg(_WholeBatchLoss, False, backward_schedule), values)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  assert set(grads) == set(ref_grads)
+  assert any('softmax_bias' in name for name in grads)
+  assert not any('/softmax/' in name for name in grads)  # one table
+  for name, ref in ref_grads.items():
+    assert np.abs(ref).max() > 0, name
+    np.testing.assert_allclose(grads[name], ref, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+
+
+def test_recomputed_block_equals_the_block_and_its_gradient():
+  """pod_blocks.RecomputedInBackward: the same output and gradients as the
+  function differentiated by TensorFlow, under jit too."""
+  rng = np.random.RandomState(0)
+  w = {'a': rng.normal(size=[4, 4]).astype(np.float32),
+       'b': rng.normal(size=[4]).astype(np.float32)}
+  x_np = rng.normal(size=[3, 4]).astype(np.float32)
+
+  def Fn(weights, x):
+    return tf.tanh(x @ weights['a'] + weights['b']) * x
+
+  def Both(weights, x):
+    out = {}
+    for name, fn in (('recomputed', lambda w_, x_: pod_blocks.
+                      RecomputedInBackward(Fn, w_, x_)), ('plain', Fn)):
+      with tf.GradientTape() as tape:
+        tape.watch([x] + tf.nest.flatten(weights))
+        y = fn(weights, x)
+        loss = tf.reduce_sum(y * y)
+      out[name] = [y] + tape.gradient(loss, [x] + tf.nest.flatten(weights))
+    return out
+
+  const = lambda: ({k: tf.constant(v) for k, v in w.items()},
+                   tf.constant(x_np))
+  got = tf.function(Both, jit_compile=True)(*const())
+  with tf.Graph().as_default():
+    fetches = Both(*const())
+    with tf.compat.v1.Session() as sess:
+      graph_got = sess.run(fetches)
+  for result in (got, graph_got):
+    result = tf.nest.map_structure(np.asarray, result)
+    for a, b in zip(result['recomputed'], result['plain']):
+      np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_the_largest_models_are_as_big_as_they_say():
+  """At least twice GPipe's Transformer on 8 and on 32 accelerators (5.3
+  B and 21.0 B), with the widths, heads, vocab, sequences, batches and
+  bubbles the issue of record asks (built on one device in a scratch
+  graph; ParameterBytes of the built task)."""
+  for name, devices, gpipe_params, batch in (
+      ('lm.LargestOn8x16GiB', 8, 5.3e9, 32),
+      ('lm.LargestOn32x16GiB', 32, 21.0e9, 128)):
+    cls = lm.model_registry.GetClass(name)
+    cfg = lm.model_registry.GetParams(name, 'Train')
+    stack = cfg.task.stack
+    assert cfg.task.model_dim >= 4096
+    assert cfg.task.vocab_size == 32000 and cfg.input.copy_length == 512
+    assert cfg.input.batch_size >= batch
+    assert cls.MESH.num_devices == devices
+    block = stack.single_stage_body.block_tpl
+    assert block.tr_fflayer_tpl.hidden_dim == 4 * cfg.task.model_dim
+    assert cfg.task.model_dim // block.num_heads == 128
+    sched = schedule_lib.Schedule(stack.num_stages, stack.num_microbatches,
+                                    stack.circular_repeat)
+    assert sched.bubble_fraction <= 0.1
+    with tf.Graph().as_default(), py_utils.AuxLossContext():
+      with tf.compat.v1.variable_scope('x', use_resource=True):
+        task = cfg.task.Instantiate()
+    total, _ = lm.ParameterBytes(task)
+    assert total / 4 >= 2 * gpipe_params, (name, total / 4)
