@@ -47,15 +47,20 @@ class LargeLMTask(lm_task.PipelinedLMTask):
   def _CreateSoftmax(self):
     """No softmax weight of its own: the embedding table serves."""
 
-  def _Score(self, theta, x):
+  def _ScoreTheta(self, theta):
+    """The table [vocab, d] gathered on every chip, and the bias."""
+    return NestedMap(table=self._TableTheta(theta.emb).wm,
+                     bias=self._OverStageDevices(theta.softmax_bias, 0))
+
+  @staticmethod
+  def _Score(score_theta, x):
     """x [..., d] (after the final layer norm) -> float32 logits."""
-    table = self._TableTheta(theta.emb).wm  # [vocab, d], gathered
-    return (tf.einsum('...d,vd->...v', x, table) +
-            self._OverStageDevices(theta.softmax_bias, 0))
+    return (tf.einsum('...d,vd->...v', x, score_theta.table) +
+            score_theta.bias)
 
   def _Logits(self, theta, x):
     """x [..., d] from the stack -> float32 logits [..., vocab]."""
-    return self._Score(theta, self._FinalNorm(theta, x))
+    return self._Score(self._ScoreTheta(theta), self._FinalNorm(theta, x))
 
   def _FinalNorm(self, theta, x):
     return self.final_ln.FProp(theta.final_ln, tf.cast(x, tf.float32))
@@ -68,7 +73,7 @@ class LargeLMTask(lm_task.PipelinedLMTask):
         self._FinalNorm(theta, x), 0))
 
   def PredictedLogits(self, theta, predictions):
-    return self._Score(theta, predictions.hidden)
+    return self._Score(self._ScoreTheta(theta), predictions.hidden)
 
   def ComputeLoss(self, theta, predictions, input_batch):
     weights = input_batch.weights * (1.0 - input_batch.paddings)
@@ -105,7 +110,10 @@ class LargeLMTask(lm_task.PipelinedLMTask):
           xent=state.xent + tf.reduce_sum(xent * chunk.weights),
           correct=state.correct + tf.reduce_sum(correct * chunk.weights)), {}
 
-    score_theta = NestedMap(emb=theta.emb, softmax_bias=theta.softmax_bias)
+    # Gathered once, outside the loop: the loop's backward accumulates
+    # the gathered table's gradient and it is reduce-scattered once,
+    # rather than gathered and reduced at every chunk.
+    score_theta = self._ScoreTheta(theta)
     zero = tf.zeros([], tf.float32)
     _, final, _ = recurrent.Recurrent(
         score_theta, NestedMap(xent=zero, correct=zero),
