@@ -173,29 +173,53 @@ def RecomputedInBackward(fn, weights, x):
   """fn(weights, x) -> y, whose gradient runs fn again from (weights, x).
 
   Nothing fn computes is kept for the backward pass but its inputs. Under
-  XLA the recomputation starts from its input behind an optimization
-  barrier, so that the compiler does not merge it with the forward
-  computation (which would keep fn's activations alive after all).
+  XLA two things are written out so that no compiler has to find them:
+
+    * the recomputation starts behind an optimization barrier on its input
+      and on the output gradient dy: it cannot be merged with the forward
+      computation, and it cannot run before dy exists (a scheduler free to
+      recompute every block of a stage first would hold all their
+      activations at once, which is what recomputing was to avoid);
+    * fn sees its weights scaled by a 1 that comes out of that barrier (or
+      of one in the forward), so that a cast of the weights inside fn (to
+      bfloat16, say) is made where the block runs: invariant in the
+      pipeline's loops, it would otherwise be hoisted out of them and
+      every block's cast weights held through the whole loop.
   """
   flat = tf.nest.flatten(weights)
   # The gradient is built later, outside the pipeline's manual region the
   # body runs in: its annotations must say the same as the forward's.
   annotated_as_now = sharding.AnnotationsNow()
+  under_xla = pfor_ops._is_under_xla_context  # pylint: disable=protected-access
+
+  def Apply(one, flat_weights, x):
+    if one is not None:
+      flat_weights = [w * tf.cast(one, w.dtype) if w.dtype.is_floating else w
+                      for w in flat_weights]
+    return fn(tf.nest.pack_sequence_as(weights, flat_weights), x)
 
   @tf.custom_gradient
   def Run(x, *flat_weights):
-    y = fn(tf.nest.pack_sequence_as(weights, list(flat_weights)), x)
+    one = None
+    if under_xla():
+      x, one = xla_ops.optimization_barrier(
+          tf.stop_gradient(x), tf.ones([], tf.float32))
+    y = Apply(one, list(flat_weights), x)
 
     def Grad(dy):
-      x_again = x
-      if pfor_ops._is_under_xla_context():  # pylint: disable=protected-access
-        # The input only (a barrier's results are new buffers: the weights
-        # through one would be copied).
-        x_again, = xla_ops.optimization_barrier(tf.stop_gradient(x))
+      x_again, one_again = x, None
+      if under_xla():
+        # The weights stay out of the barrier: its results are new
+        # buffers, and the weights through one would be copied.
+        x_again, dy, one_again = xla_ops.optimization_barrier(
+            tf.stop_gradient(x), dy, tf.ones([], tf.float32))
+        # Differentiated from here: the barrier has no gradient (and dy
+        # depends on the weights, so it lies between them and y_again).
+        x_again, one_again = tf.nest.map_structure(tf.stop_gradient,
+                                                   (x_again, one_again))
       inputs = [x_again] + list(flat_weights)
       with annotated_as_now():
-        y_again = fn(tf.nest.pack_sequence_as(weights, inputs[1:]),
-                     inputs[0])
+        y_again = Apply(one_again, inputs[1:], inputs[0])
       grads = tf.gradients(y_again, inputs, grad_ys=dy)
       return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
               for g, v in zip(grads, inputs)]
