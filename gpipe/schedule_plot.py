@@ -70,6 +70,15 @@ def _PngSize(png):
 def Draw(schedule, path):
   """Writes the schedule diagram to `path` (PNG; or a binary file object);
   returns CellLabels."""
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+  fig, _ = Figure(schedule)
+  fig.savefig(path, dpi=100, format='png')  # exactly `path`, any suffix
+  pyplot.close(fig)
+  return CellLabels(schedule)
+
+
+def Figure(schedule):
+  """The diagram as a matplotlib (figure, axes); the caller closes it."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
@@ -78,7 +87,7 @@ def Draw(schedule, path):
   table = schedule.Table()
   s_count, t_count = schedule.num_stages, schedule.num_iterations
   width = min(max(4.0, 0.45 * t_count + 1.5), 60.0)
-  fig, ax = pyplot.subplots(figsize=(width, 0.5 * s_count + 1.5))
+  fig, ax = pyplot.subplots(figsize=(width, 0.5 * s_count + 1.5), dpi=100)
   colors = pyplot.get_cmap('tab20')
   for stage in range(s_count):
     for iteration in range(t_count):
@@ -109,6 +118,4 @@ def Draw(schedule, path):
       f'{schedule.bubble_fraction:.0%} bubbles (hatched); cells: {cell_kind}',
       fontsize=9)
   fig.tight_layout()
-  fig.savefig(path, dpi=100, format='png')  # exactly `path`, any suffix
-  pyplot.close(fig)
-  return labels
+  return fig, ax

@@ -149,8 +149,24 @@ class _Decoder:
     return y, new_states
 
 
-def _Decode(params, x, mode):
-  """Decodes x [b, T, d] one position per call; returns outputs, caches."""
+def _Decode(params, x, mode, start=None, first_position=0):
+  """Decodes x [b, T, d] one position per call from `first_position`.
+
+  Args:
+    params: the layer's Params.
+    x: the whole sequence; positions before `first_position` are not fed.
+    mode: 'graph' or 'jit'.
+    start: start(each layer's weights) -> the starting padded states,
+      NestedMap(k, v) of NumPy arrays [T, S, b/M, max_len, d] (made from
+      the weights this build of the layer initialized); None for the
+      layer's own (zeros from the body's InitStates, microbatched and
+      padded by the layer).
+
+  Returns:
+    (outputs [b, positions decoded, d], the final states (padded NumPy
+    arrays; a per-layer list when unrolled), each layer's weights, the
+    layer).
+  """
   batch = x.shape[0]
   with tf.Graph().as_default():
     dec = _Decoder(params, batch, mode)
@@ -165,29 +181,67 @@ def _Decode(params, x, mode):
       y, states_out = step(x_t, states_in, t)
     else:
       y, states_out = dec.Step(x_t, states_in, t)
-    variables = dec.layer.vars.Flatten()
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       values = dict(zip([n for n, _ in dec.layer.vars.body.FlattenItems()],
                         sess.run([v for _, v in
                                   dec.layer.vars.body.FlattenItems()])))
-      del variables
-      flat = sess.run(flat0)
+      if start is None:
+        flat = sess.run(flat0)
+      else:
+        flat = tf.nest.flatten(start(_PerLayerWeights(dec.layer, values)))
       outs = []
-      for i in range(x.shape[1]):
+      for i in range(first_position, x.shape[1]):
         feed = dict(zip(holders, flat))
         feed.update({x_t: x[:, i], t: i})
         y_i, flat = sess.run([y, tf.nest.flatten(states_out)], feed)
         outs.append(y_i)
-      caches = None
-      if params.unroll != 'always':
-        # Every layer's cache, per microbatch, back on the full batch.
-        padded = tf.nest.pack_sequence_as(
-            states0, [tf.constant(v) for v in flat])
-        caches = sess.run(dec.layer.UnpadStates(padded))
-      else:
-        caches = tf.nest.pack_sequence_as(states0, flat)
-  return np.stack(outs, axis=1), caches, _PerLayerWeights(dec.layer, values)
+  final = tf.nest.pack_sequence_as(states0, flat)
+  decoded = (np.stack(outs, axis=1) if outs else
+             np.zeros([batch, 0, _DIM], np.float32))
+  return (decoded, final,
+          _PerLayerWeights(dec.layer, values), dec.layer)
+
+
+# -- The state slots, by the schedule's table (NumPy). ------------------------
+# Slot [i, s] of the padded states holds what stage s works with at
+# iteration i: the state of the (microbatch, repeat) the schedule's table
+# puts there. Microbatch m is the batch's rows m, m + M, m + 2M, ...
+
+
+def _SlotOfEachCall(sched):
+  """{(microbatch, logical layer): (iteration, stage)}, from the table."""
+  slots = {}
+  for i, row in enumerate(sched.Table()):
+    for s, cell in enumerate(row):
+      if cell is not None:
+        m, r = cell
+        slots[m, r * sched.num_stages + s] = (i, s)
+  return slots
+
+
+def _PadByTable(per_layer, sched):
+  """[L, b, ...] each layer's state -> [T, S, b/M, ...] state slots (bubble
+  slots hold noise: nothing may read them)."""
+  num_mb = sched.num_microbatches
+  shape = per_layer.shape
+  padded = np.random.RandomState(11).uniform(
+      -9, 9, (sched.num_iterations, sched.num_stages, shape[1] // num_mb) +
+      shape[2:]).astype(per_layer.dtype)
+  for (m, l), (i, s) in _SlotOfEachCall(sched).items():
+    padded[i, s] = per_layer[l, m::num_mb]
+  return padded
+
+
+def _UnpadByTable(padded, sched):
+  """[T, S, b/M, ...] state slots -> [L, b, ...] each layer's state."""
+  num_mb = sched.num_microbatches
+  num_layers = sched.num_stages * sched.circular_repeat
+  out = np.zeros((num_layers, padded.shape[2] * num_mb) + padded.shape[3:],
+                 padded.dtype)
+  for (m, l), (i, s) in _SlotOfEachCall(sched).items():
+    out[l, m::num_mb] = padded[i, s]
+  return out
 
 
 def _AssertClose(actual, expected):
@@ -244,19 +298,89 @@ def CheckDecoding(num_stages, num_microbatches, circular_repeat, batch, mode,
   ('ExtendStep'), each layer's caches as per-stage states; `extra_params`
   set on its Params, e.g. skip_bubbles=True) and checks the outputs and
   every layer's cache against the plain stack on the whole sequence
-  (NumPy, on the decoder's weights)."""
+  (NumPy, on the decoder's weights); the caches are read out of their slots
+  by the schedule's table, and the layer's UnpadStates must agree."""
   params = _Params(num_stages, num_microbatches, circular_repeat).Set(
       **extra_params)
   x = np.random.RandomState(seed).uniform(
       -1, 1, [batch, _SEQ, _DIM]).astype(np.float32)
-  decoded, caches, weights = _Decode(params, x, mode)
+  decoded, final, weights, layer = _Decode(params, x, mode)
   expected, keys, vals = _FullSequenceReference(weights, x)
   _AssertClose(decoded, expected)
-  # caches.k: [L, B, max_len, d], every layer's keys at every position.
-  num_layers = num_stages * circular_repeat
-  assert caches.k.shape == (num_layers, batch, _SEQ, _DIM)
-  _AssertClose(caches.k, np.stack(keys))
-  _AssertClose(caches.v, np.stack(vals))
+  # Every layer's keys and values at every position: [L, B, max_len, d].
+  sched = layer.Schedule(num_microbatches)
+  _AssertClose(_UnpadByTable(final.k, sched), np.stack(keys))
+  _AssertClose(_UnpadByTable(final.v, sched), np.stack(vals))
+  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+    unpadded = sess.run(layer.UnpadStates(
+        tf.nest.map_structure(tf.constant, final)))
+  assert unpadded.k.shape == (num_stages * circular_repeat, batch, _SEQ, _DIM)
+  np.testing.assert_array_equal(unpadded.k, _UnpadByTable(final.k, sched))
+  np.testing.assert_array_equal(unpadded.v, _UnpadByTable(final.v, sched))
+
+
+_PREFIX = 2
+
+
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+@pytest.mark.parametrize(
+    'num_stages, num_microbatches, circular_repeat, batch, extra',
+    [(2, 2, 1, 4, {}), (3, 2, 1, 6, {}), (4, 4, 1, 8, {}), (2, 3, 2, 6, {}),
+     (3, 2, 2, 4, {}), (2, 4, 3, 8, {}),
+     (3, 2, 2, 4, dict(backward_schedule='1f1b', stream_io=True))])
+def test_decoding_goes_on_from_each_layers_own_cache(
+    num_stages, num_microbatches, circular_repeat, batch, extra, mode):
+  """Starting caches that differ per layer and per example: the plain
+  stack's keys and values of a prefix (and noise after it, where nothing
+  may read), put in their slots by the schedule's table. Decoding the rest
+  of the sequence must give the plain stack's outputs there: a cache in
+  the wrong slot (another stage's, another microbatch's, another repeat's)
+  changes them."""
+  rng = np.random.RandomState(num_stages + 10 * batch)
+  x = rng.uniform(-1, 1, [batch, _SEQ, _DIM]).astype(np.float32)
+  params = _Params(num_stages, num_microbatches, circular_repeat).Set(**extra)
+  sched = schedule_lib.Schedule(num_stages, num_microbatches, circular_repeat)
+
+  def Prefix(per_layer):
+    cache = np.stack(per_layer)
+    cache[:, :, _PREFIX:] = rng.uniform(-5, 5, cache[:, :, _PREFIX:].shape)
+    return _PadByTable(cache, sched)
+
+  def Start(weights):
+    _, keys, vals = _FullSequenceReference(weights, x)
+    return NestedMap(k=Prefix(keys), v=Prefix(vals))
+
+  decoded, final, weights, _ = _Decode(params, x, mode, start=Start,
+                                       first_position=_PREFIX)
+  expected, keys, _ = _FullSequenceReference(weights, x)
+  assert decoded.shape == (batch, _SEQ - _PREFIX, _DIM)
+  _AssertClose(decoded, expected[:, _PREFIX:])
+  _AssertClose(_UnpadByTable(final.k, sched), np.stack(keys))
+
+
+@pytest.mark.parametrize('num_stages, num_microbatches, circular_repeat',
+                         [(3, 2, 1), (2, 3, 2), (4, 4, 1), (2, 4, 3)])
+def test_the_layers_state_padding_follows_the_table(num_stages,
+                                                    num_microbatches,
+                                                    circular_repeat):
+  """PadMicrobatches(MicrobatchStates(.)) of per-stage, per-example states:
+  every repeat of stage s starts from stage s's state of its examples."""
+  batch = 2 * num_microbatches
+  per_stage = np.random.RandomState(num_stages).uniform(
+      -1, 1, [num_stages, batch, _SEQ, _DIM]).astype(np.float32)
+  with tf.Graph().as_default():
+    layer = _Params(num_stages, num_microbatches,
+                    circular_repeat).Instantiate()
+    padded = layer.PadMicrobatches(
+        layer.MicrobatchStates(tf.constant(per_stage)))
+    with tf.compat.v1.Session() as sess:
+      padded = sess.run(padded)
+  sched = layer.Schedule(num_microbatches)
+  per_layer = np.concatenate([per_stage] * circular_repeat)
+  assert padded.shape == _PadByTable(per_layer, sched).shape
+  for (m, l), (i, s) in _SlotOfEachCall(sched).items():
+    np.testing.assert_array_equal(padded[i, s],
+                                  per_stage[l % num_stages, m::num_microbatches])
 
 
 @pytest.mark.parametrize('mode', ['graph', 'jit'])
@@ -266,7 +390,7 @@ def test_unrolled_decoding_with_per_layer_state_lists(num_stages,
   x = np.random.RandomState(5).uniform(-1, 1, [4, _SEQ, _DIM]).astype(
       np.float32)
   params = _Params(num_stages, 2, circular_repeat, unroll='always')
-  decoded, caches, weights = _Decode(params, x, mode)
+  decoded, caches, weights, _ = _Decode(params, x, mode)
   expected, keys, _ = _FullSequenceReference(weights, x)
   _AssertClose(decoded, expected)
   assert len(caches) == num_stages * circular_repeat

@@ -92,6 +92,75 @@ def test_diagram_cells_are_what_the_layer_runs(tmp_path, s_count, m_count,
       recorded = [int(v) for v in log if v >= 0]
       assert recorded == drawn, (stage, repeat, recorded, drawn)
       assert sorted(drawn) == list(range(m_count))
+  # What the picture shows, read from its pixels and its texts' places, is
+  # what the labels say: each cell in the row and column labelled with its
+  # stage and iteration, coloured by its microbatch, bubbles grey.
+  assert _CellsInThePicture(sched) == labels
+
+
+def _CellsInThePicture(sched):
+  """[S][T]: 'm' or 'm/r' for the cell drawn where the row labelled stage s
+  and the column labelled iteration t cross (its colour must be microbatch
+  m's and its text the label), None where a bubble is drawn."""
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+  fig, ax = schedule_plot.Figure(sched)
+  try:
+    fig.canvas.draw()
+    pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)
+    height = pixels.shape[0]
+
+    def Centres(tick_labels, axis, prefix):
+      """{index: display coordinate} of the tick labels 'prefix<index>'."""
+      centres = {}
+      for label in tick_labels:
+        box = label.get_window_extent()
+        centre = (box.x0 + box.x1) / 2 if axis == 'x' else (box.y0 +
+                                                               box.y1) / 2
+        centres[int(label.get_text()[len(prefix):])] = centre
+      return centres
+
+    columns = Centres(ax.get_xticklabels(), 'x', '')
+    rows = Centres(ax.get_yticklabels(), 'y', 'stage ')
+    assert sorted(columns) == list(range(sched.num_iterations))
+    assert sorted(rows) == list(range(sched.num_stages))
+    box = ax.get_window_extent()
+    cell_w = box.width / sched.num_iterations
+    cell_h = box.height / sched.num_stages
+    texts = {}
+    for text in ax.texts:
+      t_box = text.get_window_extent()
+      x, y = (t_box.x0 + t_box.x1) / 2, (t_box.y0 + t_box.y1) / 2
+      column = min(columns, key=lambda c: abs(columns[c] - x))
+      row = min(rows, key=lambda r: abs(rows[r] - y))
+      assert (row, column) not in texts
+      texts[row, column] = text.get_text()
+    palette = np.round(
+        np.asarray(pyplot.get_cmap('tab20').colors) * 255).astype(int)
+    cells = []
+    for stage in range(sched.num_stages):
+      row = []
+      for t in range(sched.num_iterations):
+        # A patch near the cell's top-left corner, clear of its text.
+        x = int(columns[t] - 0.3 * cell_w)
+        y = int(height - (rows[stage] + 0.3 * cell_h))
+        patch = pixels[y - 2:y + 3, x - 2:x + 3].reshape(-1, 3)
+        matches = [m for m in range(sched.num_microbatches)
+                   if np.abs(patch - palette[m]).max() <= 2]
+        if matches:
+          [m] = matches
+          label = texts.pop((stage, t))
+          assert int(label.split('/')[0]) == m, (stage, t, label)
+          row.append(label)
+        else:
+          # Grey (hatched): every pixel's channels equal.
+          assert np.ptp(patch, axis=1).max() <= 2, (stage, t, patch)
+          assert (stage, t) not in texts, (stage, t)
+          row.append(None)
+      cells.append(row)
+    assert not texts, texts
+    return cells
+  finally:
+    pyplot.close(fig)
 
 
 def test_schedule_command_prints_and_draws(tmp_path, capsys):

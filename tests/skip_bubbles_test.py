@@ -21,9 +21,11 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
+from gpipe import layers
 from gpipe import pipeline_loop
 from gpipe import schedule
 from gpipe import stage_runners
+from tests import bodies
 from tests import decoding_test
 from tests import pipeline_harness as harness
 from tests import vectorized_stages_test as vst
@@ -149,6 +151,45 @@ def test_phases_only_with_the_param_and_a_one_device_runner():
   assert pipeline_loop._Phases(_Spec(True, in_region)) == whole
   assert pipeline_loop._Phases(_Spec(True, stage_runners.RunTogether)) == whole
   # pylint: enable=protected-access
+
+
+class _CountingBody(bodies.DenseBody):
+  """DenseBody that counts, in Python, each stage call the graph runs."""
+
+  calls = []
+
+  def FProp(self, theta, x):
+    counted = tf.numpy_function(
+        lambda v: (_CountingBody.calls.append(1), v)[1], [x], x.dtype)
+    counted.set_shape(x.shape)
+    return super().FProp(theta, counted)
+
+
+@pytest.mark.parametrize('s, m, r', [(4, 4, 1), (3, 5, 1), (2, 3, 2)])
+def test_the_fill_and_drain_compute_only_the_stages_with_work(s, m, r):
+  """A forward step, one stage call after another: the body runs on every
+  (iteration, stage) slot without skip_bubbles, and with it on just the
+  slots of the schedule's phases (2 x 2 + 3 x 4 + 2 x 2 = 20 of 28 for S=4,
+  M=4)."""
+  sched = schedule.Schedule(s, m, r)
+  counts = {}
+  for skip in (False, True):
+    with tf.Graph().as_default():
+      layer = layers.PipelinedLayer.Params().Set(
+          name='pipe', num_stages=s, num_microbatches=m, circular_repeat=r,
+          unroll='never', vectorize_stages='never', skip_bubbles=skip,
+          single_stage_body=_CountingBody.Params().Set(dim=4)).Instantiate()
+      y = layer.FProp(layer.theta, tf.ones([2 * m, 4]))
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        _CountingBody.calls.clear()
+        sess.run(y)
+        counts[skip] = len(_CountingBody.calls)
+  assert counts[False] == s * sched.num_iterations
+  computed = sched.SlotsComputed(sched.Phases())
+  assert counts[True] == computed < counts[False], (counts, computed)
+  if (s, m, r) == (4, 4, 1):
+    assert computed == 20
 
 
 def _Loops(skip_bubbles):

@@ -21,9 +21,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import numpy as np
 import pytest
+import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import
+from gpipe import schedule as schedule_lib
+from gpipe import schedule_plot
 from gpipe import trainer
 from lingvo.core import base_model
 from params import lm
@@ -124,8 +128,14 @@ def test_tensorboard_serves_the_training_runs_events(tmp_path):
   logdir = tmp_path / 'run'
   logdir.mkdir()
   # The server starts (and imports TensorFlow) while the model trains.
+  initial = str(tmp_path / 'initial' / 'ckpt')
+
+  def SaveTheInitialWeights(sess, train_graph):
+    train_graph.saver.save(sess, initial)
+
   with _TensorBoard(logdir, tmp_path / 'tensorboard.log') as listening:
-    history = trainer.Train(_TinyCopyLM(), steps=1, logdir=str(logdir))
+    history = trainer.Train(_TinyCopyLM(), steps=1, logdir=str(logdir),
+                            on_start=SaveTheInitialWeights)
     url = listening()
     scalars, images = _WhenLoaded(url)
     assert _Json(url, '/data/runs') == ['.']
@@ -146,3 +156,53 @@ def test_tensorboard_serves_the_training_runs_events(tmp_path):
                     tag='pipeline_schedule')
     png = _Get(url, '/data/plugin/images/individualImage?' + image['query'])
     assert png.startswith(_PNG)
+    # The picture of this stack's schedule (2 stages, 2 microbatches); the
+    # picture's own content is checked in schedule_cli_test.
+    assert png == schedule_plot.PngBytes(schedule_lib.Schedule(_NUM_STAGES, 2))
+    # Each stage's activation RMS (averaged over the microbatches, each
+    # microbatch's RMS weighted alike) as the plain stack (unrolled, one
+    # block a stage: layer i is stage i) computes it on each microbatch of
+    # the same batch, from the same weights.
+    per_microbatch = [_PlainStackMetrics(initial, m) for m in range(2)]
+    for stage in range(_NUM_STAGES):
+      [tag] = [t for t in tags
+               if t.startswith(f'activation_rms/stage_{stage}/')]
+      want = np.mean([
+          v for metrics in per_microbatch for k, v in metrics.items()
+          if 'activation_rms' in k and f'layer_{stage:03d}' in k])
+      [(_, step, got)] = _Json(url, '/data/plugin/scalars/scalars', run='.',
+                               tag=tag)
+      assert step == 1 and abs(got - want) <= 1e-5 * abs(want), (
+          tag, got, want, per_microbatch)
+
+
+class _MicrobatchOfCopyTask(lm.CopyTaskInput):
+  """Rows m, m + M, ... of the copy task's batch: microbatch m of M."""
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('microbatch', 0, 'm.')
+    p.Define('num_microbatches', 2, 'M.')
+    return p
+
+  def _InputBatch(self):
+    p = self.params
+    return tf.nest.map_structure(
+        lambda t: t[p.microbatch::p.num_microbatches],
+        super()._InputBatch())
+
+
+def _PlainStackMetrics(checkpoint, microbatch):
+  """The metrics of one microbatch of global step 0's batch, the stack
+  unrolled, from the weights in `checkpoint`."""
+  cfg = _TinyCopyLM()
+  cfg.task.stack.unroll = 'always'
+  cfg.input = _MicrobatchOfCopyTask.Params().Set(
+      microbatch=microbatch, **{k: v for k, v in cfg.input.IterParams()
+                                if k not in ('cls', 'name')})
+  tg = trainer.BuildTrainGraph(cfg)
+  with tg.graph.as_default(), tf.compat.v1.Session(graph=tg.graph) as sess:
+    tg.saver.restore(sess, checkpoint)
+    assert sess.run(tg.global_step) == 0
+    return sess.run(tg.metrics)

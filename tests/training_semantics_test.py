@@ -43,6 +43,8 @@ class Case:
   rows: int = 2  # per microbatch
   backward_schedule: str = 'reverse'
   stream_io: bool = False
+  # ((param, value), ...): another one-device path (e.g. layer_by_layer).
+  path: tuple = ()
 
   @property
   def num_layers(self):
@@ -65,7 +67,7 @@ class Case:
         unroll='never',
         single_stage_body=bodies.TrainingBody.Params().Set(
             keep_prob=self.keep_prob, divide_by_input=self.divide_by_input),
-        random_seed=3)
+        random_seed=3).Set(**dict(self.path))
 
 
 def _LayerTheta(case, theta, layer):
@@ -227,7 +229,8 @@ def _Id(case):
           f'{case.circular_repeat}-{case.accumulation}'
           f'{"-shard" if case.shard_stages_1d else ""}'
           f'{"-1f1b" if case.backward_schedule == "1f1b" else ""}'
-          f'{"-stream_io" if case.stream_io else ""}')
+          f'{"-stream_io" if case.stream_io else ""}' +
+          ''.join(f'-{k}={v}' for k, v in case.path))
 
 
 def _CasesAndModes(cases, jit_cases):
@@ -272,6 +275,26 @@ _ONE_F_ONE_B = [
 def test_1f1b_aux_losses_summaries_dropout_and_bubbles(case, mode):
   _AssertMatches(Run(case, mode))
   # Bubbles compute on real data (x / x would be NaN on zeros).
+  _AssertMatches(Run(dataclasses.replace(case, divide_by_input=True), mode))
+  res = Run(dataclasses.replace(case, keep_prob=0.5), mode)
+  _AssertMatches(res)
+  assert (res['pipe']['out'] == 0).any()
+
+
+# The same checks on each of the other one-device paths: the stages one
+# after another, the fill and drain on half the stages, layer by layer.
+_PATHS = [
+    dataclasses.replace(c, path=path)
+    for path in ((('vectorize_stages', 'never'),), (('skip_bubbles', True),),
+                 (('layer_by_layer', True),))
+    for c in (SWEEP[3], SWEEP[5], SWEEP[6])
+]
+
+
+@pytest.mark.parametrize('case, mode', _CasesAndModes(_PATHS, _PATHS[1::3]))
+def test_every_one_device_path_aux_losses_summaries_dropout_and_bubbles(
+    case, mode):
+  _AssertMatches(Run(case, mode))
   _AssertMatches(Run(dataclasses.replace(case, divide_by_input=True), mode))
   res = Run(dataclasses.replace(case, keep_prob=0.5), mode)
   _AssertMatches(res)

@@ -1,0 +1,232 @@
+"""Plausible bugs, each put into a fresh copy of the checkout: the suite must
+catch every one.
+
+Each entry below is one bug of a kind that has slipped through test suites
+(an off-by-one in a stage or microbatch index, two orders swapped, a
+dropped gradient term, a wrong repeat, a wrong fit), written as an exact
+replacement in one file, with the tests that should catch it. For each, the
+checkout's files (tracked and new, as `git ls-files` lists them) are copied
+to a temporary directory, the replacement is made there, and those tests
+run in the copy; the bug is caught when they fail. The tests are first run
+unchanged (in a copy too): a test that fails anyway catches nothing.
+
+    .venv/bin/python tools/mutants.py            # every bug (about 10 min)
+    .venv/bin/python tools/mutants.py --list     # what is in the set
+    .venv/bin/python tools/mutants.py --only plan-fit-on-temp,decode-stage-0
+
+Exits 1 if a bug got through, or if a replacement no longer matches the
+code (update the entry with the code). When a feature lands, add the bugs
+its tests are there to catch; when a bug gets through, add it here with
+the test that now catches it.
+"""
+
+import argparse
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bug:
+  name: str
+  why: str  # the plausible mistake, in a few words
+  path: str
+  old: str
+  new: str
+  tests: tuple  # pytest arguments: files, node ids, -k expressions
+
+
+BUGS = (
+    # -- The planner's fit and pick. ----------------------------------------
+    Bug('plan-fit-on-temp', 'fits compares the temporaries, not the peak',
+        'gpipe/plan/candidate.py',
+        'return self.compiled.peak_bytes <= self.hbm_bytes',
+        "return self.compiled.memory['temp_size_in_bytes'] <= self.hbm_bytes",
+        ('tests/plan_test.py', '-k', 'fits or recommend')),
+    Bug('plan-pick-ignores-fit', 'the recommendation ignores fits',
+        'gpipe/plan/report.py',
+        'i for i, r in enumerate(self.reports) if r.fits and not r.Problems()',
+        'i for i, r in enumerate(self.reports) if not r.Problems()',
+        ('tests/plan_test.py', '-k', 'fits or recommend')),
+    Bug('plan-pick-slowest', 'max for min', 'gpipe/plan/report.py',
+        'return min(ok, key=lambda i: self.reports[i].prediction.step_seconds)',
+        'return max(ok, key=lambda i: self.reports[i].prediction.step_seconds)',
+        ('tests/plan_test.py', '-k', 'fits or recommend')),
+    # -- Decoding from per-stage states. ------------------------------------
+    Bug('decode-stage-0', "every stage gets stage 0's state",
+        'gpipe/microbatch.py',
+        'index = np.asarray([[(m, s) for s, m in enumerate(row)]',
+        'index = np.asarray([[(m, 0) for s, m in enumerate(row)]',
+        ('tests/decoding_test.py', '-k', 'own_cache or padding_follows')),
+    Bug('decode-states-split-contiguous',
+        'states split into contiguous rows, the inputs strided',
+        'gpipe/microbatch.py',
+        '  perm = [1, 0] + list(range(2, x.shape.rank))\n'
+        '  mb = ToMicrobatches(tf.transpose(x, perm), num_microbatches)\n'
+        '  return tf.transpose(mb, [0, 2, 1] + list(range(3, mb.shape.rank)))',
+        '  s, b, *rest = x.shape.as_list()\n'
+        '  mb = tf.reshape(x, [s, num_microbatches, b // num_microbatches] +\n'
+        '                  rest)\n'
+        '  return tf.transpose(mb, [1, 0] + list(range(2, mb.shape.rank)))',
+        ('tests/decoding_test.py', '-k', 'own_cache or padding_follows')),
+    # -- What TensorBoard and the schedule picture show. --------------------
+    Bug('picture-rows-flipped',
+        "stage 0's cells drawn in the last stage's row",
+        'gpipe/schedule_plot.py', 'y = s_count - 1 - stage', 'y = stage',
+        ('tests/schedule_cli_test.py', '-k', 'diagram')),
+    Bug('picture-colour-off-by-one', 'cells coloured by the next microbatch',
+        'gpipe/schedule_plot.py', 'facecolor=colors(cell[0] % 20)',
+        'facecolor=colors((cell[0] + 1) % 20)',
+        ('tests/schedule_cli_test.py', '-k', 'diagram')),
+    Bug('summary-stages-reversed', "stage i's summary under stage S-1-i",
+        'gpipe/side_outputs.py',
+        "py_utils.AddTpuSummaryTensor(f'{name}/stage_{stage}', mean[stage],",
+        "py_utils.AddTpuSummaryTensor(f'{name}/stage_{stage}',\n"
+        '                                   mean[num_stages - 1 - stage],',
+        ('tests/tensorboard_test.py',)),
+    Bug('tensorboard-step-before-update',
+        'scalars labelled with the step before the update',
+        'gpipe/trainer.py', 'events.Write(done, metrics, result.seconds)',
+        'events.Write(step, metrics, result.seconds)',
+        ('tests/tensorboard_test.py',)),
+    # -- Side outputs against the plain stack. ------------------------------
+    Bug('aux-mean-and-sum-swapped', "'mean' sums, 'sum' averages",
+        'gpipe/side_outputs.py', "  if accumulation == 'mean':",
+        "  if accumulation == 'sum':",
+        ('tests/training_semantics_test.py', '-k',
+         'aux_losses_and_summaries_equal and S1-M3')),
+    Bug('1f1b-drops-aux-gradient', "the aux loss's gradient dropped (1f1b)",
+        'gpipe/gradient_waves.py',
+        'aux=tf.fill([num_stages], consts.d_aux),',
+        'aux=tf.zeros([num_stages]),',
+        ('tests/training_semantics_test.py', '-k', '1f1b and graph')),
+    # -- Schedule and layout. -----------------------------------------------
+    Bug('circular-wrong-repeat', 'a circular stage runs the next repeat',
+        'gpipe/schedule/__init__.py',
+        'return (t // self.num_stages) % self.circular_repeat',
+        'return (t // self.num_stages + 1) % self.circular_repeat',
+        ('tests/training_semantics_test.py', '-k',
+         'aux_losses_and_summaries_equal and R2 and graph')),
+    Bug('inputs-split-contiguous',
+        'the inputs split into contiguous rows, the outputs strided',
+        'gpipe/microbatch.py',
+        '  reshaped = tf.reshape(x, [batch // num_microbatches, '
+        'num_microbatches] + rest)\n'
+        '  return tf.transpose(reshaped, [1, 0] + '
+        'list(range(2, x.shape.rank + 1)))',
+        '  return tf.reshape(x, [num_microbatches, batch // num_microbatches]'
+        ' + rest)',
+        ('tests/training_semantics_test.py', '-k',
+         'aux_losses_and_summaries_equal and S2-M3 and graph')),
+    Bug('skip-bubbles-computes-all', 'the fill and drain run every stage',
+        'gpipe/pipeline_loop.py',
+        'step = stage_step.Step(spec, stage_step.StageRange.Of(phase,',
+        'step = stage_step.Step(spec, stage_step.StageRange.Of(\n'
+        '      schedule_lib.Phase(phase.begin, phase.end, 0, '
+        'sched.num_stages),',
+        ('tests/skip_bubbles_test.py', '-k', 'fill_and_drain')),
+)
+
+
+def _Copy(dest):
+  """The checkout's tracked and new (not ignored) files, copied to dest."""
+  names = subprocess.run(
+      ['git', 'ls-files', '-z', '--cached', '--others', '--exclude-standard'],
+      cwd=ROOT, check=True, capture_output=True).stdout.decode().split('\0')
+  for name in filter(None, names):
+    source = ROOT / name
+    if source.is_file():
+      target = dest / name
+      target.parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy2(source, target)
+
+
+def _Apply(dest, bug):
+  """Makes the bug's replacement in the copy; '' or why it cannot."""
+  path = dest / bug.path
+  text = path.read_text()
+  count = text.count(bug.old)
+  if count != 1:
+    return (f'{bug.path}: the text to replace occurs {count} times (once '
+            'expected): update the entry with the code')
+  path.write_text(text.replace(bug.old, bug.new))
+  return ''
+
+
+def _RunTests(dest, tests, log):
+  """Runs pytest on `tests` in the copy; its exit status."""
+  env = dict(os.environ, PYTHONPATH=str(dest))
+  with open(log, 'w') as out:
+    return subprocess.run(
+        [sys.executable, '-m', 'pytest', '-x', '-q', '-p',
+         'no:cacheprovider', *tests], cwd=dest, env=env, stdout=out,
+        stderr=subprocess.STDOUT).returncode
+
+
+def _InCopy(bug, logs, mutate):
+  """Runs the bug's tests in a fresh copy (with the bug if `mutate`);
+  (exit status or None, problem)."""
+  with tempfile.TemporaryDirectory(prefix='gpipe-bug-') as tmp:
+    dest = pathlib.Path(tmp)
+    _Copy(dest)
+    if mutate:
+      problem = _Apply(dest, bug)
+      if problem:
+        return None, problem
+    suffix = 'bug' if mutate else 'unchanged'
+    return _RunTests(dest, bug.tests, logs / f'{bug.name}.{suffix}.log'), ''
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  parser.add_argument('--list', action='store_true',
+                      help='list the bugs and the tests meant to catch them')
+  parser.add_argument('--only', default='',
+                      help='comma-separated bug names (default: all)')
+  parser.add_argument('--logs', default='',
+                      help='directory for each run\'s pytest output '
+                      '(default: a temporary one, named at the end)')
+  args = parser.parse_args(argv)
+  bugs = BUGS
+  if args.only:
+    wanted = args.only.split(',')
+    unknown = sorted(set(wanted) - {b.name for b in BUGS})
+    if unknown:
+      parser.error(f'--only: no bug named {", ".join(unknown)}; --list '
+                   'lists them')
+    bugs = [b for b in BUGS if b.name in wanted]
+  if args.list:
+    for b in bugs:
+      print(f'{b.name:32} {b.why}\n{"":32} {b.path}; tests: '
+            f'{" ".join(b.tests)}')
+    return 0
+  logs = pathlib.Path(args.logs or tempfile.mkdtemp(prefix='gpipe-bugs-'))
+  logs.mkdir(parents=True, exist_ok=True)
+  failures = []
+  for bug in bugs:
+    began = time.time()
+    status, problem = _InCopy(bug, logs, mutate=False)
+    if status != 0:
+      verdict = 'TESTS FAIL UNCHANGED'
+    else:
+      status, problem = _InCopy(bug, logs, mutate=True)
+      verdict = ('STALE' if problem else
+                 'caught' if status not in (0, 5) else 'GOT THROUGH')
+    if verdict != 'caught':
+      failures.append(bug.name)
+    print(f'{verdict:20} {bug.name:32} {time.time() - began:5.0f} s'
+          f'{"  " + problem if problem else ""}', flush=True)
+  print(f'{len(bugs) - len(failures)} of {len(bugs)} caught; pytest output '
+        f'in {logs}')
+  return 1 if failures else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
