@@ -83,35 +83,43 @@ def _RunLingvo(opt_params, weights, grads):
       return sess.run(variables), slots
 
 
-def _RunOurs(update, weights, grads):
-  """Our update, jit-compiled: (weights, [{slot name: value}])."""
+def _RunOurs(update, weights, grads, scales=None):
+  """Our update, jit-compiled: (weights, [{slot name: value}]); with
+  `scales`, step k's gradients are grads[k] x scales[k] (grad_scale)."""
   specs = [tf.TensorSpec(w.shape, tf.float32) for w in weights]
   slot_specs = [update.Slots(s) for s in specs]
 
   @tf.function(jit_compile=True, autograph=False)
-  def Step(w, g, s, lr, global_step):
-    return update.Update(w, g, s, lr, global_step)
+  def Step(w, g, s, lr, global_step, scale=None):
+    return update.Update(w, g, s, lr, global_step, grad_scale=scale)
 
   ws = [tf.constant(w) for w in weights]
   slots = [[tf.zeros(s.spec.shape, s.spec.dtype) for s in ss]
            for ss in slot_specs]
   for step, (g, rate) in enumerate(zip(grads, LEARNING_RATES)):
     for i in range(len(ws)):
-      ws[i], slots[i] = Step(ws[i], tf.constant(g[i]), slots[i],
-                             tf.constant(rate),
-                             tf.constant(step, tf.int64))
+      ws[i], slots[i] = Step(
+          ws[i], tf.constant(g[i]), slots[i], tf.constant(rate),
+          tf.constant(step, tf.int64),
+          None if scales is None else tf.constant(scales[step]))
   return [w.numpy() for w in ws], [{
       s.name: v.numpy() for s, v in zip(ss, values)
   } for ss, values in zip(slot_specs, slots)]
 
 
-def _Compare(opt_params, seed=0, grads=None):
-  """Ours against Lingvo's; returns the largest relative differences."""
+def _Compare(opt_params, seed=0, grads=None, scales=None):
+  """Ours against Lingvo's; returns the largest relative differences.
+
+  With `scales` (one per step), ours gets the gradients and the scale
+  (grad_scale), Lingvo's the gradients scaled in NumPy.
+  """
   weights, drawn = _Values(seed)
   grads = grads or drawn
-  want_w, want_slots = _RunLingvo(opt_params, weights, grads)
+  scaled = grads if scales is None else [
+      [g * np.float32(c) for g in step] for step, c in zip(grads, scales)]
+  want_w, want_slots = _RunLingvo(opt_params, weights, scaled)
   got_w, got_slots = _RunOurs(
-      optimizers.FromLingvoParams(opt_params), weights, grads)
+      optimizers.FromLingvoParams(opt_params), weights, grads, scales)
   largest = 0.0
   for shape, gw, ww, gs, ws in zip(SHAPES, got_w, want_w, got_slots,
                                    want_slots):
@@ -163,6 +171,44 @@ ADAFACTOR = optimizer.XLAShardingAdafactor.Params().Set(
 ], ids=['defaults', 'lm', 'no_parameter_scale', 'not_factored'])
 def test_adafactor(config):
   _Compare(ADAFACTOR.Copy().Set(**config), seed=1)
+
+
+_SCALES = [0.5, 1.0, 0.03, 2.5]  # per step, as a global-norm clip gives
+
+
+@pytest.mark.parametrize('opt_params', [
+    optimizer.SGD.Params(),
+    optimizer.Momentum.Params().Set(alpha=0.8, use_nesterov=True),
+    optimizer.Adam.Params().Set(beta1=0.8, beta2=0.95, epsilon=1e-6),
+    ADAFACTOR.Copy(),
+    ADAFACTOR.Copy().Set(beta1=0.9, beta2=0.99, decay_exponent_pow=0.8,
+                         clipping_threshold=1.0),
+    ADAFACTOR.Copy().Set(factored=False, clipping_threshold=1.0),
+], ids=['sgd', 'momentum', 'adam', 'adafactor', 'adafactor-lm',
+        'adafactor-not_factored'])
+def test_a_gradient_scale_is_the_update_of_the_scaled_gradient(opt_params):
+  """grad_scale (where a clip's factor enters the update) against Lingvo's
+  optimizer on the gradients scaled beforehand."""
+  _Compare(opt_params, seed=3, scales=_SCALES)
+
+
+@pytest.mark.parametrize('norm_over_clip', [0.5, 3.0, np.inf, np.nan])
+def test_the_clip_scale_is_tensorflows_global_norm_clip(norm_over_clip):
+  rng = np.random.RandomState(4)
+  grads = [np.asarray(rng.randn(*s), np.float32) for s in [(6, 5), (3,), ()]]
+  clip = 2.0
+  norm = np.sqrt(sum(np.sum(g.astype(np.float64)**2) for g in grads))
+  grads = [g * np.float32(norm_over_clip * clip / norm) for g in grads]
+  tensors = [tf.constant(g) for g in grads]
+  scale = train_step._ClipScale(tensors, clip)  # pylint: disable=protected-access
+  want, _ = tf.clip_by_global_norm(tensors, clip)
+  for g, w in zip(tensors, want):
+    np.testing.assert_allclose((g * scale).numpy(), w.numpy(), rtol=1e-6,
+                               atol=0)
+  if norm_over_clip < 1:
+    assert scale.numpy() == 1.0
+  if not np.isfinite(norm_over_clip):
+    assert np.isnan(scale.numpy())
 
 
 def test_adafactor_slots_are_lingvos():

@@ -30,6 +30,7 @@ virtual devices and compiled without running (gpipe.plan). Checked:
     anything is built, the model's own error reported as an error.
 """
 
+import dataclasses
 import json
 import re
 
@@ -290,8 +291,9 @@ def test_predicted_parts_against_arithmetic(reports):
                BATCH * DIM * 4)
     assert p.memory_seconds == pytest.approx(traffic / 819e9)
     # A permute of the slot per iteration, forward and backward; the
-    # outputs' all-reduce (a ring: twice its bytes) over 50 GB/s links.
-    collectives = 2 * t * slot + 2 * BATCH * DIM * 4
+    # outputs' all-reduce (a ring: twice its bytes) over 50 GB/s links;
+    # b's update waits for w's: the all-reduce of a float32 scalar.
+    collectives = 2 * t * slot + 2 * BATCH * DIM * 4 + 2 * 4
     assert p.collective_seconds == pytest.approx(collectives / 50e9)
     assert p.step_seconds == pytest.approx(
         max(p.compute_seconds, p.memory_seconds) + p.collective_seconds)
@@ -441,6 +443,59 @@ def test_recommends_the_fastest_fitting_candidate(linear_plan):
   best = min(range(len(reports)),
              key=lambda i: reports[i].prediction.step_seconds)
   assert linear_plan.recommended == best
+
+
+def _WithHbm(a_plan, hbm_bytes):
+  """The same compiled candidates, judged against another HBM size."""
+  return dataclasses.replace(
+      a_plan, hbm_bytes=hbm_bytes,
+      reports=[dataclasses.replace(r, hbm_bytes=hbm_bytes)
+               for r in a_plan.reports])
+
+
+def test_fits_compares_everything_a_chip_holds_with_hbm(linear_plan):
+  for report in linear_plan.reports:
+    b = report.per_device_bytes
+    m = report.compiled.memory
+    # Everything a device holds at once: the arguments (weights, slots and
+    # the input batch, which every device holds whole), the temporaries.
+    held = (b['weights'] + b['optimizer'] + BATCH * DIM * 4 + b['temp'])
+    assert held <= b['peak'] <= held + m['output_size_in_bytes'] + 1024
+    judged = _WithHbm(linear_plan, b['peak']).reports
+    assert judged[linear_plan.reports.index(report)].fits
+    judged = _WithHbm(linear_plan, held - 1).reports
+    assert not judged[linear_plan.reports.index(report)].fits
+    judged = _WithHbm(linear_plan, b['peak'] - 1).reports
+    assert not judged[linear_plan.reports.index(report)].fits
+
+
+def test_recommends_a_slower_candidate_when_the_fastest_does_not_fit(
+    linear_plan):
+  (m8, m4) = linear_plan.reports
+  assert [r.candidate.num_microbatches for r in (m8, m4)] == [8, 4]
+  peak8, peak4 = (r.per_device_bytes['peak'] for r in (m8, m4))
+  # More microbatches, smaller ones: a smaller peak (the buffers are
+  # microbatch-sized) but more iterations, each paying the loop's fixed
+  # costs: M=4 is predicted faster on these tiny shapes.
+  assert peak8 < peak4, (peak8, peak4)
+  assert m4.prediction.step_seconds < m8.prediction.step_seconds
+  assert _WithHbm(linear_plan, peak4).recommended == 1
+  only_m8 = _WithHbm(linear_plan, peak4 - 1)
+  assert [r.fits for r in only_m8.reports] == [True, False]
+  assert only_m8.recommended == 0
+  assert 'Recommendation: num_microbatches=8,' in only_m8.Render()
+  neither = _WithHbm(linear_plan, peak8 - 1)
+  assert [r.fits for r in neither.reports] == [False, False]
+  assert neither.recommended is None
+  text = neither.Render()
+  assert 'Recommendation: none of the candidates fits' in text, text
+  for row in text.splitlines()[6:8]:
+    cells = [c.strip() for c in row.split('|')]
+    assert cells[2].endswith('NO') and '*' not in cells[4], cells
+  rows = only_m8.Render().splitlines()[6:8]
+  fits, starred = zip(*[(cells[2].split()[-1], '*' in cells[4]) for cells in
+                        ([c.strip() for c in row.split('|')] for row in rows)])
+  assert fits == ('yes', 'NO') and starred == (True, False), rows
 
 
 def test_report_units_show_each_figure():

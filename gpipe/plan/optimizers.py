@@ -61,9 +61,15 @@ class Optimizer:
              tuple(dims)) for name, dims in self.SlotDims(shape)
     ]
 
-  def Update(self, weight, grad, slots, learning_rate, global_step):
+  def Update(self, weight, grad, slots, learning_rate, global_step,
+             grad_scale=None):
     """(new weight, [new slots]) after one step; global_step is the step's
-    value before it is incremented, as Lingvo's train op reads it."""
+    value before it is incremented, as Lingvo's train op reads it.
+
+    The gradient is grad x grad_scale (a scalar: the global-norm clip's
+    factor; None for 1), scaled inside the update: a scaled copy of every
+    gradient made beforehand would all be held at once.
+    """
     raise NotImplementedError
 
 
@@ -77,8 +83,10 @@ class Sgd(Optimizer):
   def SlotDims(self, shape):
     return []
 
-  def Update(self, weight, grad, slots, learning_rate, global_step):
+  def Update(self, weight, grad, slots, learning_rate, global_step,
+             grad_scale=None):
     del slots, global_step
+    grad = _Scaled(grad, grad_scale)
     return weight - grad * tf.cast(learning_rate, weight.dtype), []
 
 
@@ -95,8 +103,10 @@ class Momentum(Optimizer):
   def SlotDims(self, shape):
     return [('momentum', _AllDims(shape))]
 
-  def Update(self, weight, grad, slots, learning_rate, global_step):
+  def Update(self, weight, grad, slots, learning_rate, global_step,
+             grad_scale=None):
     del global_step
+    grad = _Scaled(grad, grad_scale)
     (accum,) = slots
     lr = tf.cast(learning_rate, weight.dtype)
     momentum = tf.constant(self.momentum, weight.dtype)
@@ -121,7 +131,9 @@ class Adam(Optimizer):
   def SlotDims(self, shape):
     return [('m', _AllDims(shape)), ('v', _AllDims(shape))]
 
-  def Update(self, weight, grad, slots, learning_rate, global_step):
+  def Update(self, weight, grad, slots, learning_rate, global_step,
+             grad_scale=None):
+    grad = _Scaled(grad, grad_scale)
     m, v = slots
     dtype = weight.dtype
     beta1 = tf.constant(self.beta1, dtype)
@@ -132,6 +144,10 @@ class Adam(Optimizer):
     m = m + (grad - m) * (1 - beta1)
     v = v + (tf.square(grad) - v) * (1 - beta2)
     return weight - (m * lr_t) / (tf.sqrt(v) + self.epsilon), [m, v]
+
+
+def _Scaled(grad, grad_scale):
+  return grad if grad_scale is None else grad * tf.cast(grad_scale, grad.dtype)
 
 
 def _Rms(x):
@@ -229,11 +245,12 @@ class Adafactor(Optimizer):
     return (self.beta2 * (1.0 - tf.pow(self.beta2, t - 1.0)) /
             (1.0 - tf.pow(self.beta2, t)))
 
-  def Update(self, weight, grad, slots, learning_rate, global_step):
+  def Update(self, weight, grad, slots, learning_rate, global_step,
+             grad_scale=None):
     dtype = weight.dtype
     names = [name for name, _ in self.SlotDims(weight.shape.as_list())]
     old = dict(zip(names, slots))
-    grad = tf.cast(grad, dtype)
+    grad = _Scaled(tf.cast(grad, dtype), grad_scale)
     g2 = tf.square(grad) + tf.cast(self.epsilon1, dtype)
     decay = tf.cast(self.DecayRate(global_step), dtype)
     moments, x = self._SecondMoments(weight, grad, g2, old, decay)
