@@ -115,7 +115,8 @@ class GradientLoop:
         d_buffer=[tf.zeros_like(x) for x in filler],
         d_reading=self._io.StartReadingGradients(d.outputs),
         d_writing=self._io.StartWritingGradients(filler),
-        d_theta=[tf.zeros_like(flat_theta[i]) for i in diff['theta']],
+        d_theta=[while_loops.ZerosAfter(flat_theta[i], [d.aux])
+                 for i in diff['theta']],
         d_captures=[tf.zeros_like(self._captures[i])
                     for i in diff['captures']],
         d_states=[tf.zeros_like(_ByStage(self._states[i], self._place))

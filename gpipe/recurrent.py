@@ -240,7 +240,8 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
           flat_d_final[i] +
           _PastStateGradient(flat_d_states[i], last, flat_d_final[i])
           for i in diff['state']
-      ] + [tf.zeros_like(flat_theta[i]) for i in diff['theta']] +
+      ] + [while_loops.ZerosAfter(flat_theta[i], flat_d_final + flat_d_extras)
+           for i in diff['theta']] +
       [tf.zeros_like(captures[i]) for i in diff['captures']] +
       [_Reserve(s, num_iterations) for s in input_specs] +
       [flat_final[i] for i in unkept], num_iterations)

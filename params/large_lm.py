@@ -11,8 +11,9 @@ down:
   * each stage recomputes its blocks one at a time in the backward pass
     (`pod_blocks.BatchMajorStage.remat_blocks`): its blocks' activations
     and bfloat16 weights are never all held at once;
-  * one vocab-sized table serves the embedding and the softmax
-    (`tie_embedding`), gathered once on each chip, and the softmax and loss
+  * one vocab-sized table serves the embedding and the softmax, whose
+    lookup's gradient is made where it arrives (`LookUp`), and the
+    softmax and loss
     run one sequence per chip at a time in a loop that recomputes each
     chunk's logits in its backward pass (`gpipe.recurrent`): a chip holds
     the logits of one sequence, not of its whole batch.
@@ -46,6 +47,12 @@ class LargeLMTask(lm_task.PipelinedLMTask):
 
   def _CreateSoftmax(self):
     """No softmax weight of its own: the embedding table serves."""
+
+  def _Embed(self, theta, ids, positions):
+    """Token + position embeddings, float32 (the tokens by LookUp)."""
+    x = LookUp(self._TableTheta(theta.emb).wm, ids)
+    return x + self.pos_emb.EmbLookup(self._TableTheta(theta.pos_emb),
+                                      positions)
 
   def _ScoreTheta(self, theta):
     """The table [vocab, d] gathered on every chip, and the bias."""
@@ -121,3 +128,28 @@ class LargeLMTask(lm_task.PipelinedLMTask):
                   weights=Chunks(weights)),
         Chunk, return_states=False, name='chunked_loss')
     return final.xent, final.correct
+
+
+def LookUp(table, ids):
+  """table [vocab, d] rows at ids [...] -> [..., d], as tf.gather.
+
+  Its gradient is the dense [vocab, d] sum of the looked-up rows'
+  gradients, added into zeros computed from dy (0 x its first element):
+  zeros that depend on nothing would be a vocab-sized buffer a scheduler
+  is free to make at the start of the step and hold to its end, through
+  the whole pipeline (XLA:CPU does). A NaN or infinite dy gives a NaN
+  gradient, as it would anyway.
+  """
+
+  @tf.custom_gradient
+  def Run(table):
+
+    def Grad(dy):
+      rows = tf.reshape(tf.cast(dy, table.dtype), [-1, table.shape[-1]])
+      zero = 0.0 * tf.reduce_sum(rows[:1, :1])
+      return tf.tensor_scatter_nd_add(
+          tf.fill(tf.shape(table), zero), tf.reshape(ids, [-1, 1]), rows)
+
+    return tf.gather(table, ids), Grad
+
+  return Run(table)

@@ -180,11 +180,13 @@ def RecomputedInBackward(fn, weights, x):
       computation, and it cannot run before dy exists (a scheduler free to
       recompute every block of a stage first would hold all their
       activations at once, which is what recomputing was to avoid);
-    * fn sees its weights scaled by a 1 that comes out of that barrier (or
-      of one in the forward), so that a cast of the weights inside fn (to
-      bfloat16, say) is made where the block runs: invariant in the
-      pipeline's loops, it would otherwise be hoisted out of them and
-      every block's cast weights held through the whole loop.
+    * fn sees its weights scaled by a 1 computed from its input (in the
+      forward) or from dy (in the recomputation): a cast of the weights
+      inside fn (to bfloat16, say) is then made where the block runs, once
+      per run. With the weights alone it is the same expression in the
+      forward and in the recomputation and invariant in the pipeline's
+      loops: merged into one, or hoisted out of the loops, it would hold
+      every block's cast weights through the whole iteration or loop.
   """
   flat = tf.nest.flatten(weights)
   # The gradient is built later, outside the pipeline's manual region the
@@ -200,10 +202,7 @@ def RecomputedInBackward(fn, weights, x):
 
   @tf.custom_gradient
   def Run(x, *flat_weights):
-    one = None
-    if under_xla():
-      x, one = xla_ops.optimization_barrier(
-          tf.stop_gradient(x), tf.ones([], tf.float32))
+    one = _OneAfter(x) if under_xla() else None
     y = Apply(one, list(flat_weights), x)
 
     def Grad(dy):
@@ -211,12 +210,11 @@ def RecomputedInBackward(fn, weights, x):
       if under_xla():
         # The weights stay out of the barrier: its results are new
         # buffers, and the weights through one would be copied.
-        x_again, dy, one_again = xla_ops.optimization_barrier(
-            tf.stop_gradient(x), dy, tf.ones([], tf.float32))
+        x_again, dy = xla_ops.optimization_barrier(tf.stop_gradient(x), dy)
         # Differentiated from here: the barrier has no gradient (and dy
         # depends on the weights, so it lies between them and y_again).
-        x_again, one_again = tf.nest.map_structure(tf.stop_gradient,
-                                                   (x_again, one_again))
+        x_again, one_again = tf.nest.map_structure(
+            tf.stop_gradient, (x_again, _OneAfter(dy)))
       inputs = [x_again] + list(flat_weights)
       with annotated_as_now():
         y_again = Apply(one_again, inputs[1:], inputs[0])
@@ -227,6 +225,14 @@ def RecomputedInBackward(fn, weights, x):
     return y, Grad
 
   return Run(x, *flat)
+
+
+def _OneAfter(t):
+  """A float32 1 that depends on t's first element: what it feeds cannot run
+  before t exists, and no compiler folds it to a constant (0 * v is not 0
+  for an infinite or NaN v; such an input gives a NaN output anyway)."""
+  first = tf.reshape(t, [-1])[:1]
+  return 1.0 + 0.0 * tf.reduce_sum(tf.cast(first, tf.float32))
 
 
 def _SwapBatchAndTime(cache):

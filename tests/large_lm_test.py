@@ -105,10 +105,37 @@ def test_recomputed_block_equals_the_block_and_its_gradient():
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+def test_look_up_and_its_gradient_equal_gather(mode):
+  rng = np.random.RandomState(3)
+  table = tf.constant(rng.normal(size=[7, 5]).astype(np.float32))
+  ids = tf.constant([[1, 6, 1], [0, 3, 1]])  # 1 three times
+  dy = tf.constant(rng.normal(size=[2, 3, 5]).astype(np.float32))
+
+  def Both(table):
+    with tf.GradientTape(persistent=True) as tape:
+      tape.watch(table)
+      ours, theirs = large_lm.LookUp(table, ids), tf.gather(table, ids)
+    return (ours, theirs, tape.gradient(ours, table, output_gradients=dy),
+            tf.convert_to_tensor(tape.gradient(theirs, table,
+                                               output_gradients=dy)))
+
+  if mode == 'jit':
+    Both = tf.function(Both, jit_compile=True)
+  ours, theirs, d_ours, d_theirs = Both(table)
+  np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+  np.testing.assert_allclose(d_ours.numpy(), d_theirs.numpy(), rtol=1e-6,
+                             atol=1e-6)
+  # NumPy: row 1 gets three rows of dy, rows 2, 4 and 5 nothing.
+  want = np.zeros([7, 5], np.float32)
+  np.add.at(want, ids.numpy().reshape(-1), dy.numpy().reshape(-1, 5))
+  np.testing.assert_allclose(d_ours.numpy(), want, rtol=1e-6, atol=1e-6)
+
+
 def test_the_largest_models_are_as_big_as_they_say():
   """At least twice GPipe's Transformer on 8 and on 32 accelerators (5.3
   B and 21.0 B), with the widths, heads, vocab, sequences, batches and
-  bubbles the issue of record asks (built on one device in a scratch
+  bubbles docs/flagships.md states (built on one device in a scratch
   graph; ParameterBytes of the built task)."""
   for name, devices, gpipe_params, batch in (
       ('lm.LargestOn8x16GiB', 8, 5.3e9, 32),
