@@ -30,10 +30,12 @@ FLAGSHIPS = (
 GIB = 2**30
 
 
-def _Plan(model, tpu, hbm_gib, candidates=None, layer='gpipe'):
+def Plan(model, tpu, hbm_gib, candidates=None, layer='gpipe',
+          num_devices=8):
   """(the plan's JSON or None, the error's last line, wall seconds)."""
   argv = [sys.executable, '-m', 'gpipe.plan', '--model', model,
-          '--num_devices', '8', '--tpu', tpu, '--hbm_gib', str(hbm_gib),
+          '--num_devices', str(num_devices), '--tpu', tpu,
+          '--hbm_gib', str(hbm_gib),
           '--pipeline_layer', layer, '--json']
   if candidates:
     argv += ['--num_microbatches', candidates[0],
@@ -47,7 +49,7 @@ def _Plan(model, tpu, hbm_gib, candidates=None, layer='gpipe'):
   return None, (errors or run.stderr.splitlines() or ['?'])[-1], seconds
 
 
-def _Row(c):
+def Row(c):
   b = c['per_device_bytes']
   p = c['predicted']
   return (f"| {c['num_microbatches']} | {c['circular_repeat']} | "
@@ -60,7 +62,7 @@ def _Row(c):
 
 def _Report(model, tpu, hbm_gib, candidates, quick):
   print(f'## {model} on 8 x {hbm_gib} GiB (TPU {tpu} roofline)\n')
-  plan, error, seconds = _Plan(model, tpu, hbm_gib,
+  plan, error, seconds = Plan(model, tpu, hbm_gib,
                                None if quick else candidates)
   if plan is None:
     print(f'Not planned: {error}\n')
@@ -71,7 +73,7 @@ def _Report(model, tpu, hbm_gib, candidates, quick):
         'fits | FLOP/dev / (unp/8) | pred. step s | pred. MFU |')
   print('|---|---|---|---|---|---|---|---|---|---|---|')
   for c in plan['candidates']:
-    print(_Row(c))
+    print(Row(c))
   best = plan['recommended']
   if best is None:
     print('\nNothing recommended.\n')
@@ -83,7 +85,7 @@ def _Report(model, tpu, hbm_gib, candidates, quick):
         f"chip; problems: {c['problems'] or 'none'}. Largest buffers:\n")
   for b in c['largest_buffers']:
     print(f"- {b['bytes'] / GIB:.2f} GiB `{b['type']}` ({b['op']})")
-  lingvo, error, seconds = _Plan(model, tpu, hbm_gib, layer='lingvo')
+  lingvo, error, seconds = Plan(model, tpu, hbm_gib, layer='lingvo')
   print(f"\nLingvo's LayerwiseShardablePipelinedLayer, same model "
         f'({seconds:.0f} s): ', end='')
   if lingvo is None:
@@ -93,7 +95,7 @@ def _Report(model, tpu, hbm_gib, candidates, quick):
           'peak GiB | fits | FLOP/dev / (unp/8) | pred. step s | pred. MFU |')
     print('|---|---|---|---|---|---|---|---|---|---|---|')
     for c in lingvo['candidates']:
-      print(_Row(c))
+      print(Row(c))
     print()
 
 

@@ -11,12 +11,11 @@ down:
   * each stage recomputes its blocks one at a time in the backward pass
     (`pod_blocks.BatchMajorStage.remat_blocks`): its blocks' activations
     and bfloat16 weights are never all held at once;
-  * one vocab-sized table serves the embedding and the softmax, whose
-    lookup's gradient is made where it arrives (`LookUp`), and the
-    softmax and loss
-    run one sequence per chip at a time in a loop that recomputes each
-    chunk's logits in its backward pass (`gpipe.recurrent`): a chip holds
-    the logits of one sequence, not of its whole batch.
+  * one vocab-sized table serves the embedding and the softmax (the
+    lookup's gradient made where it arrives, `LookUp`), and the softmax
+    and loss run one sequence per chip at a time in a loop that recomputes
+    each chunk's logits in its backward pass (`gpipe.recurrent`): a chip
+    holds the logits of one sequence, not of its whole batch.
 """
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
