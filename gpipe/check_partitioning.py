@@ -58,7 +58,8 @@ def _Parser():
                     'lm.CopyLMMeshSmall (its whole training step)')
   parser.add_argument('--model_module', action='append', default=[],
                       help='with --model: a module to import first, which '
-                      'registers models of your own; repeat for several')
+                      'registers models of your own (a dotted name, or a '
+                      'path to its .py file); repeat for several')
   parser.add_argument('--input_shape', type=_ParseShape, action='append',
                       help='with --params: shape of one input, batch first, '
                       'e.g. 16,128; repeat for several inputs')

@@ -7,10 +7,16 @@
     python -m gpipe.lingvo_trainer --model=lm.CopyLMSmall --run_locally=cpu \\
         --mode=sync --logdir=/tmp/copy_lm --job=decoder_dev
 
-Every flag is Lingvo's (`lingvo.trainer`): jobs, cluster, TPU and logdir
-flags work as they do there. What this adds: Lingvo made importable on this
-system (gpipe's import hook), and the models in `params/` registered, so
-`--model=lm.<Name>` finds them. The trainer stops at the model's
+    python -m gpipe.lingvo_trainer --model_module=path/to/my_task.py \\
+        --model=my_task.MyModel --run_locally=cpu --mode=sync --logdir=...
+
+Every flag but one is Lingvo's (`lingvo.trainer`): jobs, cluster, TPU and
+logdir flags work as they do there. What this adds: Lingvo made importable
+on this system (gpipe's import hook), the models in `params/` registered,
+so `--model=lm.<Name>` finds them, and `--model_module` (repeatable): a
+module of your own, by dotted name or as a path to its .py file, imported
+first, so that its models are found from any directory (a file's models
+are `<file name>.<Class>`). The trainer stops at the model's
 `train.max_steps`; the evaler and decoder jobs evaluate each new checkpoint
 and stop after the one at `train.max_steps`. With `--run_locally`, the
 trainer starts at once: Lingvo's runners otherwise sleep a fixed 30 s
@@ -42,6 +48,10 @@ def main(argv=None):
   from lingvo import model_imports  # pylint: disable=g-import-not-at-top
 
   flags = tf.flags.FLAGS
+  if 'model_module' not in flags:
+    tf.flags.DEFINE_multi_string(
+        'model_module', [], 'A module of your own to import first, by '
+        'dotted name or as a path to its .py file; repeatable.')
   if wants_help:
     print(Help(flags, everything='--helpfull' in wants_help))
     return 0
@@ -51,6 +61,12 @@ def main(argv=None):
   except tf.flags.Error as e:
     print(f'lingvo_trainer: error: {e} (--help lists the flags)',
           file=sys.stderr)
+    return 2
+  from gpipe import registered_models  # pylint: disable=g-import-not-at-top
+  try:
+    registered_models.ImportModules(flags.model_module)
+  except LookupError as e:
+    print(f'lingvo_trainer: error: {e}', file=sys.stderr)
     return 2
   _SetUpAsLingvosTrainerDoes(flags)
   model_imports.ImportParams(flags.model)
@@ -67,7 +83,7 @@ def Help(flags, everything=False):
   """Usage, then the flags of Lingvo's modules with their defaults (with
   `everything`, TensorFlow's and absl's flags too)."""
   lines = ['usage: python -m gpipe.lingvo_trainer --model=lm.<Name> '
-           '[flags]', '', __doc__.strip(), '']
+           '[--model_module=my_task.py] [flags]', '', __doc__.strip(), '']
   if everything:
     lines.append(flags.get_help())
   else:

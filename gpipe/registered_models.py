@@ -8,6 +8,8 @@ name without its module (`CopyLMSmall`), the one it most likely means.
 """
 
 import importlib
+import os
+import sys
 
 from gpipe import quiet
 from gpipe import stage_call
@@ -38,13 +40,32 @@ def ImportModules(modules):
   """Imports each module (a --model_module): models of the user's own that
   register under names their module path does not start with.
 
+  A module is a dotted name importable from here, or a path to a .py file:
+  that file is imported under its own name with its directory first on
+  sys.path (its models are then `<file name>.<Class>`, and it imports its
+  neighbours), from whatever directory the command runs in.
+
   Raises:
     LookupError: one cannot be imported; the message says why.
   """
   for module in modules:
-    why = _ImportError(module)
+    name, why = module, None
+    if module.endswith('.py'):
+      name, why = _NameOfFile(module)
+    why = why or _ImportError(name)
     if why:
       raise LookupError(f'--model_module {module} cannot be imported ({why}).')
+
+
+def _NameOfFile(path):
+  """(module name, None) of a .py file, its directory put on sys.path; or
+  (None, why not)."""
+  if not os.path.isfile(path):
+    return None, 'no such file'
+  directory = os.path.dirname(os.path.abspath(path))
+  if directory not in sys.path:
+    sys.path.insert(0, directory)
+  return os.path.splitext(os.path.basename(path))[0], None
 
 
 def UnknownModelMessage(name, known):

@@ -1,7 +1,8 @@
 """Lingvo's own trainer, evaler and decoder jobs on the project's models.
 
 Run as a user runs them: `python -m gpipe.lingvo_trainer` in a fresh
-process per job, all on one logdir. What each job wrote is read back from
+process per job, all on one logdir (training a user's own module, given by
+its path, from another directory). What each job wrote is read back from
 its TensorBoard events and checkpoints, not from its logs.
 """
 
@@ -27,11 +28,24 @@ _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _MODEL = 'lm.CopyLMSmall'
 
 
-def _Job(logdir, *flags):
+def _Job(logdir, *flags, model=_MODEL, cwd=_ROOT):
   return subprocess.run(
-      [sys.executable, '-m', 'gpipe.lingvo_trainer', f'--model={_MODEL}',
+      [sys.executable, '-m', 'gpipe.lingvo_trainer', f'--model={model}',
        '--run_locally=cpu', '--mode=sync', f'--logdir={logdir}', *flags],
-      cwd=_ROOT, capture_output=True, text=True, timeout=600, check=False)
+      cwd=cwd, capture_output=True, text=True, timeout=600, check=False)
+
+
+# A user's own module, in a directory of its own: the same model as _MODEL,
+# registered under the module's name.
+_USER_MODULE = """
+from lingvo import model_registry
+from params import lm
+
+
+@model_registry.RegisterSingleTaskModel
+class MyCopyLM(lm.CopyLMSmall):
+  pass
+"""
 
 
 def _Events(directory):
@@ -68,7 +82,15 @@ def test_trainer_evaler_and_decoder_jobs(tmp_path):
   # Every job of a run sees the same params: the evaler and decoder stop
   # after the checkpoint at train.max_steps.
   max_steps = f'--model_params_override=train.max_steps: {steps}'
-  run = _Job(logdir, max_steps)
+  # Trained as a user's own model: its module given as a path, the trainer
+  # run from a directory that is neither the project's nor the module's.
+  module = tmp_path / 'models' / 'my_lm.py'
+  module.parent.mkdir()
+  module.write_text(_USER_MODULE)
+  elsewhere = tmp_path / 'elsewhere'
+  elsewhere.mkdir()
+  run = _Job(logdir, max_steps, f'--model_module={module}',
+             model='my_lm.MyCopyLM', cwd=elsewhere)
   assert run.returncode == 0, run.stderr[-4000:]
   assert tf.train.latest_checkpoint(str(logdir / 'train')).endswith(
       f'ckpt-{steps:08d}')
@@ -84,7 +106,8 @@ def test_trainer_evaler_and_decoder_jobs(tmp_path):
   assert png[:8] == b'\x89PNG\r\n\x1a\n'
 
   # The evaler and decoder jobs, in one process (Lingvo runs a
-  # comma-separated job list side by side; alone, each works the same).
+  # comma-separated job list side by side; alone, each works the same), on
+  # the registered model the user's subclasses unchanged.
   run = _Job(logdir, max_steps, '--job=evaler_dev,decoder_dev')
   assert run.returncode == 0, run.stderr[-4000:]
   dev = _Merged(_Events(logdir / 'eval_dev'))
@@ -130,6 +153,28 @@ def test_local_runs_skip_only_the_waiting_runners_sleep(monkeypatch):
   clock.sleep(5)
   assert slept == [10, 7, 5]
   assert clock.time is lingvo_trainer.time.time  # the rest is `time`'s
+
+
+def test_a_model_module_by_path_registers_its_models(tmp_path):
+  from gpipe import registered_models  # pylint: disable=g-import-not-at-top
+  module = tmp_path / 'my_path_lm.py'
+  module.write_text(_USER_MODULE.replace('MyCopyLM', 'MyPathCopyLM'))
+  registered_models.ImportModules([str(module)])
+  params = registered_models.GetParams('my_path_lm.MyPathCopyLM')
+  assert params.task.stack.num_stages == 4  # lm.CopyLMSmall's
+  with pytest.raises(LookupError, match=(
+      r'--model_module .*/nowhere\.py cannot be imported \(no such file\)')):
+    registered_models.ImportModules([str(tmp_path / 'nowhere.py')])
+
+
+def test_the_trainer_refuses_a_missing_model_module_in_one_line(tmp_path):
+  run = _Job(tmp_path / 'log', f'--model_module={tmp_path}/nowhere.py',
+             model='nowhere.Model')
+  assert run.returncode == 2
+  errors = [l for l in run.stderr.splitlines() if 'error:' in l]
+  assert errors == [f'lingvo_trainer: error: --model_module '
+                    f'{tmp_path}/nowhere.py cannot be imported (no such '
+                    'file).'], run.stderr[-2000:]
 
 
 def test_lingvos_start_up_flags_take_effect():

@@ -123,7 +123,8 @@ def Parse(argv=None):
                     'lm.CopyLMPod8x2')
   parser.add_argument('--model_module', action='append', default=[],
                       help='with --model: a module to import first, which '
-                      'registers models of your own; repeat for several')
+                      'registers models of your own (a dotted name, or a '
+                      'path to its .py file); repeat for several')
   what.add_argument('--params', help='PipelinedLayer Params, or a function '
                     'returning them: module.attribute of an importable '
                     'module, or path/to/file.py:attribute')
