@@ -10,13 +10,15 @@
     python -m gpipe.lingvo_trainer --model_module=path/to/my_task.py \\
         --model=my_task.MyModel --run_locally=cpu --mode=sync --logdir=...
 
-Every flag but one is Lingvo's (`lingvo.trainer`): jobs, cluster, TPU and
+Every flag but two is Lingvo's (`lingvo.trainer`): jobs, cluster, TPU and
 logdir flags work as they do there. What this adds: Lingvo made importable
 on this system (gpipe's import hook), the models in `params/` registered,
-so `--model=lm.<Name>` finds them, and `--model_module` (repeatable): a
-module of your own, by dotted name or as a path to its .py file, imported
-first, so that its models are found from any directory (a file's models
-are `<file name>.<Class>`). The trainer stops at the model's
+so `--model=lm.<Name>` finds them, `--model_module` (repeatable): a module
+of your own, by dotted name or as a path to its .py file, imported first,
+so that its models are found from any directory (a file's models are
+`<file name>.<Class>`), and quiet logs: where the events go, Lingvo's
+progress lines (steps, checkpoints, jobs done) and errors, nothing else
+unless `--verbose`. The trainer stops at the model's
 `train.max_steps`; the evaler and decoder jobs evaluate each new checkpoint
 and stop after the one at `train.max_steps`. With `--run_locally`, the
 trainer starts at once: Lingvo's runners otherwise sleep a fixed 30 s
@@ -25,6 +27,8 @@ jobs; in one local process Lingvo's retry on the global step covers the
 start-up race.
 """
 
+import logging
+import re
 import sys
 import threading
 import time
@@ -39,9 +43,8 @@ _HELP_FLAGS = ('-h', '-help', '--help', '--helpshort', '--helpfull', '-?')
 def main(argv=None):
   argv = list(sys.argv if argv is None else argv)
   wants_help = [a for a in argv[1:] if a in _HELP_FLAGS]
-  if wants_help:
-    from gpipe import quiet  # pylint: disable=g-import-not-at-top
-    quiet.UnlessVerbose(argv)
+  from gpipe import quiet  # pylint: disable=g-import-not-at-top
+  is_quiet = quiet.UnlessVerbose(argv[1:])
   import params.lm  # pylint: disable=g-import-not-at-top,unused-import
   from lingvo import trainer  # pylint: disable=g-import-not-at-top
   from lingvo import compat as tf  # pylint: disable=g-import-not-at-top
@@ -52,6 +55,9 @@ def main(argv=None):
     tf.flags.DEFINE_multi_string(
         'model_module', [], 'A module of your own to import first, by '
         'dotted name or as a path to its .py file; repeatable.')
+    tf.flags.DEFINE_bool(
+        'verbose', False, 'Show every log line of TensorFlow, XLA and Lingvo '
+        '(by default: the steps, checkpoints and where the events go).')
   if wants_help:
     print(Help(flags, everything='--helpfull' in wants_help))
     return 0
@@ -69,14 +75,56 @@ def main(argv=None):
     print(f'lingvo_trainer: error: {e}', file=sys.stderr)
     return 2
   _SetUpAsLingvosTrainerDoes(flags)
+  if is_quiet:
+    _ShowProgressOnly(model_imports)
   model_imports.ImportParams(flags.model)
   if flags.run_locally:
     _SkipFixedStartUpWait()
   if _Trains(flags.job) and flags.logdir:
     _WriteScheduleImage(flags.model, flags.logdir)
+  if flags.logdir:
+    print(f'lingvo_trainer: {flags.model}, job {flags.job or "all"}: '
+          f'checkpoints and TensorBoard events under {flags.logdir} '
+          f'(tensorboard --logdir {flags.logdir}).', file=sys.stderr,
+          flush=True)
   flags.unparse_flags()
   tf.app.run(trainer.main, argv=argv)
   return 0
+
+
+# Lingvo's log lines shown without --verbose: its progress.
+_PROGRESS = re.compile(r'(step: |Training finished|Save checkpoint done|'
+                       r'Evaling|Decoding|.*[Dd]one\.)')
+
+
+class _ProgressOnly(logging.Filter):
+  """Passes Lingvo's progress lines, and errors; nothing else. (Lingvo's
+  retry of the global step while the model initializes logs its exception
+  at INFO: an expected race, not shown.)"""
+
+  def filter(self, record):
+    if record.levelno >= logging.ERROR:
+      return True
+    return (record.levelno == logging.INFO and
+            _PROGRESS.match(record.getMessage()) is not None)
+
+
+def _ShowProgressOnly(model_imports):
+  """Lingvo's progress lines only (quiet.UnlessVerbose silenced the rest
+  of the libraries' logs), and its model registry's import prints
+  swallowed."""
+  from gpipe import quiet  # pylint: disable=g-import-not-at-top
+  for name in ('tensorflow', 'absl'):
+    logger = logging.getLogger(name)
+    logger.setLevel(logging.INFO)
+    logger.addFilter(_ProgressOnly())
+  import_params = model_imports.ImportParams
+
+  def ImportParamsQuietly(*args, **kwargs):
+    with quiet.LibraryPrints():
+      return import_params(*args, **kwargs)
+
+  model_imports.ImportParams = ImportParamsQuietly
 
 
 def Help(flags, everything=False):

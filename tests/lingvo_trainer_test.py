@@ -92,6 +92,17 @@ def test_trainer_evaler_and_decoder_jobs(tmp_path):
   run = _Job(logdir, max_steps, f'--model_module={module}',
              model='my_lm.MyCopyLM', cwd=elsewhere)
   assert run.returncode == 0, run.stderr[-4000:]
+  # Its own lines only: where the events go, each step, the checkpoints;
+  # no library logs, no traceback of Lingvo's expected start-up race.
+  printed = run.stderr.splitlines()
+  assert printed[0] == (f'lingvo_trainer: my_lm.MyCopyLM, job all: '
+                        f'checkpoints and TensorBoard events under {logdir} '
+                        f'(tensorboard --logdir {logdir}).'), printed[:5]
+  assert len(printed) <= steps + 12, '\n'.join(printed[:40])
+  assert 'Traceback' not in run.stderr and not run.stdout
+  assert sum(f'] step: {steps:5d},' in l for l in printed) == 1, printed[-12:]
+  assert any(l.endswith(f'Save checkpoint done: {logdir}/train/ckpt-'
+                        f'{steps:08d}') for l in printed), printed[-12:]
   assert tf.train.latest_checkpoint(str(logdir / 'train')).endswith(
       f'ckpt-{steps:08d}')
 
