@@ -159,10 +159,7 @@ class StageContext(contextlib.ExitStack):
       self.enter_context(py_utils.GlobalStepContext(self._global_step))
     self._aux_ctx = self.enter_context(
         py_utils.AuxLossContext(reentrant=True))
-    self.enter_context(py_utils.TpuSummaryTensorContext())
-    # Lingvo keeps the innermost context's entries on this stack; its public
-    # getter folds the (in-loop, meaningless) name scope into each key.
-    self._entries = py_utils._TPU_SUMMARY_CONTEXTS.stack[-1]  # pylint: disable=protected-access
+    self._entries = self.enter_context(OwnSummaries())
     return self
 
   @property
@@ -170,22 +167,37 @@ class StageContext(contextlib.ExitStack):
     return self._aux_ctx.aux_losses
 
   def Summaries(self):
-    """[(name, value, weight)] the body added, float32, in order.
+    """[(name, value, weight)] the body added, float32 (NamedSummaries)."""
+    return NamedSummaries(self._entries)
 
-    A name added twice gets a suffix (_1, _2, ...), so names are unique.
-    """
-    out, seen = [], {}
-    for entry in self._entries:
-      value, weight = entry.value
-      name = entry.name
-      if name in seen:
-        seen[name] += 1
-        name = f'{name}_{seen[name]}'
-      else:
-        seen[name] = 0
-      out.append((name, tf.cast(value, tf.float32),
-                  tf.cast(weight, tf.float32)))
-    return out
+
+@contextlib.contextmanager
+def OwnSummaries():
+  """A TPU summary context of its own; yields the list its entries go to
+  (read them with NamedSummaries)."""
+  with py_utils.TpuSummaryTensorContext():
+    # Lingvo keeps the innermost context's entries on this stack; its public
+    # getter folds the (in-loop, meaningless) name scope into each key.
+    yield py_utils._TPU_SUMMARY_CONTEXTS.stack[-1]  # pylint: disable=protected-access
+
+
+def NamedSummaries(entries):
+  """[(name, value, weight)] of TPU summary entries, float32, in order.
+
+  A name added twice gets a suffix (_1, _2, ...), so names are unique.
+  """
+  out, seen = [], {}
+  for entry in entries:
+    value, weight = entry.value
+    name = entry.name
+    if name in seen:
+      seen[name] += 1
+      name = f'{name}_{seen[name]}'
+    else:
+      seen[name] = 0
+    out.append((name, tf.cast(value, tf.float32),
+                tf.cast(weight, tf.float32)))
+  return out
 
 
 def NextStepSeed():

@@ -161,15 +161,16 @@ def test_tensorboard_serves_the_training_runs_events(tmp_path):
     assert png == schedule_plot.PngBytes(schedule_lib.Schedule(_NUM_STAGES, 2))
     # Each stage's activation RMS (averaged over the microbatches, each
     # microbatch's RMS weighted alike) as the plain stack (unrolled, one
-    # block a stage: layer i is stage i) computes it on each microbatch of
-    # the same batch, from the same weights.
+    # block a stage: stage i's summary is layer i's, under the same name)
+    # computes it on each microbatch of the same batch, from the same
+    # weights.
     per_microbatch = [_PlainStackMetrics(initial, m) for m in range(2)]
     for stage in range(_NUM_STAGES):
       [tag] = [t for t in tags
                if t.startswith(f'activation_rms/stage_{stage}/')]
       want = np.mean([
           v for metrics in per_microbatch for k, v in metrics.items()
-          if 'activation_rms' in k and f'layer_{stage:03d}' in k])
+          if k.startswith(f'activation_rms/stage_{stage}/')])
       [(_, step, got)] = _Json(url, '/data/plugin/scalars/scalars', run='.',
                                tag=tag)
       assert step == 1 and abs(got - want) <= 1e-5 * abs(want), (

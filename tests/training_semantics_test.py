@@ -301,6 +301,38 @@ def test_every_one_device_path_aux_losses_summaries_dropout_and_bubbles(
   assert (res['pipe']['out'] == 0).any()
 
 
+@pytest.mark.parametrize('num_stages, circular_repeat', [(2, 2), (3, 1)])
+def test_unrolled_summaries_are_named_and_averaged_per_stage(
+    num_stages, circular_repeat):
+  """unroll='always' (an eval's default path) adds `<name>/stage_<s>`, as
+  the pipeline does, so that TensorBoard overlays train and eval: the
+  weighted mean over stage s's layers of the plain stack's summaries on
+  the whole batch."""
+  case = Case(num_stages, 2, circular_repeat)
+  x_np, _ = _Inputs(case)
+  with tf.Graph().as_default():
+    pipe = case.Params().Set(unroll='always').Instantiate()
+    x = tf.constant(x_np)
+    with py_utils.AuxLossContext(), py_utils.TpuSummaryTensorContext():
+      pipe.FProp(pipe.theta, x)
+      got = {k: v[0] for k, v in py_utils.GetTpuSummaryTensors().items()}
+    want = [[] for _ in range(num_stages)]
+    h = x
+    for layer in range(case.num_layers):
+      with py_utils.AuxLossContext(), py_utils.TpuSummaryTensorContext():
+        h = pipe.body.FProp(_LayerTheta(case, pipe.theta, layer), h)
+        (value, weight), = py_utils.GetTpuSummaryTensors().values()
+      want[layer % num_stages].append((value, weight))
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      got, want = sess.run((got, want))
+  assert len(got) == num_stages, sorted(got)
+  for stage, terms in enumerate(want):
+    [key] = [k for k in got if k.startswith(f'mean_sq/stage_{stage}/')]
+    mean = (sum(v * w for v, w in terms) / sum(w for _, w in terms))
+    np.testing.assert_allclose(got[key], mean, rtol=1e-6)
+
+
 def test_dropout_is_repeatable_and_independent_of_num_stages():
   rng = np.random.RandomState(5)
   weights = [dict(w=rng.normal(0, 0.5, [DIM, DIM]).astype(np.float32),
