@@ -35,17 +35,17 @@ from lingvo.core import optimizer
 from params import large_lm
 from params import pod_blocks
 # The task and its builder, under the names this module has always had.
-from params.lm_task import CausalBlockParams  # pylint: disable=unused-import
+from params.copy_task_input import CopyTaskInput
+from params.copy_task_input import FIRST_TOKEN_ID  # pylint: disable=unused-import
+from params.copy_task_input import MakeCopyBatch  # pylint: disable=unused-import
+from params.copy_task_input import PAD_ID  # pylint: disable=unused-import
+from params.copy_task_input import SEP_ID  # pylint: disable=unused-import
+from params.lm_blocks import CausalBlockParams  # pylint: disable=unused-import
+from params.lm_blocks import StageBlocks  # pylint: disable=unused-import
 from params.lm_task import CopyLMParams
-from params.lm_task import CopyTaskInput
-from params.lm_task import FIRST_TOKEN_ID  # pylint: disable=unused-import
 from params.lm_task import HeldOut
-from params.lm_task import MakeCopyBatch  # pylint: disable=unused-import
-from params.lm_task import PAD_ID  # pylint: disable=unused-import
 from params.lm_task import ParameterBytes  # pylint: disable=unused-import
 from params.lm_task import PipelinedLMTask  # pylint: disable=unused-import
-from params.lm_task import SEP_ID  # pylint: disable=unused-import
-from params.lm_task import StageBlocks  # pylint: disable=unused-import
 
 
 @model_registry.RegisterSingleTaskModel

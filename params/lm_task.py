@@ -1,8 +1,8 @@
-"""The copy-task LM: its data, its task and the builder of its Params.
+"""The copy-task LM: its task and the builder of its Params.
 
 A decoder-only Transformer LM whose stack is pipelined, trained to copy a
 random sequence (params/lm.py's docstring has the task; params/lm.py
-registers the models built from here).
+registers the models built from here; the data is params/copy_task_input.py).
 """
 
 import math
@@ -13,185 +13,14 @@ import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers as gpipe_layers
 from gpipe import sharding
 from lingvo import compat as tf
-from lingvo.core import base_input_generator
 from lingvo.core import base_model
 from lingvo.core import layers
-from lingvo.core import layers_with_attention
 from lingvo.core import metrics as metrics_lib
 from lingvo.core import optimizer
 from lingvo.core import py_utils
 from lingvo.core import schedule
+from params import lm_blocks
 from params import pod_blocks
-
-PAD_ID = 0
-SEP_ID = 1
-FIRST_TOKEN_ID = 2
-
-
-class CopyTaskInput(base_input_generator.BaseInputGenerator):
-  """Random sequences to copy, a deterministic function of the global step.
-
-  Batch b of step s is the same however training was interrupted and
-  resumed, so a restored checkpoint continues on exactly the data it would
-  have seen.
-  """
-
-  @classmethod
-  def Params(cls):
-    p = super().Params()
-    p.Define('vocab_size', 16, 'Vocabulary, including PAD and SEP.')
-    p.Define('copy_length', 8, 'L: tokens to copy; sequences are 2L long.')
-    p.Define('data_seed', 1234, 'Seed of the stateless random tokens.')
-    p.Define('held_out_batches', 0,
-             '0: training data, batch b of global step s (see the class '
-             'doc). N > 0: a fixed held-out set of N batches (Dev, Test), '
-             'read in turn, cyclically.')
-    p.batch_size = 32
-    return p
-
-  def __init__(self, params):
-    super().__init__(params)
-    self.ValidateParams(self.params)
-    self._held_out_counter = None  # see _NextHeldOutIndex
-
-  @classmethod
-  def ValidateParams(cls, p):
-    if p.vocab_size <= FIRST_TOKEN_ID:
-      raise ValueError(f'CopyTaskInput: vocab_size={p.vocab_size} leaves no '
-                       f'tokens besides PAD and SEP; use at least '
-                       f'{FIRST_TOKEN_ID + 1}.')
-    if p.copy_length < 1:
-      raise ValueError(f'CopyTaskInput: copy_length={p.copy_length} must be '
-                       'at least 1.')
-    if p.batch_size < 1:
-      raise ValueError(f'CopyTaskInput: batch_size={p.batch_size} must be '
-                       'at least 1.')
-    if p.held_out_batches < 0:
-      raise ValueError(f'CopyTaskInput: held_out_batches='
-                       f'{p.held_out_batches} must be 0 (training data) or '
-                       'the number of held-out batches.')
-
-  def _InputBatch(self):
-    p = self.params
-    if p.held_out_batches:
-      index = self._NextHeldOutIndex()
-    else:
-      index = tf.cast(_GlobalStepOrZero(), tf.int64)
-    seed = tf.stack([tf.constant(p.data_seed, tf.int64), index])
-    return MakeCopyBatch(seed, p.batch_size, p.copy_length, p.vocab_size)
-
-  def _NextHeldOutIndex(self):
-    """0, 1, ..., N - 1, 0, ... one per read (session run, or eager call).
-
-    Any N consecutive reads are the whole held-out set once, whichever batch
-    they start from: the evaler and decoder read num_samples = N batches
-    per checkpoint. The counter is a local variable (not checkpointed),
-    made once per input generator.
-    """
-    if self._held_out_counter is None:
-      self._held_out_counter = tf.Variable(
-          tf.constant(0, tf.int64), trainable=False, name='held_out_batch',
-          collections=[tf.GraphKeys.LOCAL_VARIABLES])
-    taken = self._held_out_counter.assign_add(1, use_locking=True) - 1
-    return tf.math.floormod(taken, self.params.held_out_batches)
-
-
-def MakeCopyBatch(seed, batch_size, copy_length, vocab_size):
-  """The copy-task batch for a [2] int64 stateless seed (see module doc)."""
-  tokens = tf.random.stateless_uniform([batch_size, copy_length], seed,
-                                       minval=FIRST_TOKEN_ID,
-                                       maxval=vocab_size, dtype=tf.int32)
-  sep = tf.fill([batch_size, 1], SEP_ID)
-  ids = tf.concat([tokens, sep, tokens], axis=1)
-  seq_len = 2 * copy_length
-  weights = tf.concat([tf.zeros([batch_size, copy_length]),
-                       tf.ones([batch_size, copy_length])], axis=1)
-  return py_utils.NestedMap(
-      ids=ids[:, :seq_len],
-      labels=ids[:, 1:],
-      weights=weights,
-      paddings=tf.zeros([batch_size, seq_len]))
-
-
-def _GlobalStepOrZero():
-  step = py_utils.GetGlobalStep()
-  return tf.constant(0, tf.int64) if step is None else step
-
-
-class StageBlocks(pod_blocks.BlockStage):
-  """One pipeline stage: k causal Transformer blocks, batch-major in and out.
-
-  The pipeline microbatches along the leading (batch) dim, so a stage takes
-  and returns ([batch, time, dim], [batch, time]); Lingvo's TransformerLayer
-  is time-major, so the stage transposes around its blocks.
-  """
-
-  def FProp(self, theta, inputs, paddings):
-    x = tf.transpose(inputs, [1, 0, 2])
-    time_major_paddings = tf.transpose(paddings)
-    for block, block_theta in zip(self.blocks, theta.blocks):
-      x, _ = block.FProp(block_theta, x, time_major_paddings)
-    # The pipeline reports it per stage: activation_rms/stage_<i>.
-    py_utils.AddTpuSummaryTensor('activation_rms',
-                                 tf.sqrt(tf.reduce_mean(tf.square(x))))
-    return tf.transpose(x, [1, 0, 2]), paddings
-
-  def InitStates(self, theta, batch_size, max_len):
-    """Empty key/value caches of every block, batch-major [b, max_len, d].
-
-    Batch-major so that the pipeline can split the batch of each stage's
-    state into microbatches (PipelinedLayer.MicrobatchStates).
-    """
-    del theta
-    dim = self.params.block_tpl.source_dim
-    zeros = tf.zeros([batch_size, max_len, dim], py_utils.FPropDtype(
-        self.params))
-    return py_utils.NestedMap(blocks=[
-        py_utils.NestedMap(key=zeros, value=zeros) for _ in self.blocks])
-
-  def ExtendStep(self, theta, x, states, time_step):
-    """One position through every block: x [b, d] -> (y [b, d], states).
-
-    Position `time_step` of each block's cache is written; the block attends
-    to positions 0..time_step, as its causal FProp does.
-    """
-    new_states = []
-    for block, block_theta, cache in zip(self.blocks, theta.blocks,
-                                         states.blocks):
-      time_major = cache.Transform(lambda c: tf.transpose(c, [1, 0, 2]))
-      x, _, updated = block.ExtendStep(block_theta, x, time_major,
-                                       t=time_step)
-      new_states.append(
-          updated.Transform(lambda c: tf.transpose(c, [1, 0, 2])))
-    return x, py_utils.NestedMap(blocks=new_states)
-
-
-def CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob):
-  """A pre-LN causal self-attention + feed-forward block.
-
-  Dropout is Lingvo's deterministic (stateless) kind, seeded by the global
-  step: a run resumed from a checkpoint draws the masks it would have drawn
-  had it never stopped.
-  """
-  p = layers_with_attention.TransformerLayer.Params().Set(
-      source_dim=model_dim, output_dim=model_dim, is_decoder=False,
-      mask_self_atten=True)  # (the layer overrides tr_atten_tpl.is_masked)
-  p.tr_atten_tpl.Set(num_attention_heads=num_heads,
-                     residual_dropout_prob=dropout_prob,
-                     atten_dropout_prob=dropout_prob,
-                     residual_dropout_tpl=_DeterministicDropout())
-  p.tr_atten_tpl.atten_tpl.atten_dropout_deterministic = True
-  p.tr_fflayer_tpl.Set(hidden_dim=hidden_dim,
-                       residual_dropout_prob=dropout_prob,
-                       relu_dropout_prob=dropout_prob)
-  p.tr_fflayer_tpl.fflayer_tpl.dropout = _DeterministicDropout()
-  p.tr_fflayer_tpl.residual_dropout_tpl = _DeterministicDropout()
-  return p
-
-
-def _DeterministicDropout():
-  return layers.DeterministicDropoutLayer.Params()
-
 
 class PipelinedLMTask(base_model.BaseTask):
   """Decoder-only LM: embedding -> pipelined Transformer stack -> softmax."""
@@ -222,7 +51,7 @@ class PipelinedLMTask(base_model.BaseTask):
     self.CreateChild('pos_emb', layers.SimpleEmbeddingLayer.Params().Set(
         vocab_size=p.max_seq_len, embedding_dim=p.model_dim,
         params_init=init))
-    self.CreateChild('input_dropout', _DeterministicDropout().Set(
+    self.CreateChild('input_dropout', lm_blocks.DeterministicDropout().Set(
         keep_prob=1.0 - p.input_dropout_prob))
     self.CreateChild('stack', p.stack)
     self.CreateChild('final_ln', layers.LayerNorm.Params().Set(
@@ -549,8 +378,8 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
     stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype,
                                       remat_blocks)
   else:
-    block = CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob)
-    stage = StageBlocks.Params().Set(num_blocks=blocks_per_stage,
+    block = lm_blocks.CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob)
+    stage = lm_blocks.StageBlocks.Params().Set(num_blocks=blocks_per_stage,
                                      block_tpl=block)
   stack = gpipe_layers.PipelinedLayer.Params().Set(
       name='stack', num_stages=num_stages, single_stage_body=stage,
