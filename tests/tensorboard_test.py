@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from gpipe import schedule as schedule_lib
 from gpipe import schedule_plot
 from gpipe import trainer
 from lingvo.core import base_model
+from lingvo.core import py_utils
 from params import lm
 
 _NUM_STAGES = 2
@@ -161,16 +163,14 @@ def test_tensorboard_serves_the_training_runs_events(tmp_path):
     assert png == schedule_plot.PngBytes(schedule_lib.Schedule(_NUM_STAGES, 2))
     # Each stage's activation RMS (averaged over the microbatches, each
     # microbatch's RMS weighted alike) as the plain stack (unrolled, one
-    # block a stage: stage i's summary is layer i's, under the same name)
-    # computes it on each microbatch of the same batch, from the same
-    # weights.
-    per_microbatch = [_PlainStackMetrics(initial, m) for m in range(2)]
+    # block a stage: stage i is layer i) computes it on each microbatch of
+    # the same batch, from the same weights: the values the body itself
+    # reports, in layer order, before gpipe names or combines anything.
+    per_microbatch = [_PlainStackLayerRms(initial, m) for m in range(2)]
     for stage in range(_NUM_STAGES):
       [tag] = [t for t in tags
                if t.startswith(f'activation_rms/stage_{stage}/')]
-      want = np.mean([
-          v for metrics in per_microbatch for k, v in metrics.items()
-          if k.startswith(f'activation_rms/stage_{stage}/')])
+      want = np.mean([layers[stage] for layers in per_microbatch])
       [(_, step, got)] = _Json(url, '/data/plugin/scalars/scalars', run='.',
                                tag=tag)
       assert step == 1 and abs(got - want) <= 1e-5 * abs(want), (
@@ -194,16 +194,27 @@ class _MicrobatchOfCopyTask(lm.CopyTaskInput):
         super()._InputBatch())
 
 
-def _PlainStackMetrics(checkpoint, microbatch):
-  """The metrics of one microbatch of global step 0's batch, the stack
-  unrolled, from the weights in `checkpoint`."""
+def _PlainStackLayerRms(checkpoint, microbatch):
+  """[activation RMS of each layer], as the stage body reports it on one
+  microbatch of global step 0's batch, the stack unrolled, from the
+  weights in `checkpoint` (its summary calls recorded as they are made)."""
   cfg = _TinyCopyLM()
   cfg.task.stack.unroll = 'always'
   cfg.input = _MicrobatchOfCopyTask.Params().Set(
       microbatch=microbatch, **{k: v for k, v in cfg.input.IterParams()
                                 if k not in ('cls', 'name')})
-  tg = trainer.BuildTrainGraph(cfg)
+  reported = []
+  add = py_utils.AddTpuSummaryTensor
+
+  def Record(name, value, *args, **kwargs):
+    if name == 'activation_rms':
+      reported.append(value)
+    return add(name, value, *args, **kwargs)
+
+  with mock.patch.object(py_utils, 'AddTpuSummaryTensor', Record):
+    tg = trainer.BuildTrainGraph(cfg)
+  assert len(reported) == _NUM_STAGES, reported
   with tg.graph.as_default(), tf.compat.v1.Session(graph=tg.graph) as sess:
     tg.saver.restore(sess, checkpoint)
     assert sess.run(tg.global_step) == 0
-    return sess.run(tg.metrics)
+    return sess.run(reported)
