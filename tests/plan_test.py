@@ -739,6 +739,27 @@ def test_plan_command_when_every_candidate_is_skipped(capsys,
   assert 'none of the candidates fits' not in err
 
 
+def test_a_candidate_skipped_while_building_is_never_said_to_compile(
+    monkeypatch):
+  """A candidate the target refuses while building (e.g. a mesh that would
+  split a block) is listed as skipped, with no 'Compiling' line."""
+
+  class _Refusing:
+
+    def Build(self, candidate, depth_param):
+      raise plan.PlanError('half a block per stage body')
+
+  monkeypatch.setattr(candidate_lib, 'CheckCandidate', lambda t, c: None)
+  said = []
+  result = candidate_lib.MakePlan(
+      _Refusing(), [plan.Candidate(8, 2)], NUM_STAGES,
+      roofline.CHIPS['v5e'], 16 * 2**30, log=said.append)
+  assert said == [] and not result.reports
+  [(candidate, reason)] = result.skipped
+  assert candidate.circular_repeat == 2
+  assert reason == 'half a block per stage body'
+
+
 @pytest.mark.parametrize('flag, value', [
     ('--hbm_gib', '0'), ('--hbm_gib', '-16'), ('--hbm_gib', 'nan'),
     ('--num_devices', '0'), ('--num_devices', '-4'),

@@ -332,11 +332,17 @@ class CandidateReport:
 
 
 def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
-                  depth_param='num_blocks'):
-  """Lowers, partitions and compiles one candidate; a CandidateReport."""
+                  depth_param='num_blocks', log=None):
+  """Lowers, partitions and compiles one candidate; a CandidateReport.
+
+  `log` (if given) is told once the candidate is built, before its compile:
+  a candidate skipped while building is never said to be compiling.
+  """
   start = time.time()
   with tpu_build.AsOnTpu():  # Lingvo's layers annotate their weights when built for one
     step = target.Build(candidate, depth_param)
+  if log:
+    log(f'Compiling {candidate.Describe()} for {num_devices} devices...')
   pipelined = train_step.FindPipelinedLayers(step.root)
   stack_p = pipelined[0][1].params
   sched = schedule_lib.Schedule(
@@ -427,10 +433,8 @@ def MakePlan(target, candidates, num_devices, chip, hbm_bytes,
   for candidate in candidates:
     try:
       CheckCandidate(target, candidate)
-      if log:
-        log(f'Compiling {candidate.Describe()} for {num_devices} devices...')
       reports.append(PlanCandidate(target, candidate, num_devices, chip,
-                                   hbm_bytes, depth_param))
+                                   hbm_bytes, depth_param, log))
     except targets.PlanError as e:
       skipped.append((candidate, str(e).splitlines()[0]))
     except Exception as e:  # pylint: disable=broad-except
