@@ -557,6 +557,43 @@ def test_plot_segments_add_up_to_the_peak(linear_plan, tmp_path):
   assert path.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+@pytest.mark.parametrize('clip_norm', [0.0, 0.05])
+def test_the_planned_update_is_tensorflows_clipped_adam(clip_norm):
+  """The step's new weights and Adam slots (updated one weight after
+  another, the clip's factor inside each update) against TensorFlow's
+  tf.clip_by_global_norm and AdamOptimizer applied to the step's own
+  gradients (its Gradients, which the update does not touch)."""
+  layer = LayerParams().Instantiate()
+  step = train_step.LayerStep(layer, [(BATCH, DIM)])
+  step.clip_norm = clip_norm
+  rng = np.random.RandomState(3)
+  weights = [rng.normal(0, 0.3, a.spec.shape).astype(np.float32)
+             for a in step.weight_args]
+  x = rng.normal(size=[BATCH, DIM]).astype(np.float32)
+  slots = [np.zeros(a.spec.shape, np.float32) for a in step.slot_args]
+  run = tf.function(step, jit_compile=True)
+  _, *new = run(*[tf.constant(v) for v in weights + slots + [x]],
+                tf.constant(0, tf.int64), tf.constant(1e-2))
+  _, *grads = tf.function(step.Gradients, jit_compile=True)(
+      *[tf.constant(v) for v in weights + [x]])
+  norm = np.sqrt(sum(np.sum(np.square(g.numpy())) for g in grads))
+  if clip_norm:
+    assert norm > 2 * clip_norm, norm  # the clip scales every gradient
+    grads, _ = tf.clip_by_global_norm(grads, clip_norm)
+  variables = [tf.Variable(w) for w in weights]
+  adam = tf.compat.v1.train.AdamOptimizer(1e-2)
+  adam.apply_gradients(zip(grads, variables))
+  n = len(weights)
+  for i, var in enumerate(variables):
+    np.testing.assert_allclose(new[i].numpy(), var.numpy(), rtol=1e-5,
+                               atol=1e-6)
+    m, v = new[n + 2 * i:n + 2 * i + 2]
+    np.testing.assert_allclose(m.numpy(), adam.get_slot(var, 'm').numpy(),
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(v.numpy(), adam.get_slot(var, 'v').numpy(),
+                               rtol=1e-5, atol=1e-9)
+
+
 def test_shapes_only_memory_equals_the_partitioned_run():
   layer = LayerParams().Instantiate()
   step = train_step.LayerStep(layer, [(BATCH, DIM)])

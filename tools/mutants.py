@@ -59,6 +59,12 @@ BUGS = (
         'return min(ok, key=lambda i: self.reports[i].prediction.step_seconds)',
         'return max(ok, key=lambda i: self.reports[i].prediction.step_seconds)',
         ('tests/plan_test.py', '-k', 'fits or recommend')),
+    Bug('plan-clip-dropped', "the planned update ignores the gradient clip",
+        'gpipe/plan/train_step.py',
+        'scale = _ClipScale(grads, self.clip_norm) if self.clip_norm > 0 '
+        'else None',
+        'scale = None',
+        ('tests/plan_test.py', '-k', 'planned_update')),
     # -- Decoding from per-stage states. ------------------------------------
     Bug('decode-stage-0', "every stage gets stage 0's state",
         'gpipe/microbatch.py',
