@@ -45,7 +45,8 @@ def Plan(model, tpu, hbm_gib, candidates=None, layer='gpipe',
   seconds = time.time() - start
   if run.returncode == 0:
     return json.loads(run.stdout), '', seconds
-  errors = [l for l in run.stderr.splitlines() if l.startswith('error:')]
+  errors = [l.removeprefix('plan: error: ') for l in run.stderr.splitlines()
+            if l.startswith('plan: error:')]
   return None, (errors or run.stderr.splitlines() or ['?'])[-1], seconds
 
 

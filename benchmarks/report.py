@@ -115,13 +115,12 @@ def Markdown(cfg, overhead, failures, memory, remat_rows, compile_rows,
       'per round). Bodies: a '
       'residual MLP block; sections 1-2: ' + '; '.join(
           f'{b.name}, width {b.dim}, hidden {b.hidden}, batch {b.batch}'
-          for b in cfg.bodies) + f'; sections 3-5: width {cfg.dim}, hidden '
-      f'{cfg.hidden}, batch {cfg.batch}.', '']
+          for b in cfg.bodies) + '; sections 3-5 say their own.', '']
   lines += _OverheadTable(overhead)
   lines += _LingvoTable(overhead, failures)
   lines += _MemoryTable(cfg, memory)
   lines += _RematTable(cfg, remat_rows)
-  lines += _CompileTable(compile_rows)
+  lines += _CompileTable(cfg, compile_rows)
   lines += _PartitionedTable(partitioned)
   return '\n'.join(lines) + '\n'
 
@@ -162,9 +161,11 @@ def _OverheadTable(rows):
           f'{r.pipe_ms / r.steps_ms:.2f} |')
     for mode in sorted({r.mode for r in body_rows}):
       mode_rows = [r for r in body_rows if r.mode == mode]
+      target = TARGET_OVERHEAD[(body, mode)]
       out += ['', f'{body}, {mode}: ours/ideal ' + _Spread(
-          [r.vs_ideal for r in mode_rows]) + f'; target <= '
-              f'{TARGET_OVERHEAD[(body, mode)]}; one by one ' + _Spread(
+          [r.vs_ideal for r in mode_rows]) + f'; target <= {target} ' +
+              _Verdict([r.vs_ideal for r in mode_rows], target) +
+              '; one by one ' + _Spread(
                   [r.steps_vs_ideal for r in mode_rows]) + '; skip ' +
               _Spread([r.skip_vs_ideal for r in mode_rows]) + '; layers ' +
               _Spread([r.layers_vs_ideal for r in mode_rows]) + '.']
@@ -176,6 +177,19 @@ def _Spread(values):
   """'median m (range lo-hi)'."""
   return (f'median {statistics.median(values):.2f} (range '
           f'{min(values):.2f}-{max(values):.2f})')
+
+
+def _Verdict(values, median_target, each_target=None):
+  """'(met)' or '(MISSED: ...)': where a target is missed, said with it."""
+  misses = []
+  median = statistics.median(values)
+  if median > median_target:
+    misses.append(f'median {median:.2f} > {median_target}')
+  if each_target is not None:
+    above = [v for v in values if v > each_target]
+    if above:
+      misses.append(f'{len(above)} of {len(values)} above {each_target}')
+  return f'(MISSED: {", ".join(misses)})' if misses else '(met)'
 
 
 def _Ordered(names):
@@ -208,7 +222,9 @@ def _LingvoTable(rows, failures):
   for (body, mode), vals in sorted(ratios.items(),
                                    key=lambda kv: (kv[0][0] != 'small', kv[0])):
     out += ['', f'{body}, {mode}: ours / Lingvo ' +
-            _Spread([v[0] for v in vals]) + '; skip / Lingvo ' +
+            _Spread([v[0] for v in vals]) + ' ' +
+            _Verdict([v[0] for v in vals], TARGET_VS_LINGVO, 1.05) +
+            '; skip / Lingvo ' +
             _Spread([v[1] for v in vals]) + '; layers / Lingvo ' +
             _Spread([v[2] for v in vals]) + '.']
   out += ['', 'Only we run (graph mode, one CPU):', '',
@@ -297,9 +313,10 @@ def _RematTable(cfg, rows):
   return out + ['']
 
 
-def _CompileTable(rows):
+def _CompileTable(cfg, rows):
   out = ['## 4. Compile time', '',
-         'Tracing + XLA compilation + first run of a jit training step, '
+         'Tracing + XLA compilation + first run of a jit training step '
+         f'(width {cfg.dim}, hidden {cfg.hidden}, microbatches of 2 rows), '
          'seconds; growth = at the largest M / at the smallest. Target '
          f'growth <= {TARGET_COMPILE_GROWTH}.', '']
   ms = list(rows[0][2]) if rows else []

@@ -40,8 +40,8 @@ from benchmarks import bodies
 from benchmarks import measure
 from benchmarks import report
 from gpipe import check_partitioning
+from gpipe import hlo_text
 from gpipe import layers
-from gpipe import partitioning
 from gpipe import schedule
 from gpipe import stage_call
 from lingvo.core import gshard_layers
@@ -235,7 +235,7 @@ def CompileTimes(cfg):
 
 def _Float32Bytes(hlo_type):
   """Bytes of an f32 HLO result type (the buffer here is float32)."""
-  return 4 * sum(int(np.prod(s)) for s in partitioning.ShapesOf(hlo_type))
+  return 4 * sum(int(np.prod(s)) for s in hlo_text.ShapesOf(hlo_type))
 
 
 def Partitioned(cfg):

@@ -15,10 +15,11 @@ task's loss and gradients on a batch of its input, and a stack weight
 split over fewer devices than its own annotation asks is a failed check
 too. It prints:
 
-  * the collectives per kind inside the loop bodies (the forward loop and
-    its backward loop) and outside them: a pipeline's buffer shift is one
-    collective-permute per carried tensor and iteration; an all-gather or
-    all-to-all of the stage-stacked weights means an annotation is wrong;
+  * the collectives per kind inside the loop bodies, per iteration (each
+    loop labelled forward or backward, with its iterations), and outside
+    them: a pipeline's buffer shift is one collective-permute per carried
+    tensor and iteration; an all-gather or all-to-all of the stage-stacked
+    weights means an annotation is wrong;
   * each weight's per-device shape, and the bytes one device holds vs the
     total;
   * the largest difference between the partitioned run and the same step run
@@ -67,7 +68,8 @@ def _Parser():
                       help='virtual devices (default: num_stages, or the '
                       'size of device_mesh)')
   parser.add_argument('--verbose', action='store_true',
-                      help='also show TensorFlow, XLA and Lingvo logs')
+                      help='also show TensorFlow, XLA and Lingvo logs, and '
+                      'the XLA computation of each loop')
   parser.add_argument('--tolerance', type=float, default=1e-4,
                       help='largest accepted |partitioned - unpartitioned|')
   return parser
@@ -355,7 +357,7 @@ def main(argv=None):
     return 2
   except RuntimeError as e:  # XLA's partitioner or compiler gave up
     return _SayPartitioningFailed(e, args.verbose)
-  return _Print(report, args.tolerance)
+  return _Print(report, args.tolerance, args.verbose)
 
 
 def _CheckModel(args):
@@ -377,7 +379,7 @@ def _CheckModel(args):
     return 2
   except RuntimeError as e:  # XLA's partitioner or compiler gave up
     return _SayPartitioningFailed(e, args.verbose)
-  return _Print(report, args.tolerance)
+  return _Print(report, args.tolerance, args.verbose)
 
 
 def _SayPartitioningFailed(error, verbose):
@@ -389,9 +391,9 @@ def _SayPartitioningFailed(error, verbose):
   return 1
 
 
-def _Print(report, tolerance):
+def _Print(report, tolerance, verbose=False):
   """Prints the report and its verdict; the exit status."""
-  print(report.Summary())
+  print(report.Summary(verbose))
   problems = report.Problems(tolerance)
   print('\n'.join(problems) if problems else 'OK')
   return 1 if problems else 0

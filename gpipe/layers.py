@@ -458,10 +458,15 @@ def ValidateParams(p, batch_size=None):
     batch_size: if given, also checks that it splits into the configured
       microbatches.
 
+  Returns:
+    What was checked, resolved (param_checks.CheckedParams): num_stages,
+    circular_repeat, num_microbatches and microbatch_size (from batch_size
+    when given), the schedule's num_iterations and bubble_fraction; str()
+    says it in one line, e.g. '4 stages x 2 repeats, 16 microbatches of 4:
+    35 iterations, bubble 0.086'.
+
   Raises:
     ValueError: naming the parameter and the fix.
   """
   param_checks.Check(p)
-  if batch_size is not None:
-    microbatch.ResolveNumMicrobatches(batch_size, p.num_microbatches,
-                                      p.microbatch_size)
+  return param_checks.Checked(p, batch_size)

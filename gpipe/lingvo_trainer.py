@@ -49,6 +49,7 @@ def main(argv=None):
   from lingvo import trainer  # pylint: disable=g-import-not-at-top
   from lingvo import compat as tf  # pylint: disable=g-import-not-at-top
   from lingvo import model_imports  # pylint: disable=g-import-not-at-top
+  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
 
   flags = tf.flags.FLAGS
   if 'model_module' not in flags:
@@ -77,7 +78,17 @@ def main(argv=None):
   _SetUpAsLingvosTrainerDoes(flags)
   if is_quiet:
     _ShowProgressOnly(model_imports)
-  model_imports.ImportParams(flags.model)
+  try:
+    model_imports.ImportParams(flags.model)
+  except ValueError:  # Lingvo's 'Invalid model name': no module in it
+    pass
+  with quiet.LibraryPrints():  # the registry imports Lingvo's own tasks
+    known = sorted(model_registry.GetAllRegisteredClasses())
+  if flags.model not in known:
+    print('lingvo_trainer: error: --model: ' +
+          registered_models.UnknownModelMessage(flags.model, known),
+          file=sys.stderr)
+    return 2
   if flags.run_locally:
     _SkipFixedStartUpWait()
   if _Trains(flags.job) and flags.logdir:
@@ -94,30 +105,63 @@ def main(argv=None):
 
 # Lingvo's log lines shown without --verbose: its progress.
 _PROGRESS = re.compile(r'(step: |Training finished|Save checkpoint done|'
-                       r'Evaling|Decoding|.*[Dd]one\.)')
+                       r'Evaling|Decoding|\S+ summary on checkpoint@|'
+                       r'Latest checkpoint was already|'
+                       r'.*[Dd]one\.)')
 
 
 class _ProgressOnly(logging.Filter):
   """Passes Lingvo's progress lines, and errors; nothing else. (Lingvo's
   retry of the global step while the model initializes logs its exception
-  at INFO: an expected race, not shown.)"""
+  at INFO: an expected race, not shown. An evaler or decoder that finds its
+  checkpoint done leaves an op of Lingvo's unused, which TensorFlow reports
+  at ERROR with where it was made: not the user's to fix, not shown.)"""
 
   def filter(self, record):
     if record.levelno >= logging.ERROR:
-      return True
+      return 'Object was never used' not in record.getMessage()
     return (record.levelno == logging.INFO and
             _PROGRESS.match(record.getMessage()) is not None)
+
+
+class _ProgressFormat(logging.Formatter):
+  """A progress line as a user reads it: no log prefix, and a step's line
+  cut to its number and the task's own metrics (Lingvo's bookkeeping, the
+  gradient norms and the per-stage summaries are in TensorBoard).
+
+      step    20  loss 1.3794497
+  """
+
+  def format(self, record):
+    message = record.getMessage()
+    if record.levelno >= logging.ERROR:
+      return f'lingvo_trainer: error: {message}'
+    step = _STEP_LINE.match(message)
+    if not step:
+      return message
+    metrics = [m.split(':', 1) for m in (step.group(2) or '').split()]
+    shown = [f'{name} {value}' for name, value in (m for m in metrics
+                                                   if len(m) == 2)
+             if '/' not in name and name not in _LINGVOS_OWN_METRICS]
+    return '  '.join([f'step {int(step.group(1)):5d}'] + shown)
+
+
+# Lingvo's step line: `step: N, steps/sec: x, examples/sec: y name:value ...`.
+_STEP_LINE = re.compile(r'step:\s*(\d+)(?:,.*?examples/sec: \S+(.*))?$')
+_LINGVOS_OWN_METRICS = ('num_samples_in_batch',)
 
 
 def _ShowProgressOnly(model_imports):
   """Lingvo's progress lines only (quiet.UnlessVerbose silenced the rest
   of the libraries' logs), and its model registry's import prints
   swallowed."""
+  from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
   from gpipe import quiet  # pylint: disable=g-import-not-at-top
   for name in ('tensorflow', 'absl'):
     logger = logging.getLogger(name)
     logger.setLevel(logging.INFO)
     logger.addFilter(_ProgressOnly())
+  absl_logging.get_absl_handler().setFormatter(_ProgressFormat())
   import_params = model_imports.ImportParams
 
   def ImportParamsQuietly(*args, **kwargs):

@@ -2,6 +2,9 @@
 ValueError naming the param, the value (and its type) and the fix, raised
 before anything is built."""
 
+import dataclasses
+from typing import Optional
+
 import numpy as np
 
 from gpipe import microbatch
@@ -118,3 +121,66 @@ def RematPolicy(p):
 def CheckIndex(name, value, bound):
   if isinstance(value, (int, np.integer)) and not 0 <= value < bound:
     raise ValueError(f'{name}={value} is out of range [0, {bound}).')
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedParams:
+  """What gpipe.layers.ValidateParams checked, resolved.
+
+  num_microbatches: from the batch size when one is given (what the layer
+  will split it into), else the params' own (None if only microbatch_size
+  is set); microbatch_size: rows per microbatch, None when not known (no
+  batch size and only num_microbatches set, or neither param set: the
+  inputs then come as [M, ...]). num_iterations and bubble_fraction are
+  gpipe.schedule.Schedule's for (num_stages, num_microbatches,
+  circular_repeat); None without num_microbatches.
+  """
+  num_stages: int
+  circular_repeat: int
+  num_microbatches: Optional[int]
+  microbatch_size: Optional[int]
+  num_iterations: Optional[int]
+  bubble_fraction: Optional[float]
+
+  def __str__(self):
+    """'4 stages x 2 repeats, 16 microbatches of 4: 35 iterations, bubble
+    0.086'."""
+    text = _Count(self.num_stages, 'stage') + (
+        f' x {self.circular_repeat} repeats' if self.circular_repeat > 1
+        else '')
+    size = (f' of {self.microbatch_size}'
+            if self.microbatch_size is not None else '')
+    if self.num_microbatches is None and self.microbatch_size is None:
+      return (f'{text}, inputs read as [M, ...] microbatches (the schedule '
+              'comes with M)')
+    if self.num_microbatches is None:
+      return (f'{text}, microbatches{size} (their number, and so the '
+              'schedule, comes with the batch size)')
+    return (f'{text}, {_Count(self.num_microbatches, "microbatch")}{size}: '
+            f'{_Count(self.num_iterations, "iteration")}, bubble '
+            f'{self.bubble_fraction:.3f}')
+
+
+def Checked(p, batch_size=None):
+  """The CheckedParams of params that passed Check (ValueError if
+  batch_size does not split into their microbatches)."""
+  num_microbatches, size = p.num_microbatches, p.microbatch_size
+  if batch_size is not None:
+    num_microbatches, split = microbatch.ResolveNumMicrobatches(
+        batch_size, p.num_microbatches, p.microbatch_size)
+    size = batch_size // num_microbatches if split else None
+  schedule = None if num_microbatches is None else schedule_lib.Schedule(
+      p.num_stages, num_microbatches, p.circular_repeat)
+  return CheckedParams(
+      num_stages=int(p.num_stages),
+      circular_repeat=int(p.circular_repeat),
+      num_microbatches=None if schedule is None else schedule.num_microbatches,
+      microbatch_size=None if size is None else int(size),
+      num_iterations=None if schedule is None else schedule.num_iterations,
+      bubble_fraction=None if schedule is None else schedule.bubble_fraction)
+
+
+def _Count(n, noun):
+  """'1 stage', '4 stages', '2 microbatches'."""
+  plural = 'es' if noun.endswith('ch') else 's'
+  return f'{n} {noun}' + ('' if n == 1 else plural)

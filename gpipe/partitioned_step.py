@@ -18,8 +18,11 @@ import numpy as np
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
+from gpipe import hlo_text as hlo
+from gpipe import one_f_one_b
 from gpipe import partitioning
 from gpipe import sharding
+from gpipe import spmd_worker
 from lingvo.core import py_utils
 
 
@@ -140,7 +143,7 @@ class Report:
     """All-gathers and all-to-alls that move a whole weight (or a stage's):
     of a bare layer, any weight; of a model, a stack's."""
     staged = self.step.on_stages or [True] * self.step.num_weights
-    return partitioning.GatheredTensors(
+    return hlo.GatheredTensors(
         self.run.collectives,
         [full for (_, full, _), keep in zip(self.WeightShapes(), staged)
          if keep])
@@ -194,15 +197,33 @@ class Report:
     """{'kind over axes': count} in loop `loop` (-1: outside the loops)."""
     mesh = self.mesh_shape or (self.run.num_devices,)
     return dict(collections.Counter(
-        partitioning.KindOverAxes(c, mesh, self.stage_axis)
+        hlo.KindOverAxes(c, mesh, self.stage_axis)
         for c in self.run.collectives if c.loop == loop))
 
-  def Summary(self):
+  def LoopLabels(self, verbose=False):
+    """Per loop: 'forward' or 'backward' (ForwardLoop), its iterations
+    when XLA knows them, with verbose its body computation's name."""
+    forward = ForwardLoop(self.run.hlo, self.run.loops)
+    try:
+      trips = hlo.LoopTripCounts(self.run.hlo)
+    except spmd_worker.UnknownTripCount:
+      trips = {}
+    labels = []
+    for i, body in enumerate(self.run.loops):
+      said = [f'{trips[body]} iterations'] if body in trips else []
+      said += [f'XLA body {body}'] if verbose else []
+      labels.append(('forward' if i == forward else 'backward') +
+                    (f' ({"; ".join(said)})' if said else ''))
+    return labels
+
+  def Summary(self, verbose=False):
+    """The report as text; verbose names each loop's XLA computation."""
     lines = [f'Partitioned for {self.run.num_devices} virtual devices' + (
         f', a {list(self.mesh_shape)} mesh with the stages on axis '
         f'{self.stage_axis}.' if len(self.mesh_shape) > 1 else '.')]
-    for i, body in enumerate(self.run.loops):
-      lines.append(f'  loop {i} ({body}): {_Counts(self.CountsByAxes(i))}')
+    for i, label in enumerate(self.LoopLabels(verbose)):
+      lines.append(f'  loop {i}, {label}, per iteration: '
+                   f'{_Counts(self.CountsByAxes(i))}')
     lines.append(f'  outside the loops: {_Counts(self.CountsByAxes(-1))}')
     lines.append('Weights (full shape -> per-device shape):')
     for name, full, shard in self.WeightShapes():
@@ -217,6 +238,17 @@ class Report:
     lines.append(f'Largest |partitioned - unpartitioned|: '
                  f'{self.max_abs_diff:.3g}')
     return '\n'.join(lines)
+
+
+def ForwardLoop(hlo_text, bodies):
+  """Index of the forward loop among a partitioned step's outermost while
+  loops (`bodies`, their body computations): with backward_schedule='1f1b'
+  the one in its forward name scope (XLA may order the gradient's loops
+  before it), otherwise the first. The others are the backward pass."""
+  for i, name in enumerate(hlo.OpNames(hlo_text, bodies)):
+    if one_f_one_b.FORWARD_LOOP in name:
+      return i
+  return 0
 
 
 def _Counts(counts):

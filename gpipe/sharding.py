@@ -7,18 +7,27 @@ partition. Nothing here depends on a flag saying "TPU".
 
 What each tensor of the loop gets, with `shard_stages_1d` (the stage dim over
 num_stages devices) or `pipeline_stage_mesh_dim` (the stage dim over one axis
-of `device_mesh`):
+of `device_mesh`); `Unplaced` and its two subclasses below decide it, each
+row in one of their methods (S stages, M microbatches of mb rows, T loop
+iterations, R circular repeats):
 
-  tensor                          annotation            why
-  per-stage var (per_stage_vars)  least-padding dim     1/S each, resharded
-                                  split                 to the stage dim once,
-                                                        outside the loop
-  stacked theta [S, (R,) ...]     stage dim split       each device holds 1/S
-  stage-0 inputs [T, mb, ...]     replicated (dim 0)    indexed by the loop
-  buffer state [S, mb, ...]       stage dim split       shift = 1 permute
-  buffer history [T, S, mb, ...]  stage dim (1) split   no gather in the loop
-  aux loss per stage [S]          stage dim split       summed after masking
-  outputs [M, mb, ...]            replicated (dim 0)    leaves the pipeline
+  tensor                           annotation          why
+  stacked theta [S, (R,) ...]      stage dim split     each device holds 1/S
+  per-stage var (per_stage_vars)   least-padding dim   1/S each, resharded to
+                                   split               the stage dim once
+  microbatched inputs [M, mb, ...] replicated          indexed by the loop
+    with stream_io                 dim 0 split         1/S per device, sent to
+                                                       stage 0 when due
+  stage 0's read [mb, ...]         replicated          then one slot of S
+  buffer [S, mb, ...]              stage dim split     shift = 1 permute
+  stored stage inputs              stage dim split     no gather in the loop
+    ([T, S, mb, ...] 'reverse';
+    the rings [S, 2RS-1, mb, ...]
+    '1f1b')
+  outputs [M, mb, ...]             replicated          leave the pipeline
+    with stream_io                 dim 0 split         1/S per device
+  loop counters, indices           replicated          kept out of the manual
+                                                       region
 
 How the stages run (the body sees one stage, without the stage dim):
 
@@ -30,9 +39,11 @@ How the stages run (the body sees one stage, without the stage dim):
     (`MeshSplit`) are sub-grouped on the other mesh axes.
   * One device (CPU/GPU, no partitioner): the manual-sharding ops have no
     single-device kernel (TF has no CPU kernel for XlaSpmdFullToShardShape,
-    and XLA:CPU rejects the shape change), so the layer runs the body once
-    per stage on the stage's slice and stacks the results. Same annotations
-    around the loop, same numbers.
+    and XLA:CPU rejects the shape change), so the layer runs the S stages of
+    an iteration as one computation vectorized over the stage dim
+    (`vectorize_stages`), or, for a body that cannot be vectorized, one
+    stage after another on its slice. Same annotations around the loop,
+    same numbers.
 """
 
 import contextlib

@@ -1,9 +1,11 @@
-"""The README's use snippet and examples/my_model.py run as a user runs them.
+"""The README's use snippet and the examples run as a user runs them.
 
-The example runs as a script in a process of its own (as the README shows);
-what it prints is checked against numbers derived here from its model's
-sizes. The README's snippet is taken from the README itself, run, and its
-output compared with its 8 logical layers applied one after another.
+examples/my_model.py runs as a script in a process of its own (as the
+README shows); what it prints is checked against numbers derived here from
+its model's sizes, and against the output the README shows. The README's
+snippet is taken from the README itself, run, and its output compared with
+its 8 logical layers applied one after another. examples/my_task.py's task
+is compared with its layers run in turn, computed here.
 """
 
 import os
@@ -19,6 +21,7 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import check_partitioning
 from gpipe import layers
+from tests import docs_test
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -45,6 +48,12 @@ def test_my_model_example_runs_checks_partitions_and_plans():
   assert f'Weight bytes per device: {total // 2} of {total} ' in out
   assert 'Weights gathered or transposed: none' in out
   assert '3. Planned for 2 TPU v5e chips' in out
+  # What the README shows it print (docs_test runs the README's other
+  # commands; this one runs here).
+  shown = [c.shown for c in docs_test.Commands((_ROOT / 'README.md').read_text())
+           if c.text == '.venv/bin/python examples/my_model.py']
+  assert len(shown) == 1 and shown[0], shown
+  assert docs_test.ShownOutputMatches(shown[0], out.splitlines()), out
 
 
 def test_my_model_params_load_by_module_and_by_file(monkeypatch):
@@ -88,3 +97,36 @@ def test_readme_use_snippet_runs_as_written():
   assert y.shape == (64, 8)
   np.testing.assert_allclose(y, LayersInTurn(x).numpy(), rtol=1e-5,
                              atol=1e-5)
+
+
+def test_my_task_equals_its_layers_run_in_turn():
+  """examples/my_task.py's task, pipelined, against the same task computed
+  here: its input projection, the 8 logical layers applied one after
+  another on the whole batch (each on its own weights), the output
+  projection and the mean squared error; the loss and every gradient."""
+  from examples import my_task  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(5)
+  x = rng.normal(size=[32, my_task.DIM]).astype(np.float32)
+  y = rng.normal(size=[32, my_task.DIM]).astype(np.float32)
+  with tf.Graph().as_default():
+    tf.random.set_seed(2)
+    task = my_task.MyRegression().Task().Instantiate()
+    batch = my_task.py_utils.NestedMap(x=tf.constant(x), y=tf.constant(y))
+    metrics, _ = task.FPropDefaultTheta(batch)
+    theta, stack = task.theta, task.stack
+    h = task.proj_in.FProp(theta.proj_in, batch.x)
+    for r in range(stack.params.circular_repeat):
+      for s in range(stack.params.num_stages):
+        h = stack.body.FProp(stack.layer_theta(theta.stack, r, s), h)
+    out = task.proj_out.FProp(theta.proj_out, h)
+    reference = tf.reduce_mean(tf.square(out - batch.y))
+    variables = task.vars.Flatten()
+    grads = tf.gradients(metrics['loss'][0], variables)
+    reference_grads = tf.gradients(reference, variables)
+    with tf.compat.v1.Session() as sess:
+      sess.run(tf.compat.v1.global_variables_initializer())
+      got, want = sess.run(([metrics['loss'][0]] + grads,
+                            [reference] + reference_grads))
+  assert len(got) == 1 + 4 + 6  # the loss; 2 projections; 3 body layers
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)

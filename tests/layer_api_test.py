@@ -6,6 +6,7 @@ TF1 behaviour (tf.compat.v1.disable_v2_behavior, Lingvo's trainer setting) in
 a subprocess.
 """
 
+import dataclasses
 import os
 import pathlib
 import subprocess
@@ -17,6 +18,7 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import layers
+from gpipe import schedule as schedule_lib
 from lingvo.core import base_layer
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
@@ -145,6 +147,85 @@ def test_batch_not_divisible_by_microbatch_size():
                      match=r'Batch size 6 is not divisible by '
                      r'microbatch_size=4'):
     _FProp(_Params(num_microbatches=None, microbatch_size=4), batch=6)
+
+
+# -- ValidateParams: what it checked, resolved. -----------------------------
+
+
+@pytest.mark.parametrize('overrides, batch_size, want, text', [
+    # S=2, M=2, R=1: M + S - 1 = 3 iterations, a third of them idle.
+    (dict(), 8, (2, 1, 2, 4, 3, 1 / 3),
+     '2 stages, 2 microbatches of 4: 3 iterations, bubble 0.333'),
+    # S=4, M=16 (64 rows of 4), R=1: 16 + 4 - 1 = 19, bubble 3/19.
+    (dict(num_stages=4, num_microbatches=None, microbatch_size=4), 64,
+     (4, 1, 16, 4, 19, 3 / 19),
+     '4 stages, 16 microbatches of 4: 19 iterations, bubble 0.158'),
+    # S=4, M=16, R=2: 2 x 16 + 4 - 1 = 35, of the 35 x 4 slots 32 x 4 work.
+    (dict(num_stages=4, circular_repeat=2, num_microbatches=16), 64,
+     (4, 2, 16, 4, 35, 3 / 35),
+     '4 stages x 2 repeats, 16 microbatches of 4: 35 iterations, bubble '
+     '0.086'),
+    # S=4, M=6 (padded to 8), R=2: 2 x 8 + 3 = 19; 12 x 4 of 19 x 4 work.
+    (dict(num_stages=4, circular_repeat=2, num_microbatches=6), None,
+     (4, 2, 6, None, 19, 1 - 12 / 19),
+     '4 stages x 2 repeats, 6 microbatches: 19 iterations, bubble 0.368'),
+    # Only microbatch_size and no batch: M is not known yet.
+    (dict(num_microbatches=None, microbatch_size=4), None,
+     (2, 1, None, 4, None, None), '2 stages, microbatches of 4 (their '
+     'number, and so the schedule, comes with the batch size)'),
+    # Neither: the inputs come as [M, ...], M their leading dim.
+    (dict(num_microbatches=None), 5, (2, 1, 5, None, 6, 1 / 6),
+     '2 stages, 5 microbatches: 6 iterations, bubble 0.167'),
+    (dict(num_stages=1, num_microbatches=1), 3, (1, 1, 1, 3, 1, 0.0),
+     '1 stage, 1 microbatch of 3: 1 iteration, bubble 0.000'),
+])
+def test_validate_params_returns_what_it_checked(overrides, batch_size, want,
+                                                 text):
+  checked = layers.ValidateParams(_Params(**overrides), batch_size)
+  got = (checked.num_stages, checked.circular_repeat,
+         checked.num_microbatches, checked.microbatch_size,
+         checked.num_iterations, checked.bubble_fraction)
+  assert got[:5] == want[:5], got
+  if want[5] is None:
+    assert got[5] is None
+  else:
+    assert got[5] == pytest.approx(want[5], abs=1e-12), got
+  assert str(checked) == text
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    checked.num_stages = 3
+
+
+@pytest.mark.parametrize('s', [1, 2, 3, 4])
+@pytest.mark.parametrize('r', [1, 2, 3])
+def test_validate_params_schedule_is_gpipe_schedules(s, r):
+  for m in (1, 2, 3, 5, 8):
+    checked = layers.ValidateParams(
+        _Params(num_stages=s, circular_repeat=r, num_microbatches=m), 4 * m)
+    schedule = schedule_lib.Schedule(s, m, r)
+    assert (checked.num_microbatches, checked.microbatch_size) == (m, 4)
+    assert checked.num_iterations == schedule.num_iterations
+    assert checked.bubble_fraction == schedule.bubble_fraction
+    if r == 1:
+      assert checked.num_iterations == m + s - 1
+
+
+@pytest.mark.parametrize('overrides, batch_size, pattern', [
+    (dict(num_microbatches=3), 4,
+     r'Batch size 4 is not divisible by num_microbatches=3'),
+    (dict(num_microbatches=None, microbatch_size=4), 6,
+     r'Batch size 6 is not divisible by microbatch_size=4'),
+    (dict(num_stages=0), 4, r'num_stages must be an integer >= 1, got 0'),
+])
+def test_validate_params_still_raises(overrides, batch_size, pattern):
+  with pytest.raises(ValueError, match=pattern):
+    layers.ValidateParams(_Params(**overrides), batch_size)
+
+
+def test_readme_shows_what_validate_params_says():
+  checked = layers.ValidateParams(
+      _Params(num_stages=4, circular_repeat=2, num_microbatches=16), 64)
+  readme = ' '.join((_ROOT / 'README.md').read_text().split())
+  assert f'`{checked}`' in readme, str(checked)
 
 
 def test_kwarg_batch_not_divisible_by_num_microbatches():

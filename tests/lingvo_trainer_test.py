@@ -7,7 +7,9 @@ its TensorBoard events and checkpoints, not from its logs.
 """
 
 import collections
+import logging
 import pathlib
+import re
 import subprocess
 import sys
 import threading
@@ -100,7 +102,10 @@ def test_trainer_evaler_and_decoder_jobs(tmp_path):
                         f'(tensorboard --logdir {logdir}).'), printed[:5]
   assert len(printed) <= steps + 12, '\n'.join(printed[:40])
   assert 'Traceback' not in run.stderr and not run.stdout
-  assert sum(f'] step: {steps:5d},' in l for l in printed) == 1, printed[-12:]
+  # A step's line: its number and the task's metrics, no log prefix.
+  last = [l for l in printed if l.startswith(f'step {steps:5d}  ')]
+  assert len(last) == 1, printed[-12:]
+  assert re.fullmatch(r'step +\d+  accuracy \S+  loss \S+', last[0]), last
   assert any(l.endswith(f'Save checkpoint done: {logdir}/train/ckpt-'
                         f'{steps:08d}') for l in printed), printed[-12:]
   assert tf.train.latest_checkpoint(str(logdir / 'train')).endswith(
@@ -229,3 +234,42 @@ def test_schedule_image_only_for_a_task_with_a_pipelined_stack(tmp_path):
   lingvo_trainer._WriteScheduleImage(_MODEL, str(tmp_path / 'lm'))  # pylint: disable=protected-access
   images = _Merged(_Events(tmp_path / 'lm' / 'train'))['pipeline_schedule']
   assert images[0][:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def _Record(message, level=logging.INFO):
+  return logging.LogRecord('tensorflow', level, 'runners.py', 1, message,
+                           None, None)
+
+
+def test_progress_lines_read_as_a_user_reads_them():
+  shown = lingvo_trainer._ProgressOnly()  # pylint: disable=protected-access
+  form = lingvo_trainer._ProgressFormat()  # pylint: disable=protected-access
+  line = ('step:    12, steps/sec: 4.20, examples/sec: 134.4 '
+          'grad_norm/all/loss:0.5 loss:1.25 accuracy:0.75 '
+          'num_samples_in_batch:32 activation_rms/stage_0/stack:1.5')
+  assert shown.filter(_Record(line))
+  assert form.format(_Record(line)) == 'step    12  loss 1.25  accuracy 0.75'
+  assert form.format(_Record('step:     0')) == 'step     0'
+  evaled = 'eval_dev summary on checkpoint@20 loss = 0.6'
+  assert shown.filter(_Record(evaled))
+  assert form.format(_Record(evaled)) == evaled
+  # Lingvo's other chatter is dropped; errors are kept and say so, except
+  # the unused-op report an evaler leaves when its checkpoint is done.
+  assert not shown.filter(_Record('cluster.job : \'evaler\''))
+  assert shown.filter(_Record('disk full', logging.ERROR))
+  assert form.format(_Record('disk full', logging.ERROR)) == (
+      'lingvo_trainer: error: disk full')
+  assert not shown.filter(_Record(
+      '====\nObject was never used (type <class ...>)', logging.ERROR))
+
+
+def test_the_trainer_answers_an_unknown_model_in_one_line(tmp_path):
+  run = _Job(tmp_path / 'log', model='CopyLMSmall')
+  assert run.returncode == 2, run.stderr[-2000:]
+  lines = run.stderr.splitlines()
+  assert len(lines) == 1, run.stderr[-2000:]
+  said = ("lingvo_trainer: error: --model: Unknown model 'CopyLMSmall'. Did "
+          'you mean lm.CopyLMSmall? Registered: ')
+  assert lines[0].startswith(said), lines
+  registered = lines[0][len(said):].rstrip('.').split(', ')
+  assert 'lm.CopyLMSmall' in registered and 'lm.CopyLMPod8x2' in registered

@@ -18,6 +18,7 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import check_model
+from gpipe import hlo_text
 from gpipe import check_partitioning
 from gpipe import partitioning
 from gpipe import plan
@@ -169,22 +170,22 @@ def test_under_split_stage_weights_are_flagged(report):
 def test_device_groups_read_both_spellings_and_name_axes():
   line = ('%ar = f32[4] all-reduce(%x), channel_id=1, '
           'replica_groups=[4,2]<=[2,2,2]T(0,1,2), to_apply=%add')
-  assert partitioning.DeviceGroups(line) == ((0, 1), (2, 3), (4, 5), (6, 7))
+  assert hlo_text.DeviceGroups(line) == ((0, 1), (2, 3), (4, 5), (6, 7))
   line = 'replica_groups=[4,2]<=[2,2,2]T(1,2,0)'
-  assert partitioning.DeviceGroups(line) == ((0, 4), (1, 5), (2, 6), (3, 7))
+  assert hlo_text.DeviceGroups(line) == ((0, 4), (1, 5), (2, 6), (3, 7))
   line = 'source_target_pairs={{0,4},{4,0},{1,5}}'
-  pairs = partitioning.DeviceGroups(line)
+  pairs = hlo_text.DeviceGroups(line)
   assert pairs == ((0, 4), (4, 0), (1, 5))
-  c = partitioning.Collective('collective-permute', 'f32[2]', 'c', 0,
+  c = hlo_text.Collective('collective-permute', 'f32[2]', 'c', 0,
                               groups=pairs)
   assert c.MeshAxes((2, 2, 2)) == (0,)
-  c = partitioning.Collective('all-reduce', 'f32[2]', 'c', 0,
+  c = hlo_text.Collective('all-reduce', 'f32[2]', 'c', 0,
                               groups=((0, 1), (2, 3), (4, 5), (6, 7)))
   assert c.MeshAxes((2, 2, 2)) == (2,)
-  c = partitioning.Collective('all-gather', 'f32[2]', 'c', 0,
+  c = hlo_text.Collective('all-gather', 'f32[2]', 'c', 0,
                               groups=((0, 2, 1, 3), (4, 6, 5, 7)))
   assert c.MeshAxes((2, 2, 2)) == (1, 2)
-  assert partitioning.DeviceGroups('%a = f32[2] add(%x, %y)') == ()
+  assert hlo_text.DeviceGroups('%a = f32[2] add(%x, %y)') == ()
 
 
 def test_tf_annotations_reach_the_planners_arguments():
@@ -339,4 +340,4 @@ def _PlanErrors(argv, capsys):
 def test_plan_refuses_a_mesh_it_cannot_trade_for(argv, said, capsys):
   code, errors = _PlanErrors(argv, capsys)
   assert code == 2 and len(errors) == 1, errors
-  assert errors[0].startswith(f'error: {said}'), errors
+  assert errors[0].startswith(f'plan: error: {said}'), errors

@@ -30,6 +30,7 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import check_partitioning
+from gpipe import hlo_text
 from gpipe import layers
 from gpipe import partitioned_step
 from gpipe import partitioning
@@ -195,6 +196,26 @@ def test_each_loop_shifts_each_buffer_tensor_with_one_permute(checked):
   assert set(run.LoopCounts(0)) == {'collective-permute'}, run.LoopCounts(0)
 
 
+def test_summary_labels_each_loop_by_its_role_and_iterations(checked):
+  """'loop 0, forward (T iterations)', then its backward loop; XLA's name
+  for a loop's computation only with verbose (--verbose)."""
+  case, report = checked
+  s, m, r = case.num_stages, case.num_microbatches, case.circular_repeat
+  # T: M + S - 1, or with R > 1 R whole segments of S microbatches.
+  t = m + s - 1 if r == 1 else r * -(-m // s) * s + s - 1
+  assert report.LoopLabels() == [f'forward ({t} iterations)',
+                                 f'backward ({t} iterations)']
+  summary = report.Summary()
+  assert (f'  loop 0, forward ({t} iterations), per iteration: '
+          f'{case.num_buffer_tensors} collective-permute over stage\n'
+          in summary), summary
+  assert f'  loop 1, backward ({t} iterations), per iteration: ' in summary
+  verbose = report.Summary(verbose=True)
+  for i, body in enumerate(report.run.loops):
+    assert body not in summary, summary
+    assert f'  loop {i}, ' in verbose and f'; XLA body {body}), ' in verbose
+
+
 def test_no_weight_is_gathered(checked):
   case, report = checked
   assert not report.GatheredWeights(), report.Summary()
@@ -240,7 +261,7 @@ def test_negative_control_catches_replicated_weights():
   assert report.max_abs_diff < 1e-5
   gathered = set()
   for c in report.GatheredWeights():
-    gathered.update(partitioning.ShapesOf(c.shape))
+    gathered.update(hlo_text.ShapesOf(c.shape))
   full_shapes = {full for _, full, _ in report.WeightShapes()}
   assert full_shapes <= gathered, report.Summary()
   assert report.Problems(1e-4)[0].startswith('WEIGHTS GATHERED')
@@ -258,7 +279,10 @@ def test_check_partitioning_command(capsys):
   out = capsys.readouterr().out
   assert status == 0, out
   assert 'Partitioned for 2 virtual devices.' in out
-  assert '1 collective-permute' in out
+  # 8 microbatches on 2 stages: 8 + 2 - 1 iterations.
+  assert ('  loop 0, forward (9 iterations), per iteration: 1 '
+          'collective-permute over stage\n') in out, out
+  assert '  loop 1, backward (9 iterations), per iteration: ' in out, out
   assert 'body.w: [2, 8, 8] -> [1, 8, 8]' in out
   assert out.strip().endswith('OK')
 
@@ -389,13 +413,13 @@ ENTRY %main (x: f32[2]) -> f32[2] {
 
 
 def test_shapes_of_hlo_types():
-  assert partitioning.ShapesOf('f32[1,8,8]{2,1,0}') == [(1, 8, 8)]
-  assert partitioning.ShapesOf('f32[]') == [()]
-  assert partitioning.ShapesOf('(f32[2,3]{1,0}, s32[4]{0})') == [(2, 3), (4,)]
+  assert hlo_text.ShapesOf('f32[1,8,8]{2,1,0}') == [(1, 8, 8)]
+  assert hlo_text.ShapesOf('f32[]') == [()]
+  assert hlo_text.ShapesOf('(f32[2,3]{1,0}, s32[4]{0})') == [(2, 3), (4,)]
 
 
 def test_analyze_hlo_finds_collectives_in_and_out_of_loops():
-  collectives, loops = partitioning.AnalyzeHlo(_TOY_HLO)
+  collectives, loops = hlo_text.AnalyzeHlo(_TOY_HLO)
   assert loops == ['body']
   found = sorted((c.kind, c.loop, c.shape) for c in collectives)
   assert found == [('all-gather', 0, 'f32[4]{0}'),

@@ -23,6 +23,7 @@ gradient), exceeds both bounds (S x T x mb for the latter).
 import pytest
 
 import gpipe  # pylint: disable=unused-import
+from gpipe import hlo_text
 from gpipe import layers
 from gpipe import partitioning
 from gpipe import plan
@@ -58,13 +59,13 @@ def test_the_pipelines_own_buffers_are_bounded_per_device(
     circular_repeat, remat_policy, stored_per_iteration):
   report = _Report(circular_repeat, remat_policy)
   iterations = report.schedule.num_iterations
-  buffers = partitioning.LargestBuffers(report.compiled.hlo, 1000)
+  buffers = hlo_text.LargestBuffers(report.compiled.hlo, 1000)
   largest, largest_type, largest_op = buffers[0]
   assert largest <= iterations * MB_BYTES, (
       f'{largest / MB_BYTES:.1f} microbatch activations in {largest_type} '
       f'({largest_op}); at most T = {iterations}')
   for _, hlo_type, op in buffers:
-    for shape in partitioning.ShapesOf(hlo_type):
+    for shape in hlo_text.ShapesOf(hlo_type):
       whole_stage_dim = (len(shape) > 2 and shape[1] == NUM_STAGES and
                          shape[0] in (iterations, NUM_MICROBATCHES))
       assert not whole_stage_dim, (hlo_type, op)

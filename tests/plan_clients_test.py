@@ -86,10 +86,10 @@ def test_an_unknown_module_is_said_in_one_line(capsys):
   assert plan.main(['--model', 'no_such_pkg.params.Model',
                     '--num_devices', '2']) == 2
   errors = [line for line in capsys.readouterr().err.splitlines()
-            if line.startswith('error:')]
+            if line.startswith('plan: error:')]
   assert len(errors) == 1, errors
   assert errors[0].startswith(
-      "error: --model no_such_pkg.params.Model: Unknown model"), errors
+      "plan: error: --model no_such_pkg.params.Model: Unknown model"), errors
   assert ("module no_such_pkg.params cannot be imported "
           "(ModuleNotFoundError: No module named 'no_such_pkg')") in errors[0]
 

@@ -52,6 +52,7 @@ from gpipe.plan import report as report_lib
 from gpipe.plan import roofline
 from gpipe.plan import train_step
 from tests import bodies
+from tests import docs_test
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 DIM = 64
@@ -489,13 +490,29 @@ def test_recommends_a_slower_candidate_when_the_fastest_does_not_fit(
   assert neither.recommended is None
   text = neither.Render()
   assert 'Recommendation: none of the candidates fits' in text, text
-  for row in text.splitlines()[6:8]:
-    cells = [c.strip() for c in row.split('|')]
-    assert cells[2].endswith('NO') and '*' not in cells[4], cells
-  rows = only_m8.Render().splitlines()[6:8]
-  fits, starred = zip(*[(cells[2].split()[-1], '*' in cells[4]) for cells in
-                        ([c.strip() for c in row.split('|')] for row in rows)])
+  _, rows = _TableCells(text)[0]
+  for cells in rows:
+    assert cells[2].endswith('NO') and '*' not in cells[3], cells
+  _, rows = _TableCells(only_m8.Render())[0]
+  fits, starred = zip(*[(cells[2].split()[-1], '*' in cells[3])
+                        for cells in rows])
   assert fits == ('yes', 'NO') and starred == (True, False), rows
+
+
+def _TableCells(text):
+  """[(group header line, [cells of each row])] of each table in a plan's
+  text: a row's cells are its groups, split at '|'."""
+  lines = text.splitlines()
+  tables = []
+  for i, line in enumerate(lines):
+    if line and set(line) == {'-'}:
+      rows = []
+      for row in lines[i + 1:]:
+        if '|' not in row:
+          break
+        rows.append([c.strip() for c in row.split('|')])
+      tables.append((lines[i - 2], rows))
+  return tables
 
 
 def test_report_units_show_each_figure():
@@ -518,23 +535,66 @@ def test_text_report_labels_sources_and_units(linear_plan):
   assert f'Weights: {total / 1024:.1f} KiB in all.' in text
   # No figure rounds away to zero in a unit too large for it.
   assert not re.search(r'\b0\.0+ [KMGT]?i?B\b', text), text
-  groups = text.splitlines()[3]
-  for group in ('candidate', 'schedule', 'XLA: bytes per device',
-                'XLA: per device', 'predicted: v5e model'):
-    assert group in groups, groups
-  rows = text.splitlines()[6:8]
+  (groups, rows), (measured_groups, measured) = _TableCells(text)
+  assert [g.strip() for g in groups.split('|')] == [
+      'candidate', 'schedule', 'XLA: per device', 'predicted: v5e model'
+  ], groups
+  assert [g.strip() for g in measured_groups.split('|')] == [
+      'candidate', 'XLA: bytes per device', 'XLA: per device'
+  ], measured_groups
   best = linear_plan.recommended
-  for i, (row, report) in enumerate(zip(rows, linear_plan.reports)):
+  for i, report in enumerate(linear_plan.reports):
     slot = _Rows(report) * DIM * 4
-    cells = [c.strip() for c in row.split('|')]
-    assert cells[2].split()[:4] == ['16.2', 'KiB', '32.5', 'KiB'], cells
-    assert cells[3].endswith(report_lib.Bytes(slot)), cells
-    assert ('*' in cells[4]) == (i == best), cells
+    cells = rows[i]
+    assert cells[0].split() == [str(report.candidate.num_microbatches), '1',
+                                'recompute'], cells
+    assert cells[2].split()[-1] == 'yes', cells
+    assert ('*' in cells[3]) == (i == best), cells
+    cells = measured[i]
+    assert cells[0] == rows[i][0], (cells, rows[i])
+    assert cells[1].split()[:4] == ['16.2', 'KiB', '32.5', 'KiB'], cells
+    assert cells[2].endswith(report_lib.Bytes(slot)), cells
   # M=8: 3 x 64 floats, on the (only) stage axis.
   assert '1 collective-permute over stage (768 B)' in text
   assert 'memory traffic (fused step, per device)' in text
   assert "XLA:CPU's unfused bytes accessed (not used)" in text
   assert 'Predicted by a roofline model' in text
+
+
+def test_every_line_of_the_report_fits_100_columns(linear_plan,
+                                                    monkeypatch):
+  """The text report fits a terminal of 100 columns: the table of what a
+  choice rests on, XLA's other figures in tables beside the candidate
+  (split where they would not fit), the wrapped details and sources, also
+  with the widest candidate columns (mesh and backward schedule shown)."""
+  text = linear_plan.Render()
+  assert len(_TableCells(text)) == 2, text
+  widest = dataclasses.replace(linear_plan, reports=[
+      dataclasses.replace(r, stream_io=True) for r in linear_plan.reports])
+  monkeypatch.setattr(report_lib.Plan, 'MeshesVary', lambda self: True)
+  widest_text = widest.Render()
+  assert 'reverse+io' in widest_text
+  # The candidate's columns and XLA's bytes fill a line: its FLOPs and
+  # permutes go in a third table.
+  assert len(_TableCells(widest_text)) == 3, widest_text
+  for one in (text, widest_text):
+    long_lines = [line for line in one.splitlines() if len(line) > 100]
+    assert not long_lines, long_lines
+    lines = one.splitlines()
+    headers = ' '.join(lines[i + 1] for i, line in enumerate(lines)
+                       if line.startswith(' candidate'))
+    for column in ('M', 'R', 'remat', 'iters', 'bubble', 'peak', 'fits',
+                   'step', 'MFU', 'weights', 'optim', 'temp', 'stored',
+                   'FLOP/dev', '/(unp/N)', 'permute/it'):
+      assert column in headers.split(), (column, headers)
+  # The predicted step's parts are in each candidate's lines.
+  for r in linear_plan.reports:
+    p = r.prediction
+    for part in (f'compute {report_lib.Seconds(p.compute_seconds)} [of it '
+                 f'bubble {report_lib.Seconds(p.bubble_seconds)}]',
+                 f'memory traffic {report_lib.Seconds(p.memory_seconds)}',
+                 f'collectives {report_lib.Seconds(p.collective_seconds)}'):
+      assert part in ' '.join(text.split()), part
 
 
 def test_plot_segments_add_up_to_the_peak(linear_plan, tmp_path):
@@ -847,7 +907,7 @@ def test_an_input_of_the_wrong_shape_is_named_in_one_line(capsys):
   err = capsys.readouterr().err.strip().splitlines()
   assert status == 1
   assert err[-2] == (
-      'error: building or compiling M=8 R=1 recompute: ValueError: input 0 '
+      'plan: error: building or compiling M=8 R=1 recompute: ValueError: input 0 '
       f'has shape [{BATCH}, {DIM // 2}]; the stage body takes {DIM} features '
       f'in the last dim, not {DIM // 2} (the layer runs on [{BATCH}, {DIM}])'
   ), err
@@ -874,10 +934,27 @@ def test_lingvos_own_layer_failing_xla_is_said_in_one_line(capsys):
   status = plan.main(_Command('--pipeline_layer', 'lingvo', '--json'))
   err = capsys.readouterr().err.strip().splitlines()
   assert status == 1
-  assert err[-2].startswith('error: building or compiling M=8 R=1'), err
+  assert err[-2].startswith('plan: error: building or compiling M=8 R=1'), err
   assert 'XLA stopped at Check failed' in err[-2], err
 
 
 if __name__ == '__main__':
   import sys  # pylint: disable=g-import-not-at-top
   sys.exit(pytest.main([__file__]))
+
+
+def test_the_planning_page_shows_this_plan(linear_plan):
+  """docs/planning.md shows this plan as a command and its output: the
+  command is the fixture's (the layer, its input, the devices, the chip,
+  the candidates), and the page's output is the report's text."""
+  page = (docs_test.ROOT / 'docs' / 'planning.md').read_text()
+  shown = [c for c in docs_test.Commands(page)
+           if 'tests.plan_test.LayerParams' in c.text]
+  assert len(shown) == 1 and shown[0].shown, shown
+  assert shown[0].text.split() == [
+      '.venv/bin/python', '-m', 'gpipe.plan', '--params',
+      'tests.plan_test.LayerParams', '--input_shape', f'{BATCH},{DIM}',
+      '--num_devices', str(NUM_STAGES), '--tpu', 'v5e',
+      '--num_microbatches', '8,4']
+  text = linear_plan.Render()
+  assert docs_test.ShownOutputMatches(shown[0].shown, text.splitlines()), text

@@ -37,12 +37,11 @@ _CHECK = ('gpipe.check_partitioning', '--params',
 
 
 @pytest.mark.runs_long
-def test_check_partitioning_is_quiet_and_verbose_on_request():
+def test_check_partitioning_is_verbose_on_request():
+  """(Quiet by default: docs_test runs the documented check_partitioning
+  commands and matches what they print, from the first line to the last,
+  with the page.)"""
   pytest.importorskip('jax')
-  quiet = _Command(*_CHECK)
-  assert quiet.returncode == 0, quiet.stderr
-  assert quiet.stderr == ''
-  assert quiet.stdout.strip().endswith('OK')
   verbose = _Command(*_CHECK, '--verbose')
   assert verbose.returncode == 0, verbose.stderr
   assert verbose.stderr.strip()  # TensorFlow's own start-up lines

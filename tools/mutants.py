@@ -138,6 +138,18 @@ BUGS = (
         '      schedule_lib.Phase(phase.begin, phase.end, 0, '
         'sched.num_stages),',
         ('tests/skip_bubbles_test.py', '-k', 'fill_and_drain')),
+    # -- What the pages show and the commands print. -------------------------
+    Bug('docs-stale-check-output', 'a command prints what no page shows',
+        'gpipe/partitioned_step.py',
+        "lines.append('Weights gathered or transposed: ' + (",
+        "lines.append('Weights gathered: ' + (",
+        ('tests/docs_test.py', '-k', 'quick and README')),
+    Bug('trainer-steps-show-bookkeeping',
+        "a step's line keeps Lingvo's gradient norms",
+        'gpipe/lingvo_trainer.py',
+        "if '/' not in name and name not in _LINGVOS_OWN_METRICS]",
+        'if name not in _LINGVOS_OWN_METRICS]',
+        ('tests/lingvo_trainer_test.py', '-k', 'progress')),
 )
 
 

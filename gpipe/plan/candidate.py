@@ -20,8 +20,8 @@ import time
 import numpy as np
 
 from gpipe import check_partitioning
+from gpipe import hlo_text
 from gpipe import layers as gpipe_layers
-from gpipe import one_f_one_b
 from gpipe import partitioned_step
 from gpipe import partitioning
 from gpipe import schedule as schedule_lib
@@ -115,7 +115,7 @@ class CandidateReport:
         tuple(a.spec.shape) for a in self.step.args
         if a.kind in (train_step.WEIGHT, train_step.SLOT) and a.on_stages
     ]
-    return partitioning.GatheredTensors(self.compiled.collectives, shapes)
+    return hlo_text.GatheredTensors(self.compiled.collectives, shapes)
 
   def Problems(self):
     problems = []
@@ -142,7 +142,7 @@ class CandidateReport:
     a 1f1b gradient loop), trip count and, per iteration, {kind: {count,
     bytes}} and {'kind over axes': {count, bytes}} (`ByMeshAxes`)."""
     summaries = []
-    trips = partitioning.LoopTripCounts(self.compiled.hlo)
+    trips = hlo_text.LoopTripCounts(self.compiled.hlo)
     for i, body in enumerate(self.compiled.loops):
       collectives = self.compiled.LoopCollectives(i)
       summaries.append({
@@ -160,7 +160,7 @@ class CandidateReport:
     mesh = self.mesh_shape or (self.compiled.num_devices,)
     return _CountAndBytes(
         collectives,
-        lambda c: partitioning.KindOverAxes(c, mesh, self.stage_axis))
+        lambda c: hlo_text.KindOverAxes(c, mesh, self.stage_axis))
 
   @property
   def outside_by_mesh_axes(self):
@@ -178,15 +178,10 @@ class CandidateReport:
 
   @functools.cached_property
   def forward_loop(self):
-    """Index of the forward loop among the compiled loops: the first, or
-    with 1f1b the one in its name scope (XLA may order the gradient's
-    loops before it)."""
-    if self.one_f_one_b:
-      names = loops.OpNames(self.compiled.hlo, self.compiled.loops)
-      for i, name in enumerate(names):
-        if one_f_one_b.FORWARD_LOOP in name:
-          return i
-    return 0
+    """Index of the forward loop among the compiled loops
+    (partitioned_step.ForwardLoop)."""
+    return partitioned_step.ForwardLoop(self.compiled.hlo,
+                                        self.compiled.loops)
 
   @property
   def permute_bytes_per_iteration(self):
@@ -326,7 +321,7 @@ class CandidateReport:
         'predicted': self.prediction.ToJson(),
         'largest_buffers': [{
             'bytes': b, 'type': t, 'op': op
-        } for b, t, op in partitioning.LargestBuffers(self.compiled.hlo)],
+        } for b, t, op in hlo_text.LargestBuffers(self.compiled.hlo)],
         'compile_seconds': self.seconds,
     }
 

@@ -117,13 +117,13 @@ def main(argv=None):
   parser, args = flags.Parse(argv)
   stage_call.EnsureFlagsParsed()
   if not partitioning.IsAvailable():
-    print("gpipe.plan needs jax and jaxlib: pip install 'gpipe[spmd]'",
-          file=sys.stderr)
+    print('plan: error: gpipe.plan needs jax and jaxlib: python '
+          'tools/install.py --extra spmd in the checkout', file=sys.stderr)
     return 2
   try:
     target, num_devices, candidates = _Candidates(parser, args)
   except targets.PlanError as e:
-    print(f'error: {e}', file=sys.stderr)
+    print(f'plan: error: {e}', file=sys.stderr)
     return 2
   chip = roofline.CHIPS[args.tpu]
   hbm_bytes = args.hbm_gib * GIB if args.hbm_gib else chip.hbm_bytes
@@ -133,7 +133,7 @@ def main(argv=None):
         target, candidates, num_devices, chip, hbm_bytes, args.depth_param,
         log=lambda m: print(m, file=sys.stderr, flush=True))
   except candidate_lib.CandidateError as e:
-    print(f'error: building or compiling {e}', file=sys.stderr)
+    print(f'plan: error: building or compiling {e}', file=sys.stderr)
     if args.verbose:
       traceback.print_exception(e.error)
     else:
@@ -144,7 +144,7 @@ def main(argv=None):
     report['wall_seconds'] = time.time() - start
     print(json.dumps(report, indent=1))
   if not plan.reports:
-    print('error: every candidate was skipped:\n' + '\n'.join(
+    print('plan: error: every candidate was skipped:\n' + '\n'.join(
         f'  {reason}' for reason in plan.SkippedReasons()), file=sys.stderr)
     return 2
   if not args.json:

@@ -11,7 +11,7 @@ rings of stage inputs (Rings).
 import functools
 import re
 
-from gpipe import partitioning
+from gpipe import hlo_text as hlo
 from gpipe import spmd_worker
 
 
@@ -30,7 +30,7 @@ def LoopFlops(hlo_text, bodies):
   trip count: the per-loop split of the module's FLOPs, which tells the
   work the bubbles waste from the work outside the loops.
   """
-  trips = partitioning.LoopTripCounts(hlo_text)
+  trips = hlo.LoopTripCounts(hlo_text)
   return [
       trips[body] * spmd_worker.LoopAwareCost(
           _CostClient(), _WithEntry(hlo_text, body))['flops']
@@ -51,8 +51,6 @@ def _WithEntry(hlo_text, computation):
 
 
 _NAME = r'%?([\w.\-]+)'
-_WHILE_RE = re.compile(rf'^\s*{_NAME}\s*=.*\swhile\({_NAME}\)')
-_BODY_RE = re.compile(rf'\bbody={_NAME}')
 _TUPLE_RE = re.compile(rf'^\s*{_NAME}\s*=.*\stuple\(([^)]*)\)')
 _GTE_RE = re.compile(
     rf'^\s*{_NAME}\s*=\s*(\S+)\s+get-tuple-element\({_NAME}\),'
@@ -79,10 +77,10 @@ def StoredActivations(hlo_text, forward_body):
   """
   whiles, tuples, results, unary = [], {}, {}, {}
   for line in hlo_text.splitlines():
-    loop = _WHILE_RE.match(line)
+    loop = hlo.WHILE_RE.match(line)
     if loop and ' while(' in line:
       whiles.append((loop.group(1), loop.group(2),
-                     _BODY_RE.search(line).group(1), line))
+                     hlo.WHILE_BODY_RE.search(line).group(1), line))
       continue
     gte = _GTE_RE.match(line)
     if gte:
@@ -109,23 +107,11 @@ def StoredActivations(hlo_text, forward_body):
       taken_in |= tuples.get(init, set()) | {init}
   stored = {}
   for result, (source, index, hlo_type) in results.items():
-    shapes = partitioning.ShapesOf(hlo_type)
+    shapes = hlo.ShapesOf(hlo_type)
     if (source == name and len(shapes) == 1 and shapes[0][:1] == (trips,) and
         _Reaches(result, shapes[0], taken_in, unary)):
-      stored[index] = (partitioning.TypeBytes(hlo_type), hlo_type)
+      stored[index] = (hlo.TypeBytes(hlo_type), hlo_type)
   return [stored[i] for i in sorted(stored)]
-
-
-def OpNames(hlo_text, bodies):
-  """The TensorFlow op name of each while loop (by body computation), as
-  the HLO's metadata has it ('' where it has none)."""
-  names = {}
-  for line in hlo_text.splitlines():
-    loop = _WHILE_RE.match(line)
-    if loop and ' while(' in line:
-      op_name = partitioning.OpNameOf(line)
-      names[_BODY_RE.search(line).group(1)] = op_name
-  return [names.get(body, '') for body in bodies]
 
 
 def Rings(hlo_text, gradient_bodies, ring_size):
@@ -140,15 +126,15 @@ def Rings(hlo_text, gradient_bodies, ring_size):
   """
   found = []
   for line in hlo_text.splitlines():
-    loop = _WHILE_RE.match(line)
+    loop = hlo.WHILE_RE.match(line)
     if not (loop and ' while(' in line and
-            _BODY_RE.search(line).group(1) in gradient_bodies):
+            hlo.WHILE_BODY_RE.search(line).group(1) in gradient_bodies):
       continue
     carried = line.split(' while(')[0].split('=', 1)[1]
-    rings = [(partitioning.TypeBytes(t), t) for t in
+    rings = [(hlo.TypeBytes(t), t) for t in
              re.findall(r'[a-z]\w*\[[\d,]*\]', carried)
-             if len(partitioning.ShapesOf(t)[0]) >= 3 and
-             partitioning.ShapesOf(t)[0][1] == ring_size]
+             if len(hlo.ShapesOf(t)[0]) >= 3 and
+             hlo.ShapesOf(t)[0][1] == ring_size]
     if sum(b for b, _ in rings) > sum(b for b, _ in found):
       found = rings
   return found
@@ -162,6 +148,6 @@ def _Reaches(name, dims, targets, unary, most_steps=4):
     if any(n in targets for n in frontier):
       return True
     frontier = [user for n in frontier for user, hlo_type in unary.get(n, ())
-                if partitioning.ShapesOf(hlo_type) == [dims]]
+                if hlo.ShapesOf(hlo_type) == [dims]]
   return False
 

@@ -10,7 +10,7 @@ the JSON's `measured_by_xla` / `from_the_schedule` /
 import dataclasses
 import textwrap
 
-from gpipe import partitioning
+from gpipe import hlo_text
 from gpipe.plan import roofline
 from gpipe.plan import train_step
 from gpipe.plan import targets
@@ -113,8 +113,9 @@ class Plan:
       total = self.reports[0].TotalBytes(train_step.WEIGHT)
       lines.append(f'Weights: {Bytes(total)} in all.')
     lines.append('')
-    lines += _Table(self)
-    lines += [f'skipped {reason}' for reason in self.SkippedReasons()]
+    lines += _Tables(self)
+    for reason in self.SkippedReasons():
+      lines += _Wrap(f'skipped {reason}', subsequent_indent='    ')
     for r in self.reports:
       lines.append('')
       lines += _Details(r)
@@ -123,21 +124,40 @@ class Plan:
     return '\n'.join(lines)
 
 
-def _Columns(plan):
-  """(group, header, width, cell(report, index)) of each table column."""
-  chip = plan.chip
-  rec = plan.recommended
+def _KeyColumns(plan):
+  """(group, header, width, cell(report, index)): which candidate a row is."""
   meshes = [] if not plan.MeshesVary() else [
       ('candidate', 'mesh', 7, lambda r, i: targets.MeshName(r.mesh_shape))]
   backward = [] if not plan.SchedulesShown() else [
-      ('candidate', 'backward', 8, lambda r, i: BackwardName(r))]
+      ('candidate', 'backward', 10, lambda r, i: BackwardName(r))]
   return meshes + backward + [
       ('candidate', 'M', 4, lambda r, i: r.candidate.num_microbatches),
       ('candidate', 'R', 3, lambda r, i: r.candidate.circular_repeat),
       ('candidate', 'remat', 9, lambda r, i: r.candidate.remat_policy),
+  ]
+
+
+def _MainColumns(plan):
+  """The columns a choice rests on: schedule, peak, fit, predicted step."""
+  rec = plan.recommended
+  predicted = f'predicted: {plan.chip.name} model'
+  return [
       ('schedule', 'iters', 5, lambda r, i: r.schedule.num_iterations),
       ('schedule', 'bubble', 6,
        lambda r, i: f'{r.schedule.bubble_fraction:.3f}'),
+      ('XLA: per device', 'peak', 8,
+       lambda r, i: Bytes(r.per_device_bytes['peak'])),
+      ('XLA: per device', 'fits', 4, lambda r, i: 'yes' if r.fits else 'NO'),
+      (predicted, 'step', 8, lambda r, i: Seconds(r.prediction.step_seconds) +
+       ('*' if i == rec else '')),
+      (predicted, 'MFU', 7, lambda r, i: Percent(r.prediction.mfu)),
+  ]
+
+
+def _MeasuredColumns():
+  """XLA's other figures, one group each (the predicted step's parts are
+  in each candidate's details)."""
+  return [[
       ('XLA: bytes per device', 'weights', 8,
        lambda r, i: Bytes(r.per_device_bytes['weights'])),
       ('XLA: bytes per device', 'optim', 8,
@@ -146,35 +166,65 @@ def _Columns(plan):
        lambda r, i: Bytes(r.per_device_bytes['temp'])),
       ('XLA: bytes per device', 'stored', 8,
        lambda r, i: Bytes(r.stored_activation_bytes)),
-      ('XLA: bytes per device', 'peak', 8,
-       lambda r, i: Bytes(r.per_device_bytes['peak'])),
-      ('XLA: bytes per device', 'fits', 4,
-       lambda r, i: 'yes' if r.fits else 'NO'),
+  ], [
       ('XLA: per device', 'FLOP/dev', 9,
        lambda r, i: f'{r.flops_per_device:.3g}'),
       ('XLA: per device', '/(unp/N)', 8,
        lambda r, i: f'{r.ToJson()["flops_ratio"]:.3f}'),
       ('XLA: per device', 'permute/it', 10,
        lambda r, i: Bytes(r.permute_bytes_per_iteration)),
-      (f'predicted: {chip.name} model', 'compute', 8,
-       lambda r, i: Seconds(r.prediction.compute_seconds)),
-      (f'predicted: {chip.name} model', '(bubble)', 8,
-       lambda r, i: Seconds(r.prediction.bubble_seconds)),
-      (f'predicted: {chip.name} model', 'memory', 8,
-       lambda r, i: Seconds(r.prediction.memory_seconds)),
-      (f'predicted: {chip.name} model', 'collect.', 8,
-       lambda r, i: Seconds(r.prediction.collective_seconds)),
-      (f'predicted: {chip.name} model', 'step', 8,
-       lambda r, i: Seconds(r.prediction.step_seconds) +
-       ('*' if i == rec else '')),
-      (f'predicted: {chip.name} model', 'MFU', 7,
-       lambda r, i: Percent(r.prediction.mfu)),
-  ]
+  ]]
 
 
-def _Table(plan):
+def _Tables(plan):
+  """The main table (the candidates and what a choice rests on), then
+  XLA's other figures: each as many groups as fit _WIDTH, beside the
+  candidate's columns; then what the columns mean."""
+  key = _KeyColumns(plan)
+  lines = _Table(plan, key + _MainColumns(plan))
+  tables = []
+  for group in _MeasuredColumns():
+    if tables and _TableWidth(tables[-1] + group) <= _WIDTH:
+      tables[-1] += group
+    else:
+      tables.append(key + group)
+  for columns in tables:
+    lines += [''] + _Table(plan, columns)
+  if plan.reports:
+    lines += _Wrap(
+        '(each figure in its own unit; * recommended; peak = arguments + '
+        'outputs + temp - what the outputs update in place; stored: what '
+        'the forward pass stores for the backward pass (1f1b: the rings), '
+        'part of temp; permute/it: sent by collective-permutes per forward '
+        'iteration; the predicted step\'s parts are in each candidate\'s '
+        'lines below)')
+  return lines
+
+
+def _Widened(columns):
+  """The columns, the first of each group widened where the group's name
+  is wider than the group's cells."""
+  columns = list(columns)
+  for k, (group, header, width, cell) in enumerate(columns):
+    if k and group == columns[k - 1][0]:
+      continue
+    members = [c for c in columns[k:] if c[0] == group]
+    span = sum(c[2] for c in members) + len(members) - 1
+    columns[k] = (group, header, width + max(0, len(group) - span), cell)
+  return columns
+
+
+def _TableWidth(columns):
+  """Characters a table of these columns takes (each group after the
+  first behind ' | ')."""
+  columns = _Widened(columns)
+  groups = len({c[0] for c in columns})
+  return sum(c[2] for c in columns) + len(columns) + 2 * (groups - 1)
+
+
+def _Table(plan, columns):
   """The table's lines: group headers, column headers, one row each."""
-  columns = _Columns(plan)
+  columns = _Widened(columns)
   seps = [' | ' if k and group != columns[k - 1][0] else ' '
           for k, (group, _, _, _) in enumerate(columns)]
 
@@ -193,40 +243,44 @@ def _Table(plan):
       Row([cell(r, i) for _, _, _, cell in columns])
       for i, r in enumerate(plan.reports)
   ]
-  if plan.reports:
-    lines += _Wrap(
-        '(each figure in its own unit; peak = arguments + outputs + temp - '
-        'what the outputs update in place; stored: what the forward pass '
-        'stores for the backward pass (1f1b: the rings), part of temp; '
-        'permute/it: sent by collective-permutes per forward iteration; * '
-        'recommended)')
   return lines
 
 
-def _Wrap(paragraph):
-  return textwrap.wrap(paragraph, width=_WIDTH, break_on_hyphens=False)
+def _Wrap(paragraph, **kwargs):
+  """The paragraph in lines of at most _WIDTH."""
+  return textwrap.wrap(paragraph, width=_WIDTH, break_on_hyphens=False,
+                       **kwargs)
+
+
+def _Listed(head, items, sep=', '):
+  """head and the items, joined by sep, in lines of at most _WIDTH
+  indented by 2 (continued by 4), broken between items where they fit."""
+  keep = [item.replace(' ', '\0') for item in items]
+  return [line.replace('\0', ' ') for line in _Wrap(
+      head + sep.join(keep), initial_indent='  ', subsequent_indent='    ')]
 
 
 def _Details(r):
   """A candidate's collectives, buffers, problems and predicted parts."""
-  lines = [f'{r.candidate.Describe()} (compiled in {r.seconds:.0f} s):']
+  lines = _Wrap(f'{r.candidate.Describe()} (compiled in {r.seconds:.0f} s):',
+                subsequent_indent='    ')
   if len(r.mesh_shape) > 1:
     lines.append(f'  device mesh {list(r.mesh_shape)}, stages on axis '
                  f'{r.stage_axis}')
   for i, loop in enumerate(r.LoopSummaries()):
-    lines.append(f'  loop {i}, {loop["role"]} ({loop["iterations"]} '
-                 'iterations), per iteration: '
-                 f'{_Collectives(loop["by_mesh_axes"])}')
-  lines.append('  outside the loops: ' +
-               _Collectives(r.outside_by_mesh_axes))
+    lines += _Listed(f'loop {i}, {loop["role"]} ({loop["iterations"]} '
+                     'iterations), per iteration: ',
+                     _Collectives(loop['by_mesh_axes']))
+  lines += _Listed('outside the loops: ', _Collectives(r.outside_by_mesh_axes))
   stored = ', '.join(t.split('{')[0] for _, t in r.stored_activations)
-  lines.append(f'  stored activations: {Bytes(r.stored_activation_bytes)}'
-               f' ({stored or "none found"})')
-  lines.append('  largest buffers: ' + '; '.join(
+  lines += _Listed('stored activations: ', [
+      f'{Bytes(r.stored_activation_bytes)} ({stored or "none found"})'])
+  lines += _Listed('largest buffers: ', [
       f'{Bytes(b)} {t} ({op[-60:] or "?"})'
-      for b, t, op in partitioning.LargestBuffers(r.compiled.hlo, 3)))
+      for b, t, op in hlo_text.LargestBuffers(r.compiled.hlo, 3)], '; ')
   for problem in r.Problems():
-    lines.append(f'  PROBLEM: {problem}')
+    lines += _Wrap(f'PROBLEM: {problem}', initial_indent='  ',
+                   subsequent_indent='    ')
   p = r.prediction
   traffic = p.memory_traffic_bytes
   for paragraph in (
@@ -241,15 +295,15 @@ def _Details(r):
           f'{k.replace("_", " ")} {Bytes(v)}' for k, v in traffic.items()),
       'XLA:CPU\'s unfused bytes accessed (not used): '
       f'{Bytes(r.compiled.Cost("bytes accessed"))}'):
-    lines += textwrap.wrap(paragraph, width=_WIDTH, initial_indent='  ',
-                           subsequent_indent='    ', break_on_hyphens=False)
+    lines += _Wrap(paragraph, initial_indent='  ',
+                   subsequent_indent='    ')
   return lines
 
 
 def _Collectives(by_axes):
-  """'2 all-reduce over axis 2 (1.0 MiB), ...' or 'no collectives'."""
-  return ', '.join(f'{c["count"]} {k} ({Bytes(c["bytes"])})'
-                   for k, c in by_axes.items()) or 'no collectives'
+  """['2 all-reduce over axis 2 (1.0 MiB)', ...] or ['no collectives']."""
+  return [f'{c["count"]} {k} ({Bytes(c["bytes"])})'
+          for k, c in by_axes.items()] or ['no collectives']
 
 
 def _Sources(plan):
@@ -261,16 +315,16 @@ def _Sources(plan):
       'iteration; /(unp/N) is about 1 when each device does only its '
       'share), collectives. From the schedule: iters, bubble.',
       f'Predicted by a roofline model of {plan.chip.Describe()}, not '
-      'measured: compute = FLOP/dev / peak, (bubble) = the bubble fraction '
-      'of the loops\' FLOPs / peak; memory = what a fused step must read '
-      'and write in HBM (weights read per iteration, gradients '
-      'accumulated, the optimizer update, stored activations, the loop\'s '
-      'buffer; not XLA:CPU\'s unfused count) / HBM bandwidth; collect. = '
-      'collective bytes / ICI link bandwidth; step = max(compute, memory) '
-      '+ collect. (compute and HBM traffic overlap, collectives overlap '
-      'neither); MFU = model FLOPs (the step\'s counted once, less the '
-      'bubbles and the recomputed forward) / (N x peak x step). The '
-      'recommendation follows the predicted step.',
+      'measured: compute = FLOP/dev / peak, of it bubble = the bubble '
+      'fraction of the loops\' FLOPs / peak; memory traffic = what a fused '
+      'step must read and write in HBM (weights read per iteration, '
+      'gradients accumulated, the optimizer update, stored activations, '
+      'the loop\'s buffer; not XLA:CPU\'s unfused count) / HBM bandwidth; '
+      'collectives = collective bytes / ICI link bandwidth; step = '
+      'max(compute, memory traffic) + collectives (compute and HBM traffic '
+      'overlap, collectives overlap neither); MFU = model FLOPs (the '
+      'step\'s counted once, less the bubbles and the recomputed forward) '
+      '/ (N x peak x step). The recommendation follows the predicted step.',
       f'Fits: peak <= {Bytes(plan.hbm_bytes)} of HBM.',
   ]
   lines = [line for p in paragraphs for line in _Wrap(p)]
@@ -278,11 +332,11 @@ def _Sources(plan):
   if rec is not None:
     r = plan.reports[rec]
     c = r.candidate
-    lines.append(f'Recommendation: num_microbatches={c.num_microbatches}, '
-                 f'circular_repeat={c.circular_repeat}, '
-                 f'remat_policy={c.remat_policy!r}, '
-                 f'backward_schedule={r.backward_schedule!r}, '
-                 f'stream_io={r.stream_io}.')
+    lines += _Wrap(f'Recommendation: num_microbatches={c.num_microbatches}, '
+                   f'circular_repeat={c.circular_repeat}, '
+                   f'remat_policy={c.remat_policy!r}, '
+                   f'backward_schedule={r.backward_schedule!r}, '
+                   f'stream_io={r.stream_io}.', subsequent_indent='    ')
   elif plan.reports:
     lines.append('Recommendation: none of the candidates fits and splits '
                  'as intended.')

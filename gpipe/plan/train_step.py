@@ -442,9 +442,12 @@ def LayerStep(layer, input_shapes, optimizer=None):
 def InputSpecs(input_params):
   """The input batch a Lingvo input generator makes, as TensorSpecs.
 
-  Builds the generator in a scratch graph; every shape must be static.
+  Builds the generator in a scratch graph that has a global step, as
+  Lingvo's programs do (a generator may read it: data as a function of the
+  step); every shape must be static.
   """
   with tf.Graph().as_default():
+    py_utils.GetOrCreateGlobalStepVar()
     return SpecsOf(input_params.Instantiate().GetPreprocessedInputBatch())
 
 
