@@ -24,7 +24,7 @@ import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from benchmarks import bodies
 from benchmarks import measure
 from benchmarks import run
-from gpipe import stage_call
+from gpipe.lingvo_support import flags_and_seeds
 
 _STEPS = (('reverse', dict()),
           ('1f1b', dict(backward_schedule='1f1b')),
@@ -87,7 +87,7 @@ def main(argv=None):
   parser.add_argument('--quick', action='store_true',
                       help='one small shape, to check the script runs')
   args = parser.parse_args(argv)
-  stage_call.EnsureFlagsParsed()
+  flags_and_seeds.EnsureFlagsParsed()
   began = time.perf_counter()
   if args.quick:
     rows = Rows((run.SMALL,), ('jit',), ((2, 2, 1),), warmup=1, reps=2)

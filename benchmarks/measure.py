@@ -7,7 +7,7 @@ import numpy as np
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 import tensorflow as tf
-from gpipe import partitioning
+from gpipe.xla import partitioning
 from lingvo.core import scatter_update
 
 

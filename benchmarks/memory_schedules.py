@@ -25,8 +25,8 @@ import time
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers
+from gpipe.lingvo_support import flags_and_seeds
 from gpipe import plan
-from gpipe import stage_call
 from gpipe.plan import roofline
 from tests import bodies
 
@@ -85,7 +85,7 @@ def Table(reports):
 
 
 def main():
-  stage_call.EnsureFlagsParsed()
+  flags_and_seeds.EnsureFlagsParsed()
   start = time.time()
   result = plan.MakePlan(
       plan.LayerTarget(StackParams(), [(BATCH, DIM)]), _Candidates(),

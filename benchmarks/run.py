@@ -40,10 +40,10 @@ from benchmarks import bodies
 from benchmarks import measure
 from benchmarks import report
 from gpipe import check_partitioning
-from gpipe import hlo_text
 from gpipe import layers
+from gpipe.lingvo_support import flags_and_seeds
 from gpipe import schedule
-from gpipe import stage_call
+from gpipe.xla import hlo_text
 from lingvo.core import gshard_layers
 
 # -----------------------------------------------------------------------------
@@ -320,7 +320,7 @@ def main(argv=None):
   parser.add_argument('--quick', action='store_true',
                       help='a small subset, to check the script runs')
   args = parser.parse_args(argv)
-  stage_call.EnsureFlagsParsed()  # Lingvo's layer reads --xla_device.
+  flags_and_seeds.EnsureFlagsParsed()  # Lingvo's layer reads --xla_device.
   cfg = QuickConfig() if args.quick else Config()
   began = time.perf_counter()
   print('1-2. overhead and Lingvo', flush=True)

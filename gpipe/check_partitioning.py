@@ -10,7 +10,7 @@ path/to/file.py:attribute. The check builds one training step of
 the layer (forward, a loss, gradients w.r.t. every weight and the input),
 partitions it with XLA's SPMD partitioner for N virtual CPU devices, runs it,
 and prints what is listed below. `--model` names a registered Lingvo model
-instead (as gpipe.plan takes it; see gpipe.check_model): the step is the
+instead (as gpipe.plan takes it; see gpipe.xla.check_model): the step is the
 task's loss and gradients on a batch of its input, and a stack weight
 split over fewer devices than its own annotation asks is a failed check
 too. It prints:
@@ -83,250 +83,14 @@ if __name__ == '__main__':
   quiet.UnlessVerbose()
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order
-import importlib
-import importlib.util
-import os
-import re
-
-import numpy as np
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers
-from gpipe import partitioned_step
-from lingvo.core import hyperparams
-from lingvo.core import py_utils
+from gpipe.xla import user_layer
+from gpipe.xla.user_layer import CheckPartitioning  # the check as a function
+from gpipe.xla.user_layer import LoadParams
 # pylint: enable=g-import-not-at-top,g-bad-import-order
-
-
-def CheckPartitioning(layer_params, input_shapes, num_devices, seed=0):
-  """Partitions one training step of the layer; a partitioned_step.Report."""
-  with tf.init_scope():
-    layer = layer_params.Copy().Instantiate()
-  step = partitioned_step.BuildPipelineStep(layer, input_shapes, seed)
-  expected = partitioned_step.RunUnpartitioned(step)
-  run = partitioned_step.RunStepPartitioned(step, num_devices)
-  return partitioned_step.Report(
-      run=run, step=step, expected=expected,
-      num_stages=layer_params.num_stages,
-      **partitioned_step.StackMesh(layer_params, num_devices))
-
-
-def LoadParams(spec):
-  """Params named by `spec` (an object, or a function returning one).
-
-  `spec` is `module.attribute` (or `module:attribute`) of an importable
-  module, or `path/to/file.py:attribute` of a file anywhere, which is
-  imported as `python path/to/file.py` would run it: its directory first on
-  sys.path, so it can import the modules beside it.
-  """
-  source, attr = _SplitSpec(spec)
-  try:
-    if source.endswith('.py'):
-      module = _ImportFile(source)
-    else:
-      module = importlib.import_module(source)
-    value = getattr(module, attr)
-  except (ImportError, AttributeError, OSError) as e:
-    raise ValueError(f'--params {spec}: {e}') from None
-  value = value() if callable(value) else value
-  if not isinstance(value, hyperparams.Params):
-    raise ValueError(f'--params {spec} is a {type(value).__name__}, not '
-                     'Params.')
-  return value
-
-
-def _SplitSpec(spec):
-  """(module name or file path, attribute) of a --params value."""
-  source, sep, attr = spec.rpartition(':')
-  if not sep:
-    source, sep, attr = spec.rpartition('.')
-  if not (source and attr):
-    raise ValueError(f'--params must be module.attribute or '
-                     f'path/to/file.py:attribute, got {spec!r}.')
-  if spec.endswith('.py') and sep == '.':
-    raise ValueError(f'--params {spec} names a file but no attribute: '
-                     f'write {spec}:<attribute>.')
-  return source, attr
-
-
-def _ImportFile(path):
-  """The module of a Python file, imported once under its file name."""
-  path = os.path.abspath(path)
-  if not os.path.isfile(path):
-    raise ImportError(f'no file {path}')
-  name = os.path.splitext(os.path.basename(path))[0]
-  loaded = sys.modules.get(name)
-  if loaded is not None and getattr(loaded, '__file__', None) == path:
-    return loaded
-  directory = os.path.dirname(path)
-  if directory not in sys.path:
-    sys.path.insert(0, directory)
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  if loaded is None:  # a name already taken stays its module's
-    sys.modules[name] = module
-  spec.loader.exec_module(module)
-  return module
-
-
-def CheckPipelineParams(params, name):
-  """Raises ValueError unless `params` are a PipelinedLayer's."""
-  cls = getattr(params, 'cls', None)
-  if not (isinstance(cls, type) and issubclass(cls, layers.PipelinedLayer)):
-    raise ValueError(f'{name} is Params of '
-                     f'{getattr(cls, "__name__", cls)}, not of a '
-                     'PipelinedLayer.')
-
-
-def CheckDevices(params, num_devices=None):
-  """The device count to partition for, checked against the stage mesh.
-
-  Args:
-    params: PipelinedLayer params.
-    num_devices: the count asked for, or None for the layer's own: its
-      num_stages (shard_stages_1d) or the size of its device_mesh.
-
-  Returns:
-    num_devices, or the layer's own count.
-
-  Raises:
-    ValueError: when the stages are not split over devices at all, or not
-      over num_devices of them, naming the param and the fix.
-  """
-  p = params
-  if not p.shard_stages_1d and p.pipeline_stage_mesh_dim is None:
-    raise ValueError(
-        'The layer does not split its stages over devices (neither '
-        'shard_stages_1d nor pipeline_stage_mesh_dim is set): every device '
-        f'would hold all {p.num_stages} stages\' weights. Set '
-        'shard_stages_1d=True, or pipeline_stage_mesh_dim with device_mesh.')
-  if p.shard_stages_1d:
-    own, why = p.num_stages, (f'shard_stages_1d splits the stage dim over '
-                              f'num_stages={p.num_stages} devices')
-  else:
-    own = int(np.asarray(p.device_mesh).size)
-    why = f'its device_mesh has {own} devices'
-  if num_devices is not None and num_devices != own:
-    raise ValueError(f'--num_devices {num_devices} does not match the '
-                     f'layer: {why}. Use --num_devices {own}.')
-  return own
-
-
-def DescribeInputError(params, input_shapes, error):
-  """One line saying why the layer cannot run on `input_shapes`.
-
-  When the stack, its layers run one after another, runs on the shapes
-  with one input's last dim changed to a size taken from TensorFlow's
-  message or from the stage body's weights, that input and both sizes are
-  named; otherwise TensorFlow's first line, made whole.
-
-  Args:
-    params: the PipelinedLayer Params.
-    input_shapes: the shapes the layer failed on, one per input.
-    error: what running it raised.
-  """
-  shapes = [list(s) for s in input_shapes]
-  found = _ExpectedLastDim(params, shapes, str(error))
-  if found:
-    i, size = found
-    fitting = shapes[i][:-1] + [size]
-    return (f'input {i} has shape {shapes[i]}; the stage body takes {size} '
-            f'features in the last dim, not {shapes[i][-1]} (the layer runs '
-            f'on {fitting})')
-  listed = ', '.join(str(s) for s in shapes)
-  return (f'the layer cannot run on inputs of shape {listed}: '
-          f'{TensorFlowMessage(error)}')
-
-
-def TensorFlowMessage(error):
-  """TensorFlow's message in one line, with the values it lists after it.
-
-  TensorFlow puts the node definition on its first line and the values of
-  a failed assertion on the lines after a colon.
-  """
-  text = str(error).strip()
-  lines = [line.strip() for line in text.splitlines() if line.strip()]
-  if not lines:
-    return type(error).__name__
-  first = lines[0]
-  node = re.match(r"(.*?) for '\{\{node ([^}]*)\}\}.*' with input shapes: "
-                  r'(.*?)\.?$', first)
-  if node:
-    first = (f'{node[1]} in op {node[2]} (its inputs have shapes '
-             f'{node[3]})')
-  values = re.findall(r'^([xy]) \((.*?)(?:/[xy])?:\d+\) = *\n(.*)$', text,
-                      re.M)
-  first = first.rstrip(':. ')
-  if values:
-    listed = ', '.join(f'{n} = {v.strip()}' for n, _, v in values)
-    first += f' ({listed} in {values[0][1]})'
-  return first
-
-
-def PartitionerMessage(error):
-  """The one line that says why partitioning failed.
-
-  The partitioning runs in a worker process; when XLA aborts there, its
-  fatal log line ("F... file.cc:123] Check failed: ...") says why, below
-  many lines of warnings and a stack trace.
-  """
-  text = str(error)
-  fatal = re.search(r'^F\d{4} [\d:.]+ +\d+ ([^\]]+)\] (.*?)\s*$', text,
-                    re.M)
-  first = text.strip().splitlines()[0].rstrip(':. ') if text.strip() else ''
-  if fatal:
-    return f'{first}: XLA stopped at {fatal[2]} ({fatal[1]})'
-  return first or type(error).__name__
-
-
-def _ExpectedLastDim(params, shapes, message, most_tries=6):
-  """(input index, size) such that the layer runs with that input's last
-  dim set to size, or None (also when it runs on `shapes` as they are)."""
-  if _RunsUnrolled(params, shapes):
-    return None
-  # The sizes TensorFlow named: "but are 12 and 8", or an assertion's values.
-  said = [int(d) for pair in re.findall(r'but are (\d+) and (\d+)', message)
-          for d in pair]
-  said += [int(v) for v in re.findall(r'^\[?(\d+)\]?$', message, re.M)]
-  sizes = list(dict.fromkeys(said + _BodyWeightDims(params)))
-  for i, shape in enumerate(shapes):
-    tries = [d for d in sizes if shape and d != shape[-1]][:most_tries]
-    for size in tries:
-      changed = [list(s) for s in shapes]
-      changed[i][-1] = size
-      if _RunsUnrolled(params, changed):
-        return i, size
-  return None
-
-
-def _RunsUnrolled(params, shapes):
-  """Whether the stack, unrolled, builds and runs on zeros of `shapes`
-  (TensorFlow's shape inference and the body's own shape assertions)."""
-  with tf.Graph().as_default():
-    try:
-      layer = params.Copy().Set(unroll='always').Instantiate()
-      inputs = [tf.zeros(s) for s in shapes]
-      with py_utils.GlobalStepContext(tf.constant(0, tf.int64)):
-        outputs = layer.FProp(layer.theta, *inputs)
-      with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        sess.run(outputs)
-    except (ValueError, TypeError, tf.errors.OpError):
-      return False
-  return True
-
-
-def _BodyWeightDims(params):
-  """The sizes of the dims of one stage's weights, in order, once each."""
-  with tf.Graph().as_default():
-    try:
-      layer = params.Copy().Instantiate()
-      weights = layer.layer_theta(layer.theta, 0, 0).Flatten()
-    except (ValueError, TypeError):
-      return []
-    dims = [d for w in weights for d in w.shape.as_list() if d]
-  return list(dict.fromkeys(dims))
 
 
 def main(argv=None):
@@ -343,8 +107,8 @@ def main(argv=None):
     parser.error('--params needs --input_shape (one per input).')
   try:
     params = LoadParams(args.params)
-    CheckPipelineParams(params, f'--params {args.params}')
-    num_devices = CheckDevices(params, args.num_devices)
+    user_layer.CheckPipelineParams(params, f'--params {args.params}')
+    num_devices = user_layer.CheckDevices(params, args.num_devices)
     layers.ValidateParams(params, args.input_shape[0][0])
   except ValueError as e:
     print(f'check_partitioning: error: {e}', file=sys.stderr)
@@ -353,7 +117,8 @@ def main(argv=None):
     report = CheckPartitioning(params, args.input_shape, num_devices)
   except (ValueError, TypeError, tf.errors.OpError) as e:
     print('check_partitioning: error: ' +
-          DescribeInputError(params, args.input_shape, e), file=sys.stderr)
+          user_layer.DescribeInputError(params, args.input_shape, e),
+          file=sys.stderr)
     return 2
   except RuntimeError as e:  # XLA's partitioner or compiler gave up
     return _SayPartitioningFailed(e, args.verbose)
@@ -362,12 +127,15 @@ def main(argv=None):
 
 def _CheckModel(args):
   """main() for --model: the registered model's whole training step."""
-  from gpipe import check_model  # pylint: disable=g-import-not-at-top
-  from gpipe import registered_models  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top,unused-import
+  from gpipe.lingvo_support import registered_models
+  from gpipe.xla import check_model
+  import params.lm  # the registered models
+  # pylint: enable=g-import-not-at-top,unused-import
   try:
     registered_models.ImportModules(args.model_module)
     model = check_model.FindModel(args.model)
-    num_devices = CheckDevices(model.stack_params, args.num_devices)
+    num_devices = user_layer.CheckDevices(model.stack_params, args.num_devices)
   except (ValueError, LookupError) as e:
     print(f'check_partitioning: error: {e}', file=sys.stderr)
     return 2
@@ -375,7 +143,7 @@ def _CheckModel(args):
     report = check_model.CheckModelPartitioning(model, num_devices)
   except ValueError as e:  # e.g. an input generator of dynamic shapes
     print(f'check_partitioning: error: --model {args.model}: '
-          f'{TensorFlowMessage(e)}', file=sys.stderr)
+          f'{user_layer.TensorFlowMessage(e)}', file=sys.stderr)
     return 2
   except RuntimeError as e:  # XLA's partitioner or compiler gave up
     return _SayPartitioningFailed(e, args.verbose)
@@ -384,7 +152,7 @@ def _CheckModel(args):
 
 def _SayPartitioningFailed(error, verbose):
   """XLA's partitioner or compiler gave up: why, in one line; exit 1."""
-  print(f'check_partitioning: error: {PartitionerMessage(error)}',
+  print(f'check_partitioning: error: {user_layer.PartitionerMessage(error)}',
         file=sys.stderr)
   if verbose:
     print(error, file=sys.stderr)

@@ -31,9 +31,9 @@ _OLD_SPELLINGS = {'--skip-check': '--skip_check',
 
 
 def _Args(argv=None):
-  from gpipe import flag_spellings  # pylint: disable=g-import-not-at-top
+  from gpipe.apps import flag_spellings  # pylint: disable=g-import-not-at-top
   from gpipe import quiet  # pylint: disable=g-import-not-at-top
-  from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
+  from gpipe.schedule import plot as schedule_plot  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(
       prog='python -m gpipe.demo', description=__doc__.split('\n\n')[0],
       epilog=__doc__.split('\n\n', 2)[2].rstrip(),
@@ -95,10 +95,10 @@ import tempfile
 import time
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
-from gpipe import registered_models
-from gpipe import schedule_plot
+from gpipe.apps import trainer
+from gpipe.lingvo_support import registered_models
+from gpipe.schedule import plot as schedule_plot
 from gpipe.schedule import text as schedule_text
-from gpipe import trainer
 import params.lm
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 

@@ -16,51 +16,53 @@ exactly what running the S * R layers one after another computes.
 
 Params and variable names/shapes follow Lingvo's
 `gshard_layers.LayerwiseShardablePipelinedLayer`, so its configs and
-checkpoints carry over. This module holds the Params (checked by
-`gpipe.param_checks`), the public API and the choice between the unrolled
-path (`gpipe.unrolled`) and the pipeline, whose data path for one FProp call
-is:
+checkpoints carry over. This module holds the Params and the public API,
+and picks the path one FProp call takes (modules of gpipe.pipeline unless
+named; docs/how-it-works.md walks through it):
 
-    split inputs       gpipe.microbatch         [B, ...] -> [M, B/M, ...]
-    run the loop       gpipe.pipeline_loop      T iterations over the buffer
-                       (gpipe.one_f_one_b       its gradient in forward
-                        with '1f1b')            order, two waves
-      its inputs and   gpipe.loop_io            whole on every device, or
-      outputs                                   streamed over the stages
-      each iteration   gpipe.stage_step         every stage once, bubbles
-                       gpipe.stage_runners      masked (on one device: all
-                       gpipe.vectorized_stages  as one computation), through
-                       gpipe.stage_call         the one body call site
-    reassemble         gpipe.microbatch         [M, B/M, ...] -> [B, ...]
+    check the Params   param_checks
+    not pipelined      unrolled (the S * R layers in turn), or on one device
+                       layer_by_layer (each layer on every microbatch)
+    split inputs       gpipe.microbatch     [B, ...] -> [M, B/M, ...]
+    run the loop       pipeline_loop        T iterations over the buffer
+                       (one_f_one_b         its gradient in forward order,
+                        with '1f1b')        two waves)
+      its inputs and   loop_io              whole on every device, or
+      outputs                               streamed over the stages
+      each iteration   stage_step           every stage once, bubbles masked
+                       stage_runners        (one device: vectorized_stages,
+                                            all as one computation)
+                       stage_call           the one body call site
+    reassemble         gpipe.microbatch     [M, B/M, ...] -> [B, ...]
 
-What varies is delegated: where the weights live (`gpipe.layouts`), which
-circular repeat is in use (`gpipe.repeats`), where tensors are placed
-(`gpipe.sharding`), the schedule's arithmetic (`gpipe.schedule`), the loop
-and its gradient loop (`gpipe.recurrent`; with backward_schedule='1f1b'
-`gpipe.gradient_waves`), what that gradient stores or recomputes
-(`gpipe.remat`).
+What varies is delegated: where the weights live (layouts), which circular
+repeat is in use (repeats), where tensors are placed (`gpipe.sharding`), the
+schedule's arithmetic (`gpipe.schedule`), the loop and its gradient loop
+(`gpipe.recurrent`; with backward_schedule='1f1b' gradient_waves), what that
+gradient stores or recomputes (`gpipe.loops.remat`).
 """
 
 from absl import logging
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
-from gpipe import layer_by_layer
-from gpipe import layer_params
-from gpipe import layouts
+from gpipe.lingvo_support import flags_and_seeds
 from gpipe import microbatch
-from gpipe import nest
-from gpipe import param_checks
-from gpipe import pipeline_loop
-from gpipe import repeats
+from gpipe.pipeline import layer_by_layer
+from gpipe.pipeline import layer_params
+from gpipe.pipeline import layouts
+from gpipe.pipeline import nest
+from gpipe.pipeline import param_checks
+from gpipe.pipeline import pipeline_loop
+from gpipe.pipeline import repeats
+from gpipe.pipeline import side_outputs
+from gpipe.pipeline import stage_call
+from gpipe.pipeline import stage_runners
+from gpipe.pipeline import stage_step
+from gpipe.pipeline import unrolled
+from gpipe.pipeline import vectorized_stages
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
-from gpipe import side_outputs
-from gpipe import stage_call
-from gpipe import stage_runners
-from gpipe import stage_step
-from gpipe import unrolled
-from gpipe import vectorized_stages
 from lingvo.core import base_layer
 from lingvo.core import gshard_utils
 
@@ -83,8 +85,8 @@ class PipelinedLayer(base_layer.BaseLayer):
 
   @classmethod
   def Params(cls):
-    """Lingvo's Params and gpipe's own; gpipe.layer_params says what each
-    one means."""
+    """Lingvo's Params and gpipe's own; gpipe.pipeline.layer_params says what
+    each one means."""
     p = super().Params()
     layer_params.DefineLingvos(p)
     layer_params.DefineGpipes(p)
@@ -95,7 +97,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     p = self.params
     param_checks.Check(p)
     param_checks.Normalize(p)
-    stage_call.EnsureFlagsParsed()  # Lingvo bodies read flags.
+    flags_and_seeds.EnsureFlagsParsed()  # Lingvo bodies read flags.
     self._said_microbatched = False
     self._vectorizing = vectorized_stages.Vectorizing(p.vectorize_stages,
                                                       p.name)
@@ -398,8 +400,8 @@ class PipelinedLayer(base_layer.BaseLayer):
         repeats=self._layout.repeats, placement=self._placement,
         args=args, states=states, mb_kwargs=mb_kwargs,
         kwargs_no_batch=kwargs_no_batch,
-        base_seed=stage_call.NextStepSeed(),
-        global_step=stage_call.CallersGlobalStep(),
+        base_seed=flags_and_seeds.NextStepSeed(),
+        global_step=flags_and_seeds.CallersGlobalStep(),
         var_names=tuple(self._layout.NonTrainableNames(self)),
         remat_policy=self.params.remat_policy,
         skip_bubbles=self.params.skip_bubbles,
@@ -415,8 +417,8 @@ class PipelinedLayer(base_layer.BaseLayer):
   @property
   def layer_by_layer(self):
     """How calls run with the layer_by_layer param (on one device):
-    gpipe.layer_by_layer.LayerByLayer; `ran` says whether one ran layer by
-    layer, `reason` why the last one ran the pipeline loop instead."""
+    gpipe.pipeline.layer_by_layer.LayerByLayer; `ran` says whether one ran layer
+    by layer, `reason` why the last one ran the pipeline loop instead."""
     return self._layer_by_layer
 
   def _LoopTheta(self, theta):

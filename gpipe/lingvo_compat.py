@@ -15,8 +15,8 @@ Importing gpipe alone changes nothing in Lingvo. Params built before the
 switch keep the class they name (`p.cls`).
 """
 
-from gpipe import layer_params
 from gpipe import layers
+from gpipe.pipeline import layer_params
 from lingvo.core import gshard_layers
 from lingvo.core import hyperparams
 
@@ -77,7 +77,7 @@ def AsLingvosOwnLayer(params):
   """Lingvo's own layer's Params from gpipe PipelinedLayer Params.
 
   Lingvo's layer has every Params name gpipe's has but gpipe's own
-  (gpipe.layer_params.DefineGpipes: the remat policy, as it always
+  (gpipe.pipeline.layer_params.DefineGpipes: the remat policy, as it always
   recomputes; vectorize_stages, as it always vectorizes; skip_bubbles and
   layer_by_layer, as it always runs its schedule), so
   the same stack can be built with either layer, e.g. to plan both side by

@@ -69,7 +69,7 @@ def main(argv=None):
     print(f'lingvo_trainer: error: {e} (--help lists the flags)',
           file=sys.stderr)
     return 2
-  from gpipe import registered_models  # pylint: disable=g-import-not-at-top
+  from gpipe.lingvo_support import registered_models  # pylint: disable=g-import-not-at-top
   try:
     registered_models.ImportModules(flags.model_module)
   except LookupError as e:
@@ -253,8 +253,8 @@ def _WriteScheduleImage(model, logdir):
   pipelined `stack` (a multi-task model, say) get none.
   """
   import os  # pylint: disable=g-import-not-at-top
+  from gpipe.apps import trainer as gpipe_trainer  # pylint: disable=g-import-not-at-top
   from gpipe import layers  # pylint: disable=g-import-not-at-top
-  from gpipe import trainer as gpipe_trainer  # pylint: disable=g-import-not-at-top
   from lingvo import model_registry  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   cfg = model_registry.GetParams(model, 'Train')

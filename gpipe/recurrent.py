@@ -10,15 +10,15 @@ state and the stacked extras.
 
 Its gradient is a second loop that runs t = T-1..0. Iteration t reads the
 state the forward pass kept before it (state_0 or states[t-1]) and what the
-remat policy had it store (gpipe.remat), recomputes the rest of the cell and
-back-propagates through that one iteration. With the default policy,
+remat policy had it store (gpipe.loops.remat), recomputes the rest of the cell
+and back-propagates through that one iteration. With the default policy,
 'recompute', the forward pass keeps only the carried state per iteration
 (which the pipeline needs anyway, as its outputs), never the cell's internal
 activations: activation memory is state x iterations, independent of how
 much the cell computes inside. 'save_dots' also stores its matmul outputs,
 'save_all' every activation the gradient reads; never anything computed
 from theta alone. The cell is traced once, with its gradient
-(gpipe.cell_graph), and both loops import that graph.
+(gpipe.loops.cell_graph), and both loops import that graph.
 
 Gradients reach theta, state0, inputs and float tensors the cell captures
 from outside (found when the cell is traced). Weights must reach the cell
@@ -38,29 +38,17 @@ from typing import Any, Callable, Tuple
 
 import tensorflow as tf
 
-from gpipe import cell_graph
-from gpipe import remat
-from gpipe import while_loops
+from gpipe.loops import cell_graph
+from gpipe.loops import remat
+from gpipe.loops import tensor_lists
+from gpipe.loops import while_loops
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record
-from tensorflow.python.ops import list_ops
 # pylint: enable=g-direct-tensorflow-import
 
 
 def _SliceInputs(inputs, t):
   return tf.nest.map_structure(lambda x: tf.gather(x, t), inputs)
-
-
-def _Reserve(spec, num_iterations):
-  return list_ops.tensor_list_reserve(
-      element_shape=spec.shape, num_elements=num_iterations,
-      element_dtype=spec.dtype)
-
-
-def _Stack(tensor_list, spec, num_iterations):
-  return list_ops.tensor_list_stack(
-      tensor_list, spec.dtype, num_elements=num_iterations,
-      element_shape=spec.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,16 +136,18 @@ def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     values = ([flat_new[i] for i in kept_idx] + tf.nest.flatten(extras) +
               stored)
     new_lists = [
-        list_ops.tensor_list_set_item(l, t if r is None else r.At(t), v)
+        tensor_lists.SetRow(l, t if r is None else r.At(t), v)
         for l, v, r in zip(lists, values, rows)
     ]
     return [t + 1] + flat_new + new_lists
 
   results = while_loops.WhileLoop(
       Body, [tf.constant(0, tf.int32)] + flat_state0 +
-      [_Reserve(s, n) for s, n in zip(specs, sizes)], num_iterations)
+      [tensor_lists.Reserve(s, n) for s, n in zip(specs, sizes)],
+      num_iterations)
   final_flat = results[1:1 + n_state]
-  stacked = [_Stack(l, s, n) if r is None else _Stack(l, s, n)[:r.num_rows]
+  stacked = [tensor_lists.Stack(l, s, n) if r is None
+             else tensor_lists.Stack(l, s, n)[:r.num_rows]
              for l, s, n, r in zip(results[1 + n_state:], specs, sizes, rows)]
   states = _Scatter(stacked[:n_kept], kept_idx, n_state)
   extras = tf.nest.pack_sequence_as(cell.extras_spec,
@@ -180,18 +170,14 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
   Returns gradients for (theta, state0, inputs, captures), flat; None for
   the entries that are not differentiable.
   """
-  flat_theta = tf.nest.flatten(theta)
-  flat_state0 = tf.nest.flatten(state0)
-  flat_inputs = tf.nest.flatten(inputs)
-  flat_stacked = tf.nest.flatten(stacked_states)
-  flat_d_states = tf.nest.flatten(d_states)
-  flat_d_extras = tf.nest.flatten(d_extras)
+  (flat_theta, flat_state0, flat_inputs, flat_stacked, flat_d_states,
+   flat_d_extras) = map(tf.nest.flatten, (theta, state0, inputs, stacked_states,
+                                          d_states, d_extras))
   diff = cell.differentiable
   extras_idx = [i for i, s in enumerate(tf.nest.flatten(cell.extras_spec))
                 if cell_graph.IsDifferentiable(s)]
   n_th, n_st, n_in, n_cap = (len(diff['theta']), len(diff['state']),
                              len(diff['inputs']), len(diff['captures']))
-
   unkept = [i for i, h in enumerate(flat_stacked) if h is None]
 
   def Body(t, *loop_vars):
@@ -224,7 +210,7 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     new_acc_theta = [a + g for a, g in zip(acc_theta, g_theta)]
     new_acc_caps = [a + g for a, g in zip(acc_caps, g_caps)]
     new_lists = [
-        list_ops.tensor_list_set_item(l, t, g)
+        tensor_lists.SetRow(l, t, g)
         for l, g in zip(input_lists, g_inputs)
     ]
     return ([t - 1] + new_d_state + new_acc_theta + new_acc_caps + new_lists +
@@ -243,16 +229,23 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
       ] + [while_loops.ZerosAfter(flat_theta[i], flat_d_final + flat_d_extras)
            for i in diff['theta']] +
       [tf.zeros_like(captures[i]) for i in diff['captures']] +
-      [_Reserve(s, num_iterations) for s in input_specs] +
+      [tensor_lists.Reserve(s, num_iterations) for s in input_specs] +
       [flat_final[i] for i in unkept], num_iterations)
-  results = results[1:len(results) - len(unkept)]
-  parts = {}
-  for key, n in (('state', n_st), ('theta', n_th), ('captures', n_cap)):
-    parts[key], results = results[:n], results[n:]
-  parts['inputs'] = [_Stack(l, s, num_iterations)
-                     for l, s in zip(results, input_specs)]
   sizes = dict(theta=len(flat_theta), state=len(flat_state0),
                inputs=len(flat_inputs), captures=len(captures))
+  return _BackwardResults(results[1:len(results) - len(unkept)], diff, sizes,
+                          input_specs, num_iterations)
+
+
+def _BackwardResults(results, diff, sizes, input_specs, num_iterations):
+  """The reverse loop's final gradients (state, theta, captures, then the
+  inputs' lists), flat in (theta, state, inputs, captures) order."""
+  parts = {}
+  for key in ('state', 'theta', 'captures'):
+    n = len(diff[key])
+    parts[key], results = results[:n], results[n:]
+  parts['inputs'] = [tensor_lists.Stack(l, s, num_iterations)
+                     for l, s in zip(results, input_specs)]
   return [g for key in ('theta', 'state', 'inputs', 'captures')
           for g in _Scatter(parts[key], diff[key], sizes[key])]
 
@@ -330,8 +323,8 @@ def Recurrent(theta,
       state0's structure, dtypes and shapes; extras is any nested structure of
       statically shaped tensors (may be empty). It is traced once.
     remat_policy: what the forward pass stores for the backward pass besides
-      the states: a gpipe.remat policy or its name ('recompute', 'save_dots',
-      'save_all').
+      the states: a gpipe.loops.remat policy or its name ('recompute',
+      'save_dots', 'save_all').
     manual_boundary: a gpipe.sharding.ManualBoundary when the cell computes
       in a manual sharding region: activations stored from inside it leave
       and re-enter it through this.

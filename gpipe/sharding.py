@@ -55,7 +55,7 @@ import tensorflow as tf
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 # pylint: enable=g-direct-tensorflow-import
-from gpipe import nest
+from gpipe.pipeline import nest
 from lingvo.core import gshard_utils
 from lingvo.core import py_utils_flags
 
@@ -132,7 +132,7 @@ def CopySharding(source, x):
 @contextlib.contextmanager
 def VectorizedOverStages():
   """Inside, tensors are one stage's, to be vectorized over a leading stage
-  dim (gpipe.vectorized_stages): every annotation made here (this
+  dim (gpipe.pipeline.vectorized_stages): every annotation made here (this
   module's and Lingvo's gshard_utils.MeshSplit) gets a leading dim, kept
   whole, so that it fits the vectorized tensor's rank. Vectorized runs
   are for one device, where the annotations split nothing anyway.

@@ -13,9 +13,9 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 from gpipe import layers
-from gpipe import partitioning
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
+from gpipe.xla import partitioning
 from lingvo import compat as tf
 from lingvo.core import base_layer
 from lingvo.core import py_utils

@@ -11,16 +11,16 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
+from gpipe.apps import trainer
+from gpipe.lingvo_support import flags_and_seeds
 from gpipe import schedule as schedule_lib
-from gpipe import stage_call
-from gpipe import trainer
 from lingvo.core import base_model
 from lingvo.core import py_utils
 import params.lm as lm
 from params import large_lm
 from params import pod_blocks
 
-stage_call.EnsureFlagsParsed()
+flags_and_seeds.EnsureFlagsParsed()
 
 
 class _WholeBatchLoss(large_lm.LargeLMTask):

@@ -1,7 +1,7 @@
 """layer_by_layer: on one device, each layer on every microbatch at once.
 
 With layer_by_layer=True a one-device call loops over the S x R layers
-instead of the pipeline schedule (gpipe.layer_by_layer). It must change
+instead of the pipeline schedule (gpipe.pipeline.layer_by_layer). It must change
 nothing but the time and the memory. The layer with it is checked against
 the harness's references, which run no gpipe code: S 1..4, M below, at,
 not a multiple of and above S, R 1..3, graph mode and jit, kwargs, nested
@@ -20,7 +20,7 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe import layer_by_layer
+from gpipe.pipeline import layer_by_layer
 from tests import decoding_test
 from tests import pipeline_harness as harness
 from tests import vectorized_stages_test as vst

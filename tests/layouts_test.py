@@ -1,4 +1,4 @@
-"""gpipe.layouts: each weight layout's variables, slices and write-back.
+"""gpipe.pipeline.layouts: each layout's variables, slices and write-back.
 
 Each layout is hosted by a bare Lingvo layer (no pipeline) and checked
 against the documented layout, with NumPy slicing as the reference:
@@ -14,8 +14,8 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import layers
-from gpipe import layouts
-from gpipe import repeats
+from gpipe.pipeline import layouts
+from gpipe.pipeline import repeats
 from gpipe import sharding
 from lingvo.core import base_layer
 from tests import bodies

@@ -1,4 +1,4 @@
-"""Tests for gpipe.lingvo_ops (lingvo custom ops with a pure-TF fallback)."""
+"""Tests for gpipe.lingvo_support.lingvo_ops (custom ops, pure-TF fallback)."""
 
 import pathlib
 import subprocess
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from gpipe import lingvo_ops
+from gpipe.lingvo_support import lingvo_ops
 
 # Must run before anything imports lingvo.core.
 lingvo_ops.EnsureLingvoOps()
@@ -161,7 +161,7 @@ def test_ensure_lingvo_ops_before_lingvo_is_imported():
   """As documented: EnsureLingvoOps() first, then lingvo (in a process of
   its own, where nothing imported lingvo yet). Looking lingvo up runs
   gpipe's import hook, which calls EnsureLingvoOps() again, re-entered."""
-  program = ('from gpipe import lingvo_ops\n'
+  program = ('from gpipe.lingvo_support import lingvo_ops\n'
              'using = lingvo_ops.EnsureLingvoOps()\n'
              'from lingvo.core import py_utils\n'
              'print(using == lingvo_ops.UsingFallback())\n')

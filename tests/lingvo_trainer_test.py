@@ -18,9 +18,9 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
+from gpipe.apps import trainer
+from gpipe.lingvo_support import flags_and_seeds
 from gpipe import lingvo_trainer
-from gpipe import stage_call
-from gpipe import trainer
 from lingvo import model_registry
 from lingvo.core import base_model
 from lingvo.core import base_model_params
@@ -137,7 +137,7 @@ def test_trainer_evaler_and_decoder_jobs(tmp_path):
   assert decoder['total_samples'][steps] == 64
   # The job's metric is the exact-copy rate of greedy decoding through the
   # pipeline, which itself equals full-sequence greedy decoding.
-  stage_call.EnsureFlagsParsed()
+  flags_and_seeds.EnsureFlagsParsed()
   held_out = trainer.DecodeHeldOut(model_registry.GetParams(_MODEL, 'Dev'),
                                    str(logdir / 'train'))
   assert held_out.Agrees(), held_out.Describe()
@@ -148,7 +148,7 @@ def test_trainer_evaler_and_decoder_jobs(tmp_path):
   assert exact > 0.5, held_out.Describe()  # it learned to copy
 
   # (Resuming training is Lingvo's runner restoring that checkpoint, as the
-  # evaler and decoder jobs just did; gpipe.trainer's own resume is tested
+  # evaler and decoder jobs just did; gpipe.apps.trainer's own resume is tested
   # in lm_params_test.)
 
 
@@ -172,7 +172,7 @@ def test_local_runs_skip_only_the_waiting_runners_sleep(monkeypatch):
 
 
 def test_a_model_module_by_path_registers_its_models(tmp_path):
-  from gpipe import registered_models  # pylint: disable=g-import-not-at-top
+  from gpipe.lingvo_support import registered_models  # pylint: disable=g-import-not-at-top
   module = tmp_path / 'my_path_lm.py'
   module.write_text(_USER_MODULE.replace('MyCopyLM', 'MyPathCopyLM'))
   registered_models.ImportModules([str(module)])
@@ -226,7 +226,7 @@ class _TwoTasks(base_model_params.MultiTaskModelParams):
 def test_schedule_image_only_for_a_task_with_a_pipelined_stack(tmp_path):
   """Written in eager mode too (the trainer with --use_eager)."""
   assert tf.executing_eagerly()
-  stage_call.EnsureFlagsParsed()  # the model registry reads flags
+  flags_and_seeds.EnsureFlagsParsed()  # the model registry reads flags
   name = next(k for k in model_registry.GetAllRegisteredClasses()
               if k.endswith('_TwoTasks'))
   lingvo_trainer._WriteScheduleImage(name, str(tmp_path / 'multi'))  # pylint: disable=protected-access

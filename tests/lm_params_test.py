@@ -12,17 +12,17 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
+from gpipe.apps import trainer
 from gpipe import demo
-from gpipe import layer_by_layer
-from gpipe import stage_call
-from gpipe import trainer
+from gpipe.lingvo_support import flags_and_seeds
+from gpipe.pipeline import layer_by_layer
 from lingvo import model_registry
 from lingvo.core import base_model
 from lingvo.core import py_utils
 import params.lm as lm
 from params import pod_blocks
 
-stage_call.EnsureFlagsParsed()
+flags_and_seeds.EnsureFlagsParsed()
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -17,23 +17,23 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe import check_model
-from gpipe import hlo_text
+from gpipe.apps import trainer
 from gpipe import check_partitioning
-from gpipe import partitioning
+from gpipe.lingvo_support import flags_and_seeds
+from gpipe.lingvo_support import tpu_build
 from gpipe import plan
-from gpipe import stage_call
-from gpipe import tpu_build
-from gpipe import trainer
 from gpipe.plan import candidate as candidate_lib
 from gpipe.plan import cli as plan_cli
 from gpipe.plan import flags as plan_flags
 from gpipe.plan import roofline
 from gpipe.plan import targets
+from gpipe.xla import check_model
+from gpipe.xla import hlo_text
+from gpipe.xla import partitioning
 import params.lm as lm
 from params import pod_blocks
 
-stage_call.EnsureFlagsParsed()
+flags_and_seeds.EnsureFlagsParsed()
 
 MODEL = 'lm.CopyLMMeshSmallData'
 MESH = pod_blocks.PodMesh(stages=2, data=2, model=2)

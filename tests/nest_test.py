@@ -1,10 +1,10 @@
-"""gpipe.nest: structures of tensors with None and other leaves kept."""
+"""gpipe.pipeline.nest: tensor structures with None and other leaves kept."""
 
 import numpy as np
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe import nest
+from gpipe.pipeline import nest
 from lingvo.core import py_utils
 
 

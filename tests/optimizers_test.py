@@ -27,12 +27,12 @@ from tensorflow.compiler.xla import xla_data_pb2  # pylint: disable=g-direct-ten
 
 import gpipe  # pylint: disable=unused-import
 from gpipe import layers
-from gpipe import partitioning
 from gpipe import plan
-from gpipe import sharding
 from gpipe.plan import optimizers
 from gpipe.plan import roofline
 from gpipe.plan import train_step
+from gpipe import sharding
+from gpipe.xla import partitioning
 from lingvo.core import hyperparams
 from lingvo.core import learner as lingvo_learner
 from lingvo.core import optimizer

@@ -30,11 +30,12 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import check_partitioning
-from gpipe import hlo_text
 from gpipe import layers
-from gpipe import partitioned_step
-from gpipe import partitioning
 from gpipe import sharding
+from gpipe.xla import hlo_text
+from gpipe.xla import partitioned_step
+from gpipe.xla import partitioning
+from gpipe.xla import user_layer
 from lingvo.core import py_utils
 from tests import bodies
 
@@ -161,7 +162,7 @@ def _Check(case, layer_cls=None):
   if layer_cls is None:
     layer_cls = (_MultiInputLayer if case.body == 'multi' else
                  layers.PipelinedLayer)
-  return check_partitioning.CheckPartitioning(
+  return user_layer.CheckPartitioning(
       case.Params(layer_cls), case.InputShapes(), case.num_devices)
 
 
@@ -358,10 +359,10 @@ def test_tensorflow_messages_are_made_one_whole_line():
     with pytest.raises(ValueError) as mismatched:
       tf.matmul(tf.zeros([3, 12]), tf.zeros([8, 8]))
   assert str(failed.value).splitlines()[0].endswith(':')  # as TF says it
-  line = check_partitioning.TensorFlowMessage(failed.value)
+  line = user_layer.TensorFlowMessage(failed.value)
   assert re.fullmatch(r'Condition x == y did not hold element-wise \(x = 12, '
                       r'y = 8 in \S+\)', line), line
-  line = check_partitioning.TensorFlowMessage(mismatched.value)
+  line = user_layer.TensorFlowMessage(mismatched.value)
   assert '\n' not in line and not line.endswith((':', '.'))
   assert re.search(r'but are 12 and 8 in op \S+ \(its inputs have shapes '
                    r'\[3,12\], \[8,8\]\)$', line), line
@@ -374,7 +375,7 @@ def test_an_xla_abort_is_named_in_one_line():
          'F1125 06:21:44.139553   18623 hlo_sharding.h:754] Check failed: '
          'IsTiledLeaf() \n*** Check failure stack trace: ***\n'
          '    @     0x7f7af0440634  absl::LogMessage::SendToLog()\n')
-  assert check_partitioning.PartitionerMessage(RuntimeError(log)) == (
+  assert user_layer.PartitionerMessage(RuntimeError(log)) == (
       'Partitioning for 2 devices failed (exit code -6): XLA stopped at '
       'Check failed: IsTiledLeaf() (hlo_sharding.h:754)')
 

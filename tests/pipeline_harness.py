@@ -397,7 +397,7 @@ def CheckPartitionedEqualsOneDevice(**one_device_param):
   # Imported here: the partitioning check needs jax, the rest of the
   # harness does not.
   from gpipe import check_partitioning  # pylint: disable=g-import-not-at-top
-  from gpipe import partitioning  # pylint: disable=g-import-not-at-top
+  from gpipe.xla import partitioning  # pylint: disable=g-import-not-at-top
   if not partitioning.IsAvailable():
     raise AssertionError('jax and jaxlib are needed (they are in the test '
                          'extra).')

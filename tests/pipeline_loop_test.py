@@ -1,4 +1,4 @@
-"""gpipe.pipeline_loop with a stand-in for the stages: order checks only.
+"""gpipe.pipeline.pipeline_loop with a stand-in for stages: order checks only.
 
 A fake runner computes layer l on microbatch m as y = w * x + (l + 1) and
 reports the microbatch id as its aux loss; the reference is a plain Python
@@ -11,14 +11,14 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe import nest
-from gpipe import pipeline_loop
-from gpipe import repeats
-from gpipe import rotating_buffer
+from gpipe.pipeline import nest
+from gpipe.pipeline import pipeline_loop
+from gpipe.pipeline import repeats
+from gpipe.pipeline import rotating_buffer
+from gpipe.pipeline import stage_runners
+from gpipe.pipeline import stage_step
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
-from gpipe import stage_runners
-from gpipe import stage_step
 from lingvo.core import py_utils
 
 ROWS, DIM = 2, 3

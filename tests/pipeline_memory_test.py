@@ -23,11 +23,11 @@ gradient), exceeds both bounds (S x T x mb for the latter).
 import pytest
 
 import gpipe  # pylint: disable=unused-import
-from gpipe import hlo_text
 from gpipe import layers
-from gpipe import partitioning
 from gpipe import plan
 from gpipe.plan import roofline
+from gpipe.xla import hlo_text
+from gpipe.xla import partitioning
 from tests import bodies
 
 NUM_STAGES = 4

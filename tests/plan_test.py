@@ -6,7 +6,7 @@ virtual devices and compiled without running (gpipe.plan). Checked:
   * the Adam update equals TensorFlow's own AdamOptimizer (two steps);
   * the per-device memory XLA reports for the shapes-only compile equals
     what the same step reports when lowered from values, partitioned and
-    run (gpipe.partitioning.RunPartitioned), and the run equals the
+    run (gpipe.xla.partitioning.RunPartitioned), and the run equals the
     unpartitioned step;
   * per-device bytes against arithmetic on the variables' shapes: weights
     = total / S, Adam slots = 2 x weights / S; temporaries between one and
@@ -41,16 +41,16 @@ import tensorflow as tf
 import gpipe  # pylint: disable=unused-import
 from gpipe import layers
 from gpipe import lingvo_compat
-from gpipe import partitioning
+from gpipe.lingvo_support import tpu_build
 from gpipe import plan
-from gpipe import sharding
-from gpipe import tpu_build
 from gpipe.plan import candidate as candidate_lib
 from gpipe.plan import optimizers
 from gpipe.plan import plot
 from gpipe.plan import report as report_lib
 from gpipe.plan import roofline
 from gpipe.plan import train_step
+from gpipe import sharding
+from gpipe.xla import partitioning
 from tests import bodies
 from tests import docs_test
 from tensorflow.python.compiler.xla.experimental import xla_sharding

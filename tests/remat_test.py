@@ -11,9 +11,9 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe import cell_graph
+from gpipe.loops import cell_graph
+from gpipe.loops import remat
 from gpipe import recurrent
-from gpipe import remat
 from tests import pipeline_harness as harness
 
 S, R, D, ROWS = 2, 3, 5, 7

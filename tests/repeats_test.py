@@ -1,11 +1,11 @@
-"""gpipe.repeats: every way of picking a circular repeat, against NumPy."""
+"""gpipe.pipeline.repeats: all ways to pick a circular repeat, against NumPy."""
 
 import numpy as np
 import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe import repeats
+from gpipe.pipeline import repeats
 from lingvo.core import py_utils
 
 R, S = 3, 4

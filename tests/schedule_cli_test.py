@@ -17,7 +17,7 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import layers
 from gpipe import schedule as schedule_lib
-from gpipe import schedule_plot
+from gpipe.schedule import plot as schedule_plot
 from gpipe.schedule import text as schedule_text
 from lingvo.core import base_layer
 from lingvo.core import py_utils

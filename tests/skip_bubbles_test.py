@@ -22,9 +22,9 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import layers
-from gpipe import pipeline_loop
+from gpipe.pipeline import pipeline_loop
+from gpipe.pipeline import stage_runners
 from gpipe import schedule
-from gpipe import stage_runners
 from tests import bodies
 from tests import decoding_test
 from tests import pipeline_harness as harness

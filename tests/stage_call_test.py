@@ -1,11 +1,11 @@
-"""gpipe.stage_call: the one call site of the body, tested on its own."""
+"""gpipe.pipeline.stage_call: the body's one call site, tested on its own."""
 
 import numpy as np
 import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe import stage_call
+from gpipe.pipeline import stage_call
 from lingvo.core import base_layer
 from lingvo.core import py_utils
 from tests import bodies

@@ -1,4 +1,4 @@
-"""gpipe.stage_runners: one iteration's stages, each on its own slot.
+"""gpipe.pipeline.stage_runners: one iteration's stages, each on its own slot.
 
 The one-device runner (DenseBody, weights [S, R, ...]) and the stage-
 parallel runner (StageParallelDenseBody, weights [R, S, ...]) compute the
@@ -14,10 +14,10 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe import repeats
+from gpipe.pipeline import repeats
+from gpipe.pipeline import stage_call
+from gpipe.pipeline import stage_runners
 from gpipe import schedule as schedule_lib
-from gpipe import stage_call
-from gpipe import stage_runners
 from tests import bodies
 
 S, M, R, ROWS, D = 3, 4, 2, 2, 4

@@ -1,7 +1,7 @@
 """TensorBoard, as the README has users run it, shows what training wrote.
 
-A tiny training run (gpipe.trainer.Train, the demo's driver, on a small copy
-LM whose stack has 2 stages) writes its events; the venv's `tensorboard
+A tiny training run (gpipe.apps.trainer.Train, the demo's driver, on a small
+copy LM whose stack has 2 stages) writes its events; the venv's `tensorboard
 --logdir` serves them as a real server and is asked over HTTP what its web
 page asks: the runs, the scalar tags and values, the image tags and the
 image itself. The server runs in a process group of its own, which is ended
@@ -27,9 +27,9 @@ import pytest
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import
+from gpipe.apps import trainer
 from gpipe import schedule as schedule_lib
-from gpipe import schedule_plot
-from gpipe import trainer
+from gpipe.schedule import plot as schedule_plot
 from lingvo.core import base_model
 from lingvo.core import py_utils
 from params import lm

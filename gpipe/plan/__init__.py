@@ -34,10 +34,15 @@ depth * R0 / R blocks; a body without one plans only its own R.
 The parts:
   targets     what to plan: a registered Lingvo model, or PipelinedLayer
               Params on inputs of given shapes; candidates (M, R, policy)
+  stacks      where a model keeps its stack, and a candidate's reshaping
   train_step  the whole training step as a function of tensors
+  optimizers  the optimizer updates it runs (Lingvo's, as functions)
   candidate   one candidate lowered, partitioned and compiled; its report
-  report      every candidate's report, the table, JSON, recommendation
+  loops       what the compiled module's while loops compute and hold
   roofline    the TPU generations and the step-time model
+  report      every candidate's report, the table, JSON, recommendation
+  plot        --plot: each candidate's bytes per chip, drawn
+  flags       the flags, read before TensorFlow loads
   cli         the command line (`python -m gpipe.plan`)
 
 Importing this package loads no TensorFlow: its names (MakePlan,

@@ -4,14 +4,15 @@ import sys
 
 # The arguments are read before TensorFlow loads (--help and usage errors
 # answer at once), and the libraries are quieted before they load.
-from gpipe import quiet  # pylint: disable=g-bad-import-order
 from gpipe.plan import flags  # pylint: disable=g-bad-import-order
+from gpipe import quiet  # pylint: disable=g-bad-import-order
 
 if __name__ == '__main__':
   flags.Parse()
   quiet.UnlessVerbose()
 
 from gpipe.plan import cli  # pylint: disable=g-import-not-at-top
+import params.lm  # pylint: disable=g-import-not-at-top,unused-import  (the zoo)
 
 if __name__ == '__main__':
   sys.exit(cli.main())

@@ -19,20 +19,20 @@ import time
 
 import numpy as np
 
-from gpipe import check_partitioning
-from gpipe import hlo_text
 from gpipe import layers as gpipe_layers
-from gpipe import partitioned_step
-from gpipe import partitioning
-from gpipe import schedule as schedule_lib
-from gpipe import sharding
-from gpipe import tpu_build
+from gpipe.lingvo_support import tpu_build
 from gpipe.plan import loops
+from gpipe.plan.report import Plan
 from gpipe.plan import roofline
 from gpipe.plan import stacks
 from gpipe.plan import targets
 from gpipe.plan import train_step
-from gpipe.plan.report import Plan
+from gpipe import schedule as schedule_lib
+from gpipe import sharding
+from gpipe.xla import hlo_text
+from gpipe.xla import partitioned_step
+from gpipe.xla import partitioning
+from gpipe.xla import user_layer
 
 
 @dataclasses.dataclass
@@ -392,7 +392,7 @@ class CandidateError(RuntimeError):
     if description:
       summary = description
     elif re.search(r'^F\d{4} ', str(error), re.M):
-      summary = check_partitioning.PartitionerMessage(error)
+      summary = user_layer.PartitionerMessage(error)
     else:
       summary = ' ... '.join(lines[:1] + lines[1:][-1:]) or '(no message)'
     super().__init__(

@@ -14,16 +14,16 @@ import traceback
 import numpy as np
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
-from gpipe import check_partitioning
-from gpipe import param_checks
-from gpipe import partitioning
-from gpipe import registered_models
-from gpipe import stage_call
+from gpipe.lingvo_support import flags_and_seeds
+from gpipe.lingvo_support import registered_models
+from gpipe.pipeline import param_checks
 from gpipe.plan import candidate as candidate_lib
 from gpipe.plan import flags
 from gpipe.plan import plot
 from gpipe.plan import roofline
 from gpipe.plan import targets
+from gpipe.xla import partitioning
+from gpipe.xla import user_layer
 
 GIB = 2**30
 
@@ -50,7 +50,7 @@ def _Target(parser, args):
 
 def _LoadParams(spec):
   try:
-    return check_partitioning.LoadParams(spec)
+    return user_layer.LoadParams(spec)
   except ValueError as e:
     raise targets.PlanError(str(e)) from None
 
@@ -64,7 +64,7 @@ def _Candidates(parser, args):
   target = _Target(parser, args)
   stack = target.stack_params
   try:
-    num_devices = check_partitioning.CheckDevices(stack, args.num_devices)
+    num_devices = user_layer.CheckDevices(stack, args.num_devices)
   except ValueError as e:
     raise targets.PlanError(str(e)) from None
   m0 = stack.num_microbatches
@@ -115,7 +115,7 @@ def _Meshes(stack, meshes, num_devices):
 
 def main(argv=None):
   parser, args = flags.Parse(argv)
-  stage_call.EnsureFlagsParsed()
+  flags_and_seeds.EnsureFlagsParsed()
   if not partitioning.IsAvailable():
     print('plan: error: gpipe.plan needs jax and jaxlib: python '
           'tools/install.py --extra spmd in the checkout', file=sys.stderr)

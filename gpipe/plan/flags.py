@@ -7,10 +7,10 @@ import argparse
 import math
 import os
 
+from gpipe.loops import remat
 from gpipe import plan as plan_package
-from gpipe import quiet
-from gpipe import remat
 from gpipe.plan import roofline
+from gpipe import quiet
 
 
 def _IntList(text):
@@ -148,16 +148,16 @@ def Parse(argv=None):
                       help='candidates, e.g. 1,2,4 (default: the model\'s)')
   parser.add_argument('--remat_policy', type=_PolicyList, default=None,
                       help='candidates, e.g. recompute,save_all (default: '
-                      'the model\'s); see gpipe.remat')
+                      'the model\'s); see gpipe.loops.remat')
   parser.add_argument('--backward_schedule', type=_ScheduleList,
                       default=None,
                       help='candidates, e.g. reverse,1f1b (default: the '
-                      'model\'s); see gpipe.one_f_one_b')
+                      'model\'s); see gpipe.pipeline.one_f_one_b')
   parser.add_argument('--stream_io', type=_BoolList, nargs='?',
                       const=[True], default=None, metavar='false,true',
                       help='candidates: --stream_io alone is true; or '
                       'false, true, false,true (default: the model\'s); '
-                      'see gpipe.loop_io')
+                      'see gpipe.pipeline.loop_io')
   parser.add_argument('--mesh', type=_MeshList, default=None,
                       help='candidate device meshes for a model on a mesh, '
                       'e.g. 8x1x4,4x2x4: the stage axis gives num_stages '

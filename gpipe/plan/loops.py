@@ -11,8 +11,8 @@ rings of stage inputs (Rings).
 import functools
 import re
 
-from gpipe import hlo_text as hlo
-from gpipe import spmd_worker
+from gpipe.xla import hlo_text as hlo
+from gpipe.xla import spmd_worker
 
 
 @functools.lru_cache(maxsize=1)
@@ -119,8 +119,8 @@ def Rings(hlo_text, gradient_bodies, ring_size):
 
   Each stage keeps its stage inputs (and what the remat policy stores) in
   rings of ring_size entries, per device [stages of the device, ring_size,
-  ...] (gpipe.stage_slots.Ring): a loop's carried arrays of rank 3 or more
-  whose second dim is ring_size. The gradient loops carry the same rings (a
+  ...] (gpipe.pipeline.stage_slots.Ring): a loop's carried arrays of rank 3 or
+  more whose second dim is ring_size. The gradient loops carry the same rings (a
   phase that only reads them may take them in otherwise): the largest set
   of one loop counts.
   """

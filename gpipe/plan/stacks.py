@@ -33,7 +33,7 @@ import tensorflow as tf
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers as gpipe_layers
 from gpipe import lingvo_compat
-from gpipe import param_checks
+from gpipe.pipeline import param_checks
 from lingvo.core import batch_major_attention
 from lingvo.core import hyperparams
 

@@ -12,11 +12,11 @@ import functools
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
-from gpipe import check_partitioning
 from gpipe import layers as gpipe_layers
 from gpipe import lingvo_compat
 from gpipe.plan import stacks
 from gpipe.plan import train_step
+from gpipe.xla import user_layer
 
 
 class PlanError(ValueError):
@@ -63,7 +63,7 @@ class ModelTarget:
   """
 
   def __init__(self, name, lingvos_layer=False):
-    from gpipe import registered_models  # pylint: disable=g-import-not-at-top
+    from gpipe.lingvo_support import registered_models  # pylint: disable=g-import-not-at-top
     try:
       self._cfg = registered_models.GetParams(name, 'Train')
       self._stack = stacks.FindStack(self._cfg.task, f'{name} task')
@@ -107,7 +107,7 @@ class LayerTarget:
   def __init__(self, layer_params, input_shapes, name='layer',
                optimizer=None, lingvos_layer=False):
     try:
-      check_partitioning.CheckPipelineParams(layer_params, name)
+      user_layer.CheckPipelineParams(layer_params, name)
     except ValueError as e:
       raise PlanError(str(e)) from None
     self._params = layer_params
@@ -126,7 +126,7 @@ class LayerTarget:
     input shapes (as check_partitioning says it), else None."""
     if not isinstance(error, (ValueError, TypeError, tf.errors.OpError)):
       return None
-    return check_partitioning.DescribeInputError(
+    return user_layer.DescribeInputError(
         self._params, self._input_shapes, error)
 
   def Build(self, candidate, depth_param):

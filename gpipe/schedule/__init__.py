@@ -32,10 +32,14 @@ The rotating buffer needs no storage beyond [S, ...]: a microbatch leaving the
 last stage at repeat r is exactly what stage 0 needs next, at repeat r + 1.
 
 As a command (gpipe.schedule.text), prints the schedule (and with --out
-draws it, see gpipe.schedule_plot):
+draws it, see gpipe.schedule.plot):
 
     python -m gpipe.schedule --num_stages 4 --num_microbatches 8 \
         --circular_repeat 2 --out schedule.png
+
+The command (`python -m gpipe.schedule`) prints a schedule as text
+(gpipe.schedule.text) and draws it (gpipe.schedule.plot); neither loads
+TensorFlow.
 """
 
 import dataclasses
@@ -320,7 +324,7 @@ class GradientPhase:
 
 
 class OneFOneB:
-  """The arithmetic of the 1f1b gradient loop (gpipe.one_f_one_b).
+  """The arithmetic of the 1f1b gradient loop (gpipe.pipeline.one_f_one_b).
 
   The forward pass keeps nothing per iteration. Its gradient is one loop in
   forward order whose iteration j runs two waves over the S stages:

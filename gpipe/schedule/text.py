@@ -5,7 +5,7 @@
         [--out schedule.png]
 
 prints the schedule's summary and its table (gpipe.schedule has the
-arithmetic; gpipe.schedule_plot draws it). Loads no TensorFlow.
+arithmetic; gpipe.schedule.plot draws it). Loads no TensorFlow.
 """
 
 import argparse
@@ -148,7 +148,7 @@ def _Parser():
 
 
 def _CheckOut(parser, out):
-  from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
+  from gpipe.schedule import plot as schedule_plot  # pylint: disable=g-import-not-at-top
   problem = schedule_plot.OutPathProblem(out)
   if problem:
     parser.error(f'--out {out}: {problem}')
@@ -159,7 +159,7 @@ def _CheckOut(parser, out):
 
 
 def main(argv=None):
-  from gpipe import flag_spellings  # pylint: disable=g-import-not-at-top
+  from gpipe.apps import flag_spellings  # pylint: disable=g-import-not-at-top
   parser = _Parser()
   argv = sys.argv[1:] if argv is None else argv
   args = parser.parse_args(flag_spellings.Respell(argv, _OLD_SPELLINGS,
@@ -182,7 +182,7 @@ def main(argv=None):
     print(GradientLoopSummary(schedule))
     print(RenderGradientLoop(schedule))
   if args.out:
-    from gpipe import schedule_plot  # pylint: disable=g-import-not-at-top
+    from gpipe.schedule import plot as schedule_plot  # pylint: disable=g-import-not-at-top
     schedule_plot.Draw(schedule, args.out)
     print(f'wrote {os.path.abspath(args.out)}')
   return 0

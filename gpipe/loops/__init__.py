@@ -1,0 +1,9 @@
+"""The loops' machinery under gpipe.recurrent (internal): nothing here
+knows about stages or microbatches.
+
+    cell_graph     one iteration and its gradient, traced once and imported
+                   into the loops
+    remat          what the backward pass stores and what it recomputes
+    while_loops    while loops of exactly n iterations, XLA-friendly
+    tensor_lists   the [T, ...] results a loop fills row by row
+"""

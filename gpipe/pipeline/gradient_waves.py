@@ -1,0 +1,261 @@
+"""The 1f1b gradient loop: a forward and a backward wave per iteration.
+
+gpipe.pipeline.one_f_one_b has the picture; gpipe.schedule.OneFOneB the
+arithmetic (which call each stage's backward wave differentiates, and where its
+input waits in the ring). What the loop carries through its phases:
+
+    buffer, vars, reading   the forward wave's, as the forward loop's
+    rings                   per stage, ring_size entries: stage inputs,
+                            non-trainable values, and what the remat
+                            policy keeps of the body, [S, ring_size, ...]
+    d_buffer                each stage's input gradient of the iteration
+                            before, handed one stage back
+    d_reading, d_writing    output gradients read, input gradients written
+                            (gpipe.pipeline.loop_io)
+    d_theta, d_captures     the weights' and captured tensors' gradients
+    d_states                the per-stage state slots' gradients, [S, T, ...]
+
+Non-trainable values take no gradient: a body's updates of them go
+through `assign`, which cuts the gradient (gpipe.pipeline.stage_vars).
+"""
+
+import tensorflow as tf
+
+from gpipe.loops import cell_graph
+from gpipe.loops import while_loops
+from gpipe.pipeline import rotating_buffer
+from gpipe.pipeline import stage_slots
+from gpipe.pipeline import stage_step
+from gpipe import recurrent
+from gpipe import schedule as schedule_lib
+from lingvo.core import py_utils
+
+NestedMap = py_utils.NestedMap
+
+
+# What each wave changes of the loop's carry.
+_FORWARD_WAVE = ('buffer', 'vars', 'reading', 'rings')
+_BACKWARD_WAVE = ('d_buffer', 'd_reading', 'd_writing', 'd_theta',
+                  'd_captures', 'd_states')
+
+
+def _Mask(flags, like):
+  """[S] bools -> [S, 1, ...] against `like`."""
+  return tf.reshape(flags, [-1] + [1] * (like.shape.rank - 1))
+
+
+def Row(tables, index, place):
+  """Row `index` of [T, S] tables, replicated (each device takes its own
+  stage's entries)."""
+  return NestedMap({n: place.ReplicateBookkeeping(tf.gather(t, index))
+                    for n, t in tables.items()})
+
+
+def _ByStage(x, place):
+  """[T, S, ...] -> [S, T, ...], stage dim split: rows a stage reads."""
+  perm = [1, 0] + list(range(2, x.shape.rank))
+  return place.SplitStages(tf.transpose(x, perm), 0)
+
+
+def _ByIteration(x, place):
+  """[S, T, ...] -> [T, S, ...], stage dim split."""
+  perm = [1, 0] + list(range(2, x.shape.rank))
+  return place.SplitStages(tf.transpose(x, perm), 1)
+
+
+class GradientLoop:
+  """The gradient of one forward loop (one_f_one_b._Pipelined)."""
+
+  def __init__(self, cell, io, theta, native, state_leaves, var_values,
+               captures):
+    self._cell = cell
+    self._graph = cell.graph
+    self._io = io
+    self._place = cell.spec.placement
+    self._waves = schedule_lib.OneFOneB(cell.spec.schedule)
+    self._backward_tables = stage_step.Tables(self._waves.BackwardTables())
+    self._theta = theta
+    self._native = native
+    self._states = [self._place.SplitStages(x, 1) for x in state_leaves]
+    self._num_vars = len(tf.nest.flatten(var_values))
+    self._var_values = [self._place.SplitStages(v) for v in var_values]
+    self._captures = captures
+    place = self._place
+    entry = lambda x: tf.TensorSpec(x.shape, x.dtype)
+    size = self._waves.ring_size
+    self._rows = stage_slots.For(place, cell.spec.manual_mesh)
+    ring = lambda spec: stage_slots.Ring(spec, size, place)
+    self._rings = NestedMap(
+        buffer=[ring(entry(x)) for x in cell.state0.buffer],
+        vars=[ring(entry(x)) for x in self._var_values],
+        stored=[ring(s) for s in self._graph.StoredSpecs()])
+
+  def Run(self, d):
+    """Gradients of the forward loop's arguments, flat: theta, native
+    inputs, state leaves, non-trainable values (None), captures."""
+    carry = self._Start(d)
+    consts = NestedMap(
+        d_aux=d.aux,
+        d_summaries=tf.nest.map_structure(
+            lambda x: _ByStage(x, self._place), d.summaries),
+        d_states=[_ByStage(x, self._place) for x in d.states],
+        states=[_ByStage(x, self._place) for x in self._states])
+    for phase in self._waves.Phases():
+      carry = self._RunPhase(phase, carry, consts)
+    return self._Finish(carry)
+
+  def _Start(self, d):
+    diff = self._graph.differentiable
+    flat_theta = tf.nest.flatten(self._theta)
+    filler = self._cell.state0.buffer
+    return NestedMap(
+        buffer=filler, vars=self._var_values,
+        reading=self._io.StartReading(self._native),
+        rings=tf.nest.map_structure(lambda r: r.Empty(), self._rings),
+        d_buffer=[tf.zeros_like(x) for x in filler],
+        d_reading=self._io.StartReadingGradients(d.outputs),
+        d_writing=self._io.StartWritingGradients(filler),
+        d_theta=[while_loops.ZerosAfter(flat_theta[i], [d.aux])
+                 for i in diff['theta']],
+        d_captures=[tf.zeros_like(self._captures[i])
+                    for i in diff['captures']],
+        d_states=[tf.zeros_like(_ByStage(self._states[i], self._place))
+                  for i in self._DiffStateInputs()])
+
+  def _DiffStateInputs(self):
+    """Indices of the per-stage state leaves that take gradients (the
+    cell's differentiable inputs are its rows' ints, then the states)."""
+    num_rows = len(tf.nest.flatten(self._cell.CellRows(self._cell.tables)))
+    return [i - num_rows for i in self._graph.differentiable['inputs']]
+
+  def _RunPhase(self, phase, carry, consts):
+    """The phase's iterations as one loop.
+
+    The loop carries only what its waves change; what it only reads (the
+    rings in the backward phase) it captures. (A constant carried
+    unchanged through three consecutive loops makes TensorFlow 2.21's
+    tf2xla abort: 'Cannot find body function ..._const_0'.)
+    """
+    keys = ((_FORWARD_WAVE if phase.forward else ()) +
+            (_BACKWARD_WAVE if phase.backward else ()))
+
+    def Body(j, changing):
+      full = carry.copy()
+      full.update(changing)
+      if phase.forward:
+        full = self._ForwardWave(j, full)
+      if phase.backward:
+        full = self._BackwardWave(j, full, consts)
+      return j + 1, NestedMap({k: full[k] for k in keys})
+
+    _, changed = while_loops.WhileLoop(
+        Body, [tf.constant(phase.begin), NestedMap({k: carry[k] for k in keys})],
+        phase.end - phase.begin)
+    out = carry.copy()
+    out.update(changed)
+    return out
+
+  def _ForwardWave(self, j, carry):
+    """Iteration j of the forward loop again, its stage inputs (and what
+    the policy keeps) pushed into the rings at slot j mod ring_size."""
+    place, io = self._place, self._io
+    rows = Row(self._cell.tables, j, place)
+    fresh, reading = io.Read(self._native, carry.reading, j)
+    stage_in = [place.SplitStages(rotating_buffer.StageInputs(rows.reads, b, f))
+                for b, f in zip(carry.buffer, fresh)]
+    new, _, stored = self._cell.Forward(
+        self._theta, stage_in, carry.vars, rows,
+        [x[j] for x in self._states], self._captures, with_extras=False,
+        with_stored=True)
+    slot = j % self._waves.ring_size
+    entries = NestedMap(buffer=stage_in, vars=carry.vars, stored=stored)
+    out = carry.copy()
+    out.rings = tf.nest.map_structure(lambda r, ring, e: r.Write(ring, slot, e),
+                                      self._rings, carry.rings, entries)
+    out.buffer = [place.SplitStages(rotating_buffer.RotateStages(o))
+                  for o in new.buffer]
+    out.vars = new.vars
+    out.reading = reading
+    return out
+
+  def _BackwardWave(self, j, carry, consts):
+    """Each stage differentiates the call schedule.OneFOneB gives it."""
+    place = self._place
+    per_stage = place.SplitStages
+    rows = Row(self._backward_tables, j - self._waves.delay, place)
+    slots = per_stage(rows.ring_slot)
+    entries = tf.nest.map_structure(lambda r, ring: r.Read(ring, slots),
+                                    self._rings, carry.rings)
+    d_out, d_reading = self._io.ReadGradient(carry.d_reading, rows)
+    last = per_stage(rows.last_layer)
+    dy = [per_stage(tf.where(_Mask(last, o), o,
+                             rotating_buffer.RotateStages(b, -1)))
+          for o, b in zip(d_out, carry.d_buffer)]
+    at = per_stage(rows.iteration)
+    grads = self._Differentiate(rows, at, entries, dy, consts)
+    first = per_stage(rows.first_layer)
+    out = carry.copy()
+    out.d_reading = d_reading
+    out.d_writing = self._io.WriteGradient(carry.d_writing, rows, grads.d_x)
+    out.d_buffer = [per_stage(tf.where(_Mask(first, x), tf.zeros_like(x), x))
+                    for x in grads.d_x]
+    out.d_theta = [a + g for a, g in zip(carry.d_theta, grads.theta)]
+    out.d_captures = [a + g for a, g in zip(carry.d_captures, grads.captures)]
+    out.d_states = [self._rows.Add(a, at, g)
+                    for a, g in zip(carry.d_states, grads.states)]
+    return out
+
+  def _Differentiate(self, rows, at, entries, dy, consts):
+    """The cell's gradient for each stage's call: NestedMap(d_x per buffer
+    leaf, theta, states, captures) of the differentiable entries."""
+    graph = self._graph
+    diff = graph.differentiable
+    read = lambda x: self._rows.Read(x, at)
+    state = NestedMap(buffer=entries.buffer, vars=entries.vars)
+    flat_state = tf.nest.flatten(state)
+    num_buffer = len(entries.buffer)
+    d_state = [dy[i] if i < num_buffer else tf.zeros_like(flat_state[i])
+               for i in diff['state']]
+    num_stages = at.shape.as_list()[0]
+    d_extras = NestedMap(
+        aux=tf.fill([num_stages], consts.d_aux),
+        summaries=tf.nest.map_structure(read, consts.d_summaries),
+        states=[read(x) for x in consts.d_states])
+    flat_d_extras = [
+        g for g, s in zip(tf.nest.flatten(d_extras),
+                          tf.nest.flatten(graph.extras_spec))
+        if cell_graph.IsDifferentiable(s)]
+    inputs = NestedMap(rows=self._cell.CellRows(rows),
+                       states=[read(x) for x in consts.states])
+    grads = graph.Backward(
+        tf.nest.flatten(self._theta), flat_state, tf.nest.flatten(inputs),
+        self._captures, None, d_state, flat_d_extras, entries.stored)
+    sizes = [len(diff[k]) for k in ('theta', 'state', 'inputs')]
+    g_theta, rest = grads[:sizes[0]], grads[sizes[0]:]
+    g_state, rest = rest[:sizes[1]], rest[sizes[1]:]
+    g_inputs, g_captures = rest[:sizes[2]], rest[sizes[2]:]
+    d_x = [tf.zeros_like(x) for x in entries.buffer]
+    for i, g in zip(diff['state'], g_state):
+      if i < num_buffer:
+        d_x[i] = g
+    return NestedMap(d_x=d_x, theta=g_theta, states=g_inputs,
+                     captures=g_captures)
+
+  def _Finish(self, carry):
+    graph, place = self._graph, self._place
+    diff = graph.differentiable
+    flat_theta = tf.nest.flatten(self._theta)
+    d_theta = [None] * len(flat_theta)
+    for i, g in zip(diff['theta'], carry.d_theta):
+      d_theta[i] = g
+    d_native = [
+        g if cell_graph.IsDifferentiable(x) else None for g, x in zip(
+            self._io.FinishWritingGradients(carry.d_writing,
+                                            self._cell.state0.buffer),
+            self._native)]
+    d_states = [None] * len(self._states)
+    for i, g in zip(self._DiffStateInputs(), carry.d_states):
+      d_states[i] = _ByIteration(g, place)
+    return (d_theta + d_native + d_states + [None] * self._num_vars +
+            list(carry.d_captures))
+

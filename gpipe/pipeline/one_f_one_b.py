@@ -1,0 +1,255 @@
+"""backward_schedule='1f1b': what a stage stores bounded by the stages.
+
+The reverse schedule's forward loop keeps each iteration's buffer for its
+backward loop: T stage inputs per stage, about R x the batch per device.
+With '1f1b' the forward loop keeps nothing per iteration, and the gradient
+is one loop in forward order (the arithmetic: gpipe.schedule.OneFOneB):
+
+    forward wave    each stage runs iteration j's forward again, from the
+                    pipeline's inputs, and pushes its stage input into a
+                    ring of 2 R S - 1 entries
+    backward wave   each stage differentiates the call whose output
+                    gradient has come back one stage on (the last layer's:
+                    the layer's output gradient), its input read back from
+                    the ring; the input gradient goes one stage back (the
+                    first layer's: the layer's input gradient)
+
+    S=3, M=4 (f,b)                      a stage holds
+    j          0   1   2   3   4   5    the ring, 2 R S - 1 stage inputs
+    stage 0  0,. 1,. 2,. 3,. .,0 .,1    a forward and a gradient buffer
+    stage 1  .,. 0,. 1,. 2,0 3,1 .,2    (with stream_io: 1/S of the inputs,
+    stage 2  .,. .,. 0,0 1,1 2,2 3,3     outputs and their gradients)
+
+whatever M is. The loss stays outside the layer, so no output gradient
+exists before the whole forward pass has run: the forward wave runs the
+forward a second time (one forward more than 'reverse' with the same remat
+policy), and the backward wave recomputes what its ring entry does not
+keep (remat_policy: 'recompute' keeps the stage input; 'save_dots' and
+'save_all' also the body's activations they name). The waves run in three
+loops (OneFOneB.Phases) so that no iteration computes a wave no stage
+needs. Each iteration's stage work is stage_step.Step, traced once
+(gpipe.loops.cell_graph) with its gradient, as the reverse loop runs it.
+
+The layer's gradient is still what TensorFlow's autodiff asks of it: the
+loop pair is one tf.custom_gradient, in graph mode and under XLA.
+"""
+
+from absl import logging
+import tensorflow as tf
+# pylint: disable=g-direct-tensorflow-import
+from tensorflow.python.eager import record
+# pylint: enable=g-direct-tensorflow-import
+
+from gpipe.loops import cell_graph
+from gpipe.loops import remat
+from gpipe.loops import tensor_lists
+from gpipe.loops import while_loops
+from gpipe.pipeline import gradient_waves
+from gpipe.pipeline import loop_io
+from gpipe.pipeline import rotating_buffer
+from gpipe.pipeline import stage_step
+from gpipe.pipeline import vectorized_stages
+from gpipe import recurrent
+from gpipe import sharding
+from lingvo.core import py_utils
+
+NestedMap = py_utils.NestedMap
+
+# The name scope of the forward loop (the planner tells it from the
+# gradient loops by it).
+FORWARD_LOOP = 'one_f_one_b_forward'
+
+# What the stage cell reads of a table row (the backward tables say more).
+_CELL_ROWS = ('microbatch', 'repeat', 'seed_offset', 'valid', 'reads')
+
+
+def Run(spec, theta, mb_leaves, state_leaves, var_values):
+  """The 1f1b pipeline: a pipeline_loop.LoopResult's fields, as a dict.
+
+  Args: as pipeline_loop.Run's.
+  """
+  io = loop_io.For(spec)
+  native = io.ToNative(mb_leaves)
+  cell = _StageCell(spec, theta, io.Filler(native), state_leaves, var_values)
+  result = _Pipelined(cell, io, theta, native, state_leaves, var_values)
+  return dict(outputs=io.Outputs(result.outputs),
+              states=[spec.placement.SplitStages(x, 1) for x in result.states],
+              aux_loss=result.aux, summaries=result.summaries,
+              vars=result.vars)
+
+
+class _StageCell:
+  """stage_step.Step traced once with its gradient (gpipe.loops.cell_graph): the
+  forward loop and the forward wave import its forward, the backward wave
+  its gradient.
+
+  Attributes:
+    graph: the CellGraph.
+    spec: the pipeline_loop.LoopSpec.
+    state0: NestedMap(buffer=[S, ...] leaves, vars=[S, (R,) ...]).
+    read_variables: the variables the cell reads (checked in the gradient).
+  """
+
+  def __init__(self, spec, theta, filler, state_leaves, var_values):
+    self.spec = spec
+    place = spec.placement
+    self.tables = stage_step.StageTables(spec.schedule)
+    self.state0 = NestedMap(
+        buffer=filler,
+        vars=[place.SplitStages(tf.stop_gradient(v)) for v in var_values])
+    self._inputs = NestedMap(
+        rows=self.CellRows(self.tables),
+        states=[place.SplitStages(x, 1) for x in state_leaves])
+    self.graph, self.read_variables = self._Build(
+        theta, remat.For(spec.remat_policy))
+    if self.graph.stored and not self._StageMajor():
+      logging.info(
+          "PipelinedLayer %r: backward_schedule='1f1b' with remat_policy=%r "
+          'keeps the stage inputs only (and recomputes the rest, with the '
+          'same results): its stages run one after another, or in one '
+          'stage-parallel call, whose activations have no stage dim to '
+          'split a ring of them by.', spec.body.owner, spec.remat_policy)
+      self.graph, self.read_variables = self._Build(theta, remat.Recompute())
+
+  @staticmethod
+  def CellRows(rows):
+    """What the cell reads of a table row (backward rows say more)."""
+    return NestedMap({n: rows[n] for n in _CELL_ROWS})
+
+  def _Build(self, theta, policy):
+    with record.VariableWatcher() as watcher:
+      graph = cell_graph.CellGraph(
+          self._Fn, theta, self.state0, self._inputs, policy,
+          sharding.ManualBoundary.For(self.spec.manual_mesh),
+          data_state=NestedMap(buffer=[True] * len(self.state0.buffer),
+                               vars=[False] * len(self.state0.vars)),
+          keeps_new_state=False)
+    return graph, watcher.watched_variables()
+
+  def _Fn(self, theta, state, inp):
+    spec = self.spec
+    rows = inp.rows.Transform(spec.placement.ReplicateBookkeeping)
+    step = stage_step.Step(
+        spec, stage_step.StageRange.All(spec.schedule.num_stages), theta,
+        rows, state.buffer, inp.states, state.vars)
+    return (NestedMap(buffer=step.outputs, vars=step.vars),
+            NestedMap(aux=step.aux, summaries=step.summaries,
+                      states=step.states))
+
+  def _StageMajor(self):
+    """Whether every activation of the cell has a leading stage dim (the
+    stages vectorized, or each device's stage in a manual region), so that
+    a ring can keep each stage's part of what the policy stores."""
+    if self.spec.manual_mesh is not None:
+      return True
+    run = self.spec.run_stages
+    return (isinstance(run, vectorized_stages.Vectorizing) and
+            run.vectorized and run.reason is None)
+
+  def Forward(self, theta, buffer, var_values, rows, state_slots, captures,
+              with_extras=True, with_stored=False):
+    """(NestedMap(buffer, vars), extras, stored) of one iteration."""
+    return self.graph.Forward(
+        theta, NestedMap(buffer=buffer, vars=var_values),
+        NestedMap(rows=self.CellRows(rows), states=state_slots), captures,
+        with_stored=with_stored, with_extras=with_extras)
+
+
+def _Pipelined(cell, io, theta, native, state_leaves, var_values):
+  """The forward loop as a custom gradient whose gradient is the 1f1b
+  loop: a NestedMap(outputs, aux, summaries, states, vars)."""
+  graph = cell.graph
+  diff_caps = graph.differentiable['captures']
+  structure = (theta, native, state_leaves, var_values)
+  sizes = [len(tf.nest.flatten(x)) for x in structure]
+  result_structure = []
+
+  def Unflatten(flat):
+    parts, rest = [], list(flat)
+    for like, n in zip(structure, sizes):
+      parts.append(tf.nest.pack_sequence_as(like, rest[:n]))
+      rest = rest[n:]
+    caps = list(graph.captures)
+    for i, c in zip(diff_caps, rest):
+      caps[i] = c
+    return parts + [caps]
+
+  @tf.custom_gradient
+  def Pipelined(*flat):
+    th, nat, states, var_vals, caps = Unflatten(flat)
+    # Unrecorded: the while loop does not also build TensorFlow's own
+    # gradient of itself for a GradientTape.
+    with record.stop_recording():
+      result = _ForwardLoop(cell, io, th, nat, states, var_vals, caps)
+    result_structure.append(result)
+
+    def Grad(*dys, variables=None):
+      recurrent.CheckNoTrainableVariables(cell.read_variables)
+      d = tf.nest.pack_sequence_as(result, [
+          recurrent.ZeroIfNone(g, x) if g is None else tf.convert_to_tensor(g)
+          for g, x in zip(dys, tf.nest.flatten(result))])
+      grads = gradient_waves.GradientLoop(
+          cell, io, th, nat, states, var_vals, caps).Run(d)
+      if variables is None:
+        return grads
+      return grads, [None] * len(variables)
+
+    return tf.nest.flatten(result), Grad
+
+  flat_args = [x for part in structure for x in tf.nest.flatten(part)]
+  flat_out = Pipelined(*flat_args, *[graph.captures[i] for i in diff_caps])
+  return tf.nest.pack_sequence_as(result_structure[0], flat_out)
+
+
+def _ForwardLoop(cell, io, theta, native, state_leaves, var_values, caps):
+  """The T forward iterations, keeping the outputs, the aux loss, the
+  summaries and states per iteration, and no activation."""
+  spec, place = cell.spec, cell.spec.placement
+  t = spec.schedule.num_iterations
+  states = [place.SplitStages(x, 1) for x in state_leaves]
+  filler = cell.state0.buffer
+  extras_spec = cell.graph.extras_spec
+  carry = NestedMap(
+      buffer=filler, vars=[place.SplitStages(v) for v in var_values],
+      reading=io.StartReading(native), writing=io.StartWriting(filler),
+      # Per iteration, summed after the loop: a loop-carried scalar is what
+      # the partitioner tends to give the body's manual sharding.
+      aux=tensor_lists.Reserve(tf.TensorSpec([], tf.float32), t),
+      summaries=tf.nest.map_structure(lambda s: tensor_lists.Reserve(s, t),
+                                      extras_spec.summaries),
+      states=[tensor_lists.Reserve(s, t) for s in extras_spec.states])
+
+  def Body(i, carry):
+    rows = gradient_waves.Row(cell.tables, i, place)
+    fresh, reading = io.Read(native, carry.reading, i)
+    stage_in = [place.SplitStages(rotating_buffer.StageInputs(rows.reads, b, f))
+                for b, f in zip(carry.buffer, fresh)]
+    new, extras, _ = cell.Forward(theta, stage_in, carry.vars, rows,
+                                  [x[i] for x in states], caps)
+    return i + 1, NestedMap(
+        buffer=[place.SplitStages(rotating_buffer.RotateStages(o))
+                for o in new.buffer],
+        vars=new.vars, reading=reading,
+        writing=io.Write(carry.writing, i, new.buffer),
+        aux=tensor_lists.SetRow(carry.aux, i, place.ReplicateBookkeeping(
+            tf.reduce_sum(extras.aux))),
+        summaries=tf.nest.map_structure(
+            lambda l, v: tensor_lists.SetRow(l, i, v),
+            carry.summaries, extras.summaries),
+        states=[tensor_lists.SetRow(l, i, v) for l, v in zip(carry.states,
+                                                  extras.states)])
+
+  with tf.name_scope(FORWARD_LOOP):
+    _, final = while_loops.WhileLoop(Body, [tf.constant(0), carry], t)
+  return NestedMap(
+      outputs=io.FinishWriting(final.writing, filler),
+      aux=place.ReplicateBookkeeping(tf.reduce_sum(
+          tensor_lists.Stack(final.aux, tf.TensorSpec([], tf.float32), t))),
+      summaries=tf.nest.map_structure(
+          lambda l, s: place.SplitStages(tensor_lists.Stack(l, s, t), 1),
+          final.summaries, extras_spec.summaries),
+      states=[place.SplitStages(tensor_lists.Stack(l, s, t), 1)
+              for l, s in zip(final.states, extras_spec.states)],
+      vars=final.vars)
+
+

@@ -1,0 +1,186 @@
+"""Checks of PipelinedLayer params: every bad value or combination is a
+ValueError naming the param, the value (and its type) and the fix, raised
+before anything is built."""
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from gpipe.loops import remat
+from gpipe import microbatch
+from gpipe import schedule as schedule_lib
+
+_UNROLL_VALUES = ('never', 'eval_only', 'always')
+_VECTORIZE_VALUES = ('auto', 'always', 'never')
+_AUX_LOSS_ACCUMULATIONS = ('mean', 'sum')
+_BACKWARD_SCHEDULES = ('reverse', '1f1b')
+_BOOL_PARAMS = ('shard_stages_1d', 'per_stage_vars',
+                'store_body_intermediates', 'skip_bubbles',
+                'layer_by_layer', 'stream_io')
+_INT_PARAMS = ('num_stages', 'circular_repeat', 'num_microbatches',
+               'microbatch_size', 'pipeline_stage_mesh_dim')
+
+
+def Check(p):
+  """Raises ValueError naming the parameter for every bad combination."""
+  for name in ('num_stages', 'circular_repeat'):
+    value = p.Get(name)
+    if not schedule_lib.IsInteger(value) or value < 1:
+      raise ValueError(f'{name} must be an integer >= 1, got {value!r} '
+                       f'({type(value).__name__}).')
+  for name in _BOOL_PARAMS:
+    value = p.Get(name)
+    if not isinstance(value, (bool, np.bool_)):
+      raise ValueError(f'{name} must be True or False, got {value!r} '
+                       f'({type(value).__name__}).')
+  if p.pipeline_stage_mesh_dim is not None and not schedule_lib.IsInteger(
+      p.pipeline_stage_mesh_dim):
+    raise ValueError(
+        'pipeline_stage_mesh_dim must be None or an integer, got '
+        f'{p.pipeline_stage_mesh_dim!r} '
+        f'({type(p.pipeline_stage_mesh_dim).__name__}).')
+  if p.unroll not in _UNROLL_VALUES:
+    raise ValueError(f'unroll must be one of {_UNROLL_VALUES}, got '
+                     f'{p.unroll!r}.')
+  if p.vectorize_stages not in _VECTORIZE_VALUES:
+    raise ValueError(f'vectorize_stages must be one of {_VECTORIZE_VALUES}, '
+                     f'got {p.vectorize_stages!r}.')
+  if p.remat_policy not in remat.POLICIES:
+    raise ValueError(f'remat_policy must be one of {tuple(remat.POLICIES)}, '
+                     f'got {p.remat_policy!r}.')
+  if p.store_body_intermediates and p.remat_policy not in ('recompute',
+                                                          'save_all'):
+    raise ValueError(
+        'store_body_intermediates=True means remat_policy=\'save_all\'; it '
+        f'contradicts remat_policy={p.remat_policy!r}. Set only '
+        'remat_policy.')
+  if p.backward_schedule not in _BACKWARD_SCHEDULES:
+    raise ValueError(f'backward_schedule must be one of {_BACKWARD_SCHEDULES}, '
+                     f'got {p.backward_schedule!r}.')
+  if p.backward_schedule == '1f1b' and p.skip_bubbles:
+    raise ValueError(
+        "skip_bubbles=True and backward_schedule='1f1b' do not combine: "
+        'skip_bubbles narrows the reverse schedule\'s loops on one device, '
+        "while the 1f1b gradient loop runs every stage in each of its "
+        "phases. Set skip_bubbles=False (1f1b's phases already leave out "
+        "the waves no stage needs) or backward_schedule='reverse'.")
+  if p.aux_loss_microbatch_accumulation not in _AUX_LOSS_ACCUMULATIONS:
+    raise ValueError(
+        'aux_loss_microbatch_accumulation must be one of '
+        f'{_AUX_LOSS_ACCUMULATIONS}, got '
+        f'{p.aux_loss_microbatch_accumulation!r}.')
+  if (p.single_stage_body is None) == (p.stage_parallel_body is None):
+    raise ValueError(
+        'Set exactly one of single_stage_body and stage_parallel_body; got '
+        f'single_stage_body={"set" if p.single_stage_body else None}, '
+        f'stage_parallel_body={"set" if p.stage_parallel_body else None}.')
+  if p.per_stage_vars and p.stage_parallel_body is not None:
+    raise ValueError(
+        'per_stage_vars=True needs single_stage_body; a stage_parallel_body '
+        'defines its own stacked variables. Unset per_stage_vars or use '
+        'single_stage_body.')
+  microbatch.CheckMicrobatchParams(p.num_microbatches, p.microbatch_size)
+  if p.shard_stages_1d and p.pipeline_stage_mesh_dim is not None:
+    raise ValueError(
+        'Set at most one of shard_stages_1d and pipeline_stage_mesh_dim; got '
+        f'shard_stages_1d=True and pipeline_stage_mesh_dim='
+        f'{p.pipeline_stage_mesh_dim}.')
+  if p.pipeline_stage_mesh_dim is not None:
+    if p.device_mesh is None:
+      raise ValueError(
+          f'pipeline_stage_mesh_dim={p.pipeline_stage_mesh_dim} needs '
+          'device_mesh to be set.')
+    mesh = np.asarray(p.device_mesh)
+    if not 0 <= p.pipeline_stage_mesh_dim < mesh.ndim:
+      raise ValueError(
+          f'pipeline_stage_mesh_dim={p.pipeline_stage_mesh_dim} is not an '
+          f'axis of device_mesh with shape {mesh.shape}.')
+    if mesh.shape[p.pipeline_stage_mesh_dim] != p.num_stages:
+      raise ValueError(
+          f'device_mesh axis {p.pipeline_stage_mesh_dim} has '
+          f'{mesh.shape[p.pipeline_stage_mesh_dim]} devices but num_stages='
+          f'{p.num_stages}; they must be equal.')
+
+
+def Normalize(p):
+  """NumPy integers and bools (accepted by Check) as plain Python values."""
+  for name in _INT_PARAMS:
+    if p.Get(name) is not None:
+      p.Set(**{name: int(p.Get(name))})
+  for name in _BOOL_PARAMS:
+    p.Set(**{name: bool(p.Get(name))})
+  p.Set(remat_policy=RematPolicy(p))
+
+
+def RematPolicy(p):
+  """The remat policy params ask for (store_body_intermediates: save_all)."""
+  return 'save_all' if p.store_body_intermediates else p.remat_policy
+
+
+def CheckIndex(name, value, bound):
+  if isinstance(value, (int, np.integer)) and not 0 <= value < bound:
+    raise ValueError(f'{name}={value} is out of range [0, {bound}).')
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedParams:
+  """What gpipe.layers.ValidateParams checked, resolved.
+
+  num_microbatches: from the batch size when one is given (what the layer
+  will split it into), else the params' own (None if only microbatch_size
+  is set); microbatch_size: rows per microbatch, None when not known (no
+  batch size and only num_microbatches set, or neither param set: the
+  inputs then come as [M, ...]). num_iterations and bubble_fraction are
+  gpipe.schedule.Schedule's for (num_stages, num_microbatches,
+  circular_repeat); None without num_microbatches.
+  """
+  num_stages: int
+  circular_repeat: int
+  num_microbatches: Optional[int]
+  microbatch_size: Optional[int]
+  num_iterations: Optional[int]
+  bubble_fraction: Optional[float]
+
+  def __str__(self):
+    """'4 stages x 2 repeats, 16 microbatches of 4: 35 iterations, bubble
+    0.086'."""
+    text = _Count(self.num_stages, 'stage') + (
+        f' x {self.circular_repeat} repeats' if self.circular_repeat > 1
+        else '')
+    size = (f' of {self.microbatch_size}'
+            if self.microbatch_size is not None else '')
+    if self.num_microbatches is None and self.microbatch_size is None:
+      return (f'{text}, inputs read as [M, ...] microbatches (the schedule '
+              'comes with M)')
+    if self.num_microbatches is None:
+      return (f'{text}, microbatches{size} (their number, and so the '
+              'schedule, comes with the batch size)')
+    return (f'{text}, {_Count(self.num_microbatches, "microbatch")}{size}: '
+            f'{_Count(self.num_iterations, "iteration")}, bubble '
+            f'{self.bubble_fraction:.3f}')
+
+
+def Checked(p, batch_size=None):
+  """The CheckedParams of params that passed Check (ValueError if
+  batch_size does not split into their microbatches)."""
+  num_microbatches, size = p.num_microbatches, p.microbatch_size
+  if batch_size is not None:
+    num_microbatches, split = microbatch.ResolveNumMicrobatches(
+        batch_size, p.num_microbatches, p.microbatch_size)
+    size = batch_size // num_microbatches if split else None
+  schedule = None if num_microbatches is None else schedule_lib.Schedule(
+      p.num_stages, num_microbatches, p.circular_repeat)
+  return CheckedParams(
+      num_stages=int(p.num_stages),
+      circular_repeat=int(p.circular_repeat),
+      num_microbatches=None if schedule is None else schedule.num_microbatches,
+      microbatch_size=None if size is None else int(size),
+      num_iterations=None if schedule is None else schedule.num_iterations,
+      bubble_fraction=None if schedule is None else schedule.bubble_fraction)
+
+
+def _Count(n, noun):
+  """'1 stage', '4 stages', '2 microbatches'."""
+  plural = 'es' if noun.endswith('ch') else 's'
+  return f'{n} {noun}' + ('' if n == 1 else plural)

@@ -1,0 +1,242 @@
+"""Running every stage of one loop iteration, three ways.
+
+In each iteration all S stages compute, each on its own slot of the
+[S, ...] buffer with its own weights, microbatch, repeat and step seed:
+
+  * `RunOneByOne` (one device, no partitioner): the stages one after
+    another on their slices, results stacked back to [S, ...]. The manual-
+    sharding ops below have no single-device kernel. Where the body allows,
+    a layer runs its stages vectorized instead, all in one computation
+    (gpipe.pipeline.vectorized_stages).
+  * `RunInManualRegion` (SPMD partitioning): [S, ...] tensors, stage dim
+    split, become each device's own [...] slice, the body runs once, and its
+    results go back to [S, ...]: each device computes exactly its stage.
+  * `RunTogether` (a stage_parallel_body): one call on the [S, ...] tensors.
+
+Each calls the body once per call site through `stage_call.CallStage` and
+returns a `StagesResult`.
+"""
+
+import dataclasses
+from typing import Any, List, Optional, Tuple
+
+import tensorflow as tf
+
+from gpipe import microbatch
+from gpipe.pipeline import nest
+from gpipe.pipeline import stage_call
+from gpipe.pipeline import stage_vars
+from gpipe import sharding
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class IterationStages:
+  """One iteration's work, every tensor with a leading [S] stage dim.
+
+  Attributes:
+    args: the stages' inputs (buffer slots, then state slots), a tuple.
+    mb_ids: int32 [S], the microbatch each stage works on (clamped).
+    repeat_ids: int32 [S], the repeat each stage runs (clamped).
+    seeds: [S], each stage's step seed.
+    var_values: the carried non-trainable values, each [S, (R,) ...].
+    first_stage: the stage the leading dim starts at: S above may be a
+      range of the layer's stages on one device (Schedule.Phases).
+  """
+  args: Tuple[Any, ...]
+  mb_ids: tf.Tensor
+  repeat_ids: tf.Tensor
+  seeds: tf.Tensor
+  var_values: List[tf.Tensor]
+  first_stage: int = 0
+
+  @property
+  def num_stages(self):
+    """The stages this iteration runs: the leading dim."""
+    return self.mb_ids.shape.as_list()[0]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StagesResult:
+  """The stages' results, each with a leading [S] dim.
+
+  Attributes:
+    outputs: a tuple with the structure of IterationStages.args.
+    aux: float32 [S], each stage's aux losses summed, or None if none added.
+    summaries: [(name, value [S], weight [S])] the body added.
+    vars: the carried non-trainable values with each stage's assignments.
+  """
+  outputs: Tuple[Any, ...]
+  aux: Optional[tf.Tensor]
+  summaries: List[Tuple[str, tf.Tensor, tf.Tensor]]
+  vars: List[tf.Tensor]
+
+
+def ManualMesh(stage_parallel, placement):
+  """(device_mesh, mesh_dim) of the manual region the stages run in, or None.
+
+  Only a partitioned single-stage body runs in one (RunInManualRegion).
+  """
+  if stage_parallel or placement.mesh is None:
+    return None
+  return placement.mesh if sharding.IsSpmdPartitioning() else None
+
+
+def For(stage_parallel, placement, one_device=None):
+  """The runner for a layout (stage-parallel or not) and a placement.
+
+  one_device: the runner of a single-stage body on one device (no
+  partitioner), e.g. gpipe.pipeline.vectorized_stages.Vectorizing; RunOneByOne
+  if None.
+  """
+  if stage_parallel:
+    return RunTogether
+  mesh = ManualMesh(stage_parallel, placement)
+  if mesh is not None:
+    return lambda spec, theta, it: RunInManualRegion(spec, theta, it, mesh)
+  return one_device or RunOneByOne
+
+
+def _Kwargs(spec, slice_fn):
+  """Per-example kwargs sliced by slice_fn, plus the unbatched ones."""
+  kw = {k: nest.MapTensors(slice_fn, v) for k, v in spec.mb_kwargs.items()}
+  kw.update(spec.kwargs_no_batch)
+  return kw
+
+
+def RunOneByOne(spec, theta, it: IterationStages) -> StagesResult:
+  """The stages one after another, each on its slice; results stacked.
+
+  The stage dim is unstacked once: the gradient of S unstacked pieces is
+  one stack, where S separate slices would each back-propagate a full-size
+  [S, ...] tensor.
+  """
+  num_stages = it.num_stages
+  theta_parts = nest.Unstack(theta, num_stages)
+  args_parts = nest.Unstack(it.args, num_stages)
+  results, new_vars = [], []
+  for stage in range(num_stages):
+    with tf.name_scope(f'stage_{stage:03d}'):
+      repeat = it.repeat_ids[stage]
+      current = [
+          stage_vars.TakeStageSlice(v, stage, repeat, spec.repeats)
+          for v in it.var_values
+      ]
+      res = stage_call.CallStage(
+          spec.body, spec.fn_name,
+          spec.repeats.TakeByOneHot(theta_parts[stage], repeat),
+          args_parts[stage],
+          _Kwargs(spec, lambda t, s=stage: tf.gather(t, it.mb_ids[s])),
+          where=f'stage {it.first_stage + stage}', var_names=spec.var_names,
+          var_values=current,
+          context=stage_call.StageContext(it.seeds[stage], spec.global_step))
+      new_vars.append([
+          spec.repeats.Put(v[stage], repeat, n)
+          for v, n in zip(it.var_values, res.new_vars)
+      ])
+      results.append(res)
+  aux = [res.AuxLoss() for res in results]
+  if all(a is None for a in aux):
+    aux = None
+  else:
+    zero = tf.constant(0.0, tf.float32)
+    aux = tf.stack([zero if a is None else a for a in aux])
+  summaries = [
+      (entries[0][0], tf.stack([v for _, v, _ in entries]),
+       tf.stack([w for _, _, w in entries]))
+      for entries in zip(*[res.summaries for res in results])
+  ]
+  return StagesResult(
+      outputs=nest.Stack([res.outputs for res in results]),
+      aux=aux, summaries=summaries,
+      vars=[tf.stack(rows) for rows in zip(*new_vars)])
+
+
+# A one-device runner: it runs whatever range of stages it is given.
+RunOneByOne.any_stage_range = True
+
+
+def RunsAnyStageRange(run_stages):
+  """Whether run_stages computes just the stages it is given (one device),
+  so that the loop may leave out stages that only hold bubbles."""
+  return getattr(run_stages, 'any_stage_range', False)
+
+
+def RunInManualRegion(spec, theta, it: IterationStages,
+                      mesh) -> StagesResult:
+  """The body once, in a manual region: each device its own stage.
+
+  What enters needs no communication: every stage-dim tensor already lives
+  on its stage's device, and per-example kwargs are gathered by microbatch
+  id first.
+  """
+  device_mesh, mesh_dim = mesh
+  to_manual = lambda x: sharding.ToManualStage(x, device_mesh, mesh_dim)
+  from_manual = lambda x: sharding.FromManualStage(x, device_mesh, mesh_dim)
+  whole = lambda x: sharding.BroadcastToManualStage(x, device_mesh, mesh_dim)
+  repeat = to_manual(it.repeat_ids)
+  theta = tf.nest.map_structure(
+      lambda t: spec.repeats.Take(to_manual(t), repeat), theta)
+  kw = {k: nest.MapTensors(lambda t: to_manual(tf.gather(t, it.mb_ids)), v)
+        for k, v in spec.mb_kwargs.items()}
+  kw.update({k: nest.MapTensors(whole, v)
+             for k, v in spec.kwargs_no_batch.items()})
+  global_step = spec.global_step
+  if global_step is not None:
+    global_step = whole(tf.convert_to_tensor(global_step))
+  with sharding.ManualStageRegion(mesh_dim):
+    mine = [to_manual(v) for v in it.var_values]  # [(R,) ...] per device
+    res = stage_call.CallStage(
+        spec.body, spec.fn_name, theta,
+        nest.MapTensors(to_manual, it.args), kw,
+        where='each device\'s stage (manual region)',
+        var_names=spec.var_names,
+        var_values=[spec.repeats.Take(v, repeat) for v in mine],
+        context=stage_call.StageContext(to_manual(it.seeds), global_step))
+    new_values = [spec.repeats.Put(v, repeat, n)
+                  for v, n in zip(mine, res.new_vars)]
+    aux = res.AuxLoss()
+  return StagesResult(
+      outputs=nest.MapTensors(from_manual, res.outputs),
+      aux=None if aux is None else from_manual(aux),
+      summaries=[(name, from_manual(v), from_manual(w))
+                 for name, v, w in res.summaries],
+      vars=[from_manual(v) for v in new_values])
+
+
+def RunTogether(spec, theta, it: IterationStages) -> StagesResult:
+  """A stage_parallel_body: one call computes all stages."""
+  num_stages = spec.schedule.num_stages
+  theta = tf.nest.map_structure(
+      lambda t: spec.repeats.TakePerStage(t, it.repeat_ids), theta)
+  res = stage_call.CallStage(
+      spec.body, spec.fn_name, theta, it.args,
+      _Kwargs(spec, lambda t: microbatch.SliceForStages(t, it.mb_ids)),
+      where='all stages at once',
+      context=stage_call.StageContext(it.seeds[0], spec.global_step))
+  summaries = [(name, PerStage(v, num_stages), PerStage(w, num_stages))
+               for name, v, w in res.summaries]
+  return StagesResult(
+      outputs=res.outputs,
+      aux=StageParallelAuxLoss(res.aux_losses, num_stages),
+      summaries=summaries, vars=it.var_values)
+
+
+def PerStage(x, num_stages):
+  """A stage-parallel body's summary as [num_stages] (a scalar: for all)."""
+  if x.shape.rank == 0:
+    return tf.broadcast_to(x, [num_stages])
+  return tf.reshape(x, [num_stages])
+
+
+def StageParallelAuxLoss(aux_losses, num_stages):
+  """A stage-parallel body's aux losses as one [num_stages] vector, or None."""
+  if not aux_losses:
+    return None
+  total = tf.zeros([num_stages], tf.float32)
+  for loss in aux_losses:
+    if loss.shape.as_list() != [num_stages]:
+      raise ValueError(
+          'A stage_parallel_body must add aux losses of shape [num_stages]='
+          f'[{num_stages}] (one per stage); got shape {loss.shape}.')
+    total += tf.cast(loss, tf.float32)
+  return total

@@ -1,0 +1,310 @@
+"""Reading a compiled, partitioned module's HLO text.
+
+What XLA's SPMD partitioner made of a step is read off the per-device
+module's text (`gpipe.xla.partitioning` gets it from jaxlib): its computations,
+its while loops (which body each runs, the trip count XLA knows, the op
+name the loop came from), its collectives (kind, result type, the loop they
+run in, the device groups taking part and the mesh axes those span), the
+largest buffers it makes, and the TensorFlow op names its instructions'
+metadata gives. Plain text parsing: needs neither TensorFlow nor jax.
+"""
+
+import dataclasses
+import re
+
+import numpy as np
+
+from gpipe.xla import spmd_worker
+
+COLLECTIVE_KINDS = ('collective-permute', 'all-gather', 'all-reduce',
+                    'all-to-all', 'reduce-scatter', 'collective-broadcast')
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of the partitioned per-device module."""
+  kind: str
+  shape: str  # its result type, e.g. 'f32[1,2,8]{2,1,0}'
+  computation: str
+  loop: int  # index into PartitionedRun.loops, or -1 outside every loop
+  op_name: str = ''  # the TensorFlow op it was partitioned from
+  # The devices that take part together: replica groups (all-reduce,
+  # all-gather, ...) or (source, target) pairs (collective-permute).
+  groups: tuple = ()
+
+  @property
+  def bytes(self):
+    """Bytes of its result (a tuple result: all elements), on one device."""
+    return TypeBytes(self.shape)
+
+  def MeshAxes(self, mesh_shape):
+    """The device-mesh axes it runs along: those on which the devices of
+    a group (or a permute's source and target) differ, e.g. (0,) for the
+    rotation over a [stages, model] mesh's stage axis. () when it names no
+    groups (all devices in one group on a 1-D mesh: (0,))."""
+    if not self.groups:
+      return tuple(range(len(mesh_shape))) if len(mesh_shape) == 1 else ()
+    axes = set()
+    for group in self.groups:
+      coords = [np.unravel_index(d, mesh_shape) for d in group]
+      for axis in range(len(mesh_shape)):
+        if len({c[axis] for c in coords}) > 1:
+          axes.add(axis)
+    return tuple(sorted(axes))
+
+
+def AxesName(axes, stage_axis=0):
+  """'stage', 'axis 2', 'stage+axis 1', ...: mesh axes a collective runs
+  along, the pipeline's stage axis by that name."""
+  return '+'.join('stage' if a == stage_axis else f'axis {a}'
+                  for a in axes) or 'all devices'
+
+
+def KindOverAxes(collective, mesh_shape, stage_axis=0):
+  """'collective-permute over stage', 'all-reduce over axis 2', ..."""
+  axes = collective.MeshAxes(mesh_shape)
+  return f'{collective.kind} over {AxesName(axes, stage_axis)}'
+
+
+_COMPUTATION_RE = re.compile(r'^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$')
+_INSTRUCTION_RE = re.compile(
+    r'^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.*?)\s(?P<op>[a-z][a-z0-9\-]*)\(')
+_CALLEE_RE = re.compile(
+    r'\b(?:body|condition|to_apply|calls|true_computation|false_computation)'
+    r'=%?([\w.\-]+)')
+_BRANCHES_RE = re.compile(r'branch_computations=\{([^}]*)\}')
+_GROUPS_RE = re.compile(
+    r'(?:replica_groups|source_target_pairs)=(\{(?:\{[\d,]*\},?)*\}|'
+    r'\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)')
+# A while instruction: its name and its operand (the initial tuple).
+WHILE_RE = re.compile(r'^\s*%?([\w.\-]+)\s*=.*\swhile\(%?([\w.\-]+)\)')
+# The body computation a while instruction names.
+WHILE_BODY_RE = re.compile(r'\bbody=%?([\w.\-]+)')
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+
+
+def DeviceGroups(line):
+  """The device groups of a collective's HLO line, as tuples of ids.
+
+  Reads both spellings: explicit `{{0,1},{2,3}}` (and a permute's
+  `source_target_pairs`) and XLA's iota form `[2,2]<=[4]` or
+  `[2,4]<=[4,2]T(1,0)` (iota over the bracketed dims, transposed, reshaped
+  to [groups, size]).
+  """
+  match = _GROUPS_RE.search(line)
+  if not match:
+    return ()
+  text = match.group(1)
+  if text.startswith('{'):
+    return tuple(tuple(int(d) for d in g.split(',') if d)
+                 for g in re.findall(r'\{([\d,]*)\}', text[1:-1]))
+  shape, dims, perm = re.match(
+      r'\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', text).groups()
+  ints = lambda t: [int(d) for d in t.split(',')]  # pylint: disable=g-long-lambda
+  ids = np.arange(int(np.prod(ints(dims)))).reshape(ints(dims))
+  if perm:
+    ids = ids.transpose(ints(perm))
+  return tuple(tuple(int(d) for d in g) for g in ids.reshape(ints(shape)))
+
+
+def _ParseComputations(hlo_text):
+  """{computation name: [instruction lines]}, and the entry's name."""
+  computations, entry, current = {}, None, None
+  for line in hlo_text.splitlines():
+    if not line.startswith((' ', '\t')):
+      match = _COMPUTATION_RE.match(line)
+      if match:
+        current = match.group(1)
+        computations[current] = []
+        if line.startswith('ENTRY'):
+          entry = current
+        continue
+      if line.startswith('}'):
+        current = None
+      continue
+    if current is not None:
+      computations[current].append(line)
+  return computations, entry
+
+
+def ShapesOf(hlo_type):
+  """'f32[1,8,8]{2,1,0}' -> [(1, 8, 8)]; a tuple type gives each element's."""
+  return [
+      tuple(int(d) for d in dims.split(',') if d)
+      for dims in re.findall(r'[a-z]\w*\[([\d,]*)\]', hlo_type)
+  ]
+
+
+_DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2,
+                'bf16': 2, 's32': 4, 'u32': 4, 'f32': 4, 's64': 8, 'u64': 8,
+                'f64': 8, 'c64': 8, 'c128': 16}
+
+
+def TypeBytes(hlo_type):
+  """'f32[1,8,8]{2,1,0}' -> 256; a tuple type: the sum of its elements."""
+  total = 0
+  for dtype, dims in re.findall(r'([a-z]\w*)\[([\d,]*)\]', hlo_type):
+    elements = 1
+    for d in dims.split(','):
+      if d:
+        elements *= int(d)
+    total += elements * _DTYPE_BYTES.get(dtype, 4)
+  return total
+
+
+def _Callees(line):
+  names = _CALLEE_RE.findall(line)
+  for group in _BRANCHES_RE.findall(line):
+    names += [n.strip().lstrip('%') for n in group.split(',') if n.strip()]
+  return names
+
+
+def _Walk(computations, root, into_loops):
+  """Computations reachable from `root`, and the while bodies on the way.
+
+  With into_loops=False a while instruction is not entered: its body is
+  listed, but neither it nor what it calls counts as reached.
+  """
+  reached, loops, todo = set(), [], [root]
+  while todo:
+    name = todo.pop()
+    if name in reached or name not in computations:
+      continue
+    reached.add(name)
+    for line in computations[name]:
+      body = WHILE_BODY_RE.search(line)
+      if body and ' while(' in line:
+        loops.append(body.group(1))
+        if not into_loops:
+          continue
+      todo.extend(_Callees(line))
+  return reached, loops
+
+
+def GatheredTensors(collectives, shapes):
+  """All-gathers and all-to-alls that move a whole tensor of `shapes`.
+
+  Judged by shape: the collective's result has one of the full shapes, or
+  one without its leading stage (and repeat) dims, i.e. some device received
+  data that another device owns. Activation shapes that happen to equal a
+  weight's shape would be reported too.
+  """
+  suspects = set()
+  for shape in shapes:
+    shape = tuple(shape)
+    suspects.update(shape[k:] for k in range(min(len(shape), 3)))
+  return [
+      c for c in collectives
+      if c.kind in ('all-gather', 'all-to-all') and
+      any(s in suspects for s in ShapesOf(c.shape))
+  ]
+
+
+def OpNameOf(line):
+  """The TF op name an HLO instruction's metadata gives, or ''."""
+  match = _OP_NAME_RE.search(line)
+  return match.group(1) if match else ''
+
+
+def LoopTripCounts(hlo_text):
+  """{while body computation: iterations} (XLA's known_trip_count)."""
+  trips = {}
+  for line in hlo_text.splitlines():
+    body = WHILE_BODY_RE.search(line)
+    if body and ' while(' in line:
+      trips[body.group(1)] = spmd_worker.TripCount(line)
+  return trips
+
+
+def OpNames(hlo_text, bodies):
+  """The TensorFlow op name of each while loop (by body computation), as
+  the HLO's metadata has it ('' where it has none)."""
+  names = {}
+  for line in hlo_text.splitlines():
+    loop = WHILE_RE.match(line)
+    if loop and ' while(' in line:
+      op_name = OpNameOf(line)
+      names[WHILE_BODY_RE.search(line).group(1)] = op_name
+  return [names.get(body, '') for body in bodies]
+
+
+_NOT_BUFFERS = ('parameter', 'get-tuple-element', 'tuple', 'bitcast', 'while',
+                'call', 'conditional', 'constant')
+
+
+# Instructions that update an operand in place (a loop's stacks and rings,
+# written row by row): the buffer is their operand's, already counted.
+_IN_PLACE = ('dynamic-update-slice', 'scatter')
+_INSTRUCTION_NAME_RE = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=')
+
+
+def _UpdatesInPlace(line, op):
+  if op in _IN_PLACE:
+    return True
+  name = _INSTRUCTION_NAME_RE.match(line).group(1)
+  return op == 'fusion' and any(f'{kind}_fusion' in name or
+                                f'_{kind}' in name for kind in _IN_PLACE)
+
+
+def LargestBuffers(hlo_text, count=5):
+  """[(bytes, HLO type, TF op name)]: the largest arrays the module makes.
+
+  One row per TF op (its largest result), biggest first; what fusions keep
+  internal is not counted (it is never materialized), nor an in-place
+  update of a buffer (a row written into a loop's stack: the stack is
+  listed once, where it is made). A hint where the memory goes, not the
+  live set at the peak.
+  """
+  computations, _ = _ParseComputations(hlo_text)
+  largest = {}
+  for name, lines in computations.items():
+    if name.startswith(('fused_', 'wrapped_')):
+      continue
+    for line in lines:
+      match = _INSTRUCTION_RE.match(line)
+      if (not match or match.group('op') in _NOT_BUFFERS or
+          _UpdatesInPlace(line, match.group('op'))):
+        continue
+      op_name = _OP_NAME_RE.search(line)
+      key = op_name.group(1) if op_name else match.group('type')
+      nbytes = TypeBytes(match.group('type'))
+      if nbytes > largest.get(key, (0,))[0]:
+        largest[key] = (nbytes, match.group('type').split('{')[0], key)
+  return sorted(largest.values(), reverse=True)[:count]
+
+
+def AnalyzeHlo(hlo_text):
+  """Finds the collectives of an HLO module and the loops they run in.
+
+  Returns:
+    (collectives, loops): a list of Collective, and the body computation
+    names of the module's outermost while loops; Collective.loop indexes
+    that list (-1: outside every loop). A nested loop counts as part of the
+    loop that contains it.
+  """
+  computations, entry = _ParseComputations(hlo_text)
+  _, loops = _Walk(computations, entry, into_loops=False)
+  owner = {}
+  for index, body in enumerate(loops):
+    reached, _ = _Walk(computations, body, into_loops=True)
+    for name in reached:
+      owner.setdefault(name, index)
+
+  collectives = []
+  for name, lines in computations.items():
+    for line in lines:
+      match = _INSTRUCTION_RE.match(line)
+      if not match:
+        continue
+      op = match.group('op')
+      if op.endswith('-done'):
+        continue
+      kind = op[:-len('-start')] if op.endswith('-start') else op
+      if kind in COLLECTIVE_KINDS:
+        op_name = _OP_NAME_RE.search(line)
+        collectives.append(
+            Collective(kind=kind, shape=match.group('type'), computation=name,
+                       loop=owner.get(name, -1),
+                       op_name=op_name.group(1) if op_name else '',
+                       groups=DeviceGroups(line)))
+  return collectives, loops

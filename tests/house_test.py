@@ -1,0 +1,105 @@
+"""The tree keeps the shape a newcomer can read: checked over the source.
+
+- At most 12 modules at the top of gpipe/: the public ones and the
+  commands' entry points; the rest lives in subpackages by job, each with
+  a module map in its docstring.
+- Library code never imports an app (a module with a `__main__` block;
+  the schedule command and the SPMD worker aside, which the library runs)
+  or the model zoo (`params`).
+- Sizes: a module at most 500 lines, a class 400, a function 80.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GPIPE = ROOT / 'gpipe'
+_SIZED = ('gpipe', 'params', 'tools', 'benchmarks', 'examples')
+# Commands the library runs or draws with: allowed to be imported.
+_RUN_BY_THE_LIBRARY = ('gpipe.schedule', 'gpipe.xla.spmd_worker')
+
+
+def _Modules(*tops):
+  for top in tops:
+    yield from sorted((ROOT / top).rglob('*.py'))
+
+
+def _Dotted(path):
+  parts = list(path.relative_to(ROOT).with_suffix('').parts)
+  if parts[-1] == '__init__':
+    parts.pop()
+  return '.'.join(parts)
+
+
+def _HasMainBlock(path):
+  return (path.name == '__main__.py' or
+          "if __name__ == '__main__':" in path.read_text())
+
+
+def _Imports(source):
+  """Every module path the source imports, anywhere in it."""
+  found = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      found.update(alias.name for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      found.add(node.module)
+      found.update(f'{node.module}.{alias.name}' for alias in node.names)
+  return found
+
+
+def test_at_most_12_modules_at_the_top_of_gpipe():
+  top = sorted(p.name for p in GPIPE.glob('*.py'))
+  assert len(top) <= 12, top
+
+
+def test_every_subpackage_maps_its_modules():
+  for package in sorted(p.parent for p in GPIPE.glob('*/__init__.py')):
+    doc = ast.get_docstring(ast.parse((package / '__init__.py').read_text()))
+    assert doc, package
+    for module in sorted(package.glob('*.py')):
+      if module.stem not in ('__init__', '__main__'):
+        assert module.stem in doc, f'{package.name}: {module.stem} unmapped'
+
+
+def test_library_code_imports_no_app_and_no_model_zoo():
+  apps = {_Dotted(p) for p in _Modules('gpipe') if _HasMainBlock(p)}
+  apps = {a for a in apps if not a.startswith(_RUN_BY_THE_LIBRARY)}
+  assert 'gpipe.check_partitioning' in apps and 'gpipe.demo' in apps
+  wrong = []
+  for path in _Modules('gpipe'):
+    if _HasMainBlock(path):
+      continue
+    for name in sorted(_Imports(path.read_text())):
+      if name in apps or name == 'params' or name.startswith('params.'):
+        wrong.append(f'{_Dotted(path)} imports {name}')
+  assert not wrong, wrong
+
+
+def _Sizes(path):
+  source = path.read_text()
+  yield 'module', path.stem, len(source.splitlines()), 500
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.ClassDef):
+      yield 'class', node.name, node.end_lineno - node.lineno + 1, 400
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      yield 'function', node.name, node.end_lineno - node.lineno + 1, 80
+
+
+@pytest.mark.parametrize('top', _SIZED)
+def test_modules_classes_and_functions_stay_small(top):
+  too_big = [f'{path.relative_to(ROOT)}: {kind} {name} has {size} lines '
+             f'(at most {most})'
+             for path in _Modules(top)
+             for kind, name, size, most in _Sizes(path) if size > most]
+  assert not too_big, too_big
+
+
+def test_the_checks_see_what_they_check():
+  """The parsing above, on a module written here: a function-local import
+  counts, and so does a name imported from a package."""
+  source = ('def F():\n  from gpipe import demo\n  import params.lm\n'
+            'from gpipe.xla import hlo_text\n')
+  assert {'gpipe.demo', 'params.lm', 'gpipe.xla.hlo_text'} <= _Imports(source)
