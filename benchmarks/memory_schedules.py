@@ -28,7 +28,7 @@ from gpipe import layers
 from gpipe.lingvo_support import flags_and_seeds
 from gpipe import plan
 from gpipe.plan import roofline
-from tests import bodies
+from tests import reference_bodies
 
 NUM_STAGES = 8
 BATCH = 4096
@@ -41,7 +41,7 @@ def StackParams():
   return layers.PipelinedLayer.Params().Set(
       name='stack', num_stages=NUM_STAGES, num_microbatches=64,
       shard_stages_1d=True, unroll='never',
-      single_stage_body=bodies.DenseBody.Params().Set(dim=DIM))
+      single_stage_body=reference_bodies.DenseBody.Params().Set(dim=DIM))
 
 
 def Bound(num_microbatches, circular_repeat=1):

@@ -32,6 +32,9 @@ device count or the input shapes do not fit the layer (one line says why).
 
 import argparse
 import sys
+from typing import Optional, Sequence
+
+__all__ = ['CheckPartitioning', 'LoadParams', 'main']
 
 
 def _ParseShape(text):
@@ -93,7 +96,9 @@ from gpipe.xla.user_layer import LoadParams
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
 
-def main(argv=None):
+def main(argv: Optional[Sequence[str]] = None) -> int:
+  """The command: checks --params or --model; the exit status (0 OK, 1 a
+  failed check, 2 arguments that do not fit the layer)."""
   parser = _Parser()
   args = parser.parse_args(argv)
   if args.model:

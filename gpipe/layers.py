@@ -42,6 +42,8 @@ schedule's arithmetic (`gpipe.schedule`), the loop and its gradient loop
 gradient stores or recomputes (`gpipe.loops.remat`).
 """
 
+from typing import Optional
+
 from absl import logging
 import tensorflow as tf
 
@@ -65,6 +67,14 @@ from gpipe import schedule as schedule_lib
 from gpipe import sharding
 from lingvo.core import base_layer
 from lingvo.core import gshard_utils
+from lingvo.core import hyperparams
+
+__all__ = [
+    'PipelinedLayer',
+    'LayerwiseShardablePipelinedLayer',
+    'ValidateParams',
+    'CheckedParams',
+]
 
 # The layer's methods that run the body: under tf.function, autograph traces
 # them (and the body) as written, as a tf.Graph would (see README, TF2).
@@ -210,7 +220,7 @@ class PipelinedLayer(base_layer.BaseLayer):
     with tf.name_scope(self.params.name):
       iteration = self._placement.ReplicateBookkeeping(
           tf.convert_to_tensor(iteration, tf.int32))
-      res = spec.run_stages(
+      res = spec.runner.Run(
           spec, self._LoopTheta(theta),
           stage_step.StagesAt(spec, stage_step.RowsAt(sched, iteration),
                               args, var_values))
@@ -393,10 +403,8 @@ class PipelinedLayer(base_layer.BaseLayer):
     """What the loop (or one of its iterations) needs besides tensors."""
     return pipeline_loop.LoopSpec(
         schedule=sched, body=self._body, fn_name=fn_name,
-        run_stages=stage_runners.For(self._layout.stage_parallel,
-                                     self._placement, self._vectorizing),
-        manual_mesh=stage_runners.ManualMesh(self._layout.stage_parallel,
-                                             self._placement),
+        runner=stage_runners.For(self._layout.stage_parallel,
+                                 self._placement, self._vectorizing),
         repeats=self._layout.repeats, placement=self._placement,
         args=args, states=states, mb_kwargs=mb_kwargs,
         kwargs_no_batch=kwargs_no_batch,
@@ -448,7 +456,11 @@ class PipelinedLayer(base_layer.BaseLayer):
 LayerwiseShardablePipelinedLayer = PipelinedLayer
 
 
-def ValidateParams(p, batch_size=None):
+CheckedParams = param_checks.CheckedParams
+
+
+def ValidateParams(p: hyperparams.Params,
+                   batch_size: Optional[int] = None) -> CheckedParams:
   """Checks PipelinedLayer params without building anything.
 
   Model params call this to fail fast, before a graph exists; the layer

@@ -11,14 +11,22 @@ at gpipe's `PipelinedLayer` (same Params, same variable names and shapes):
     with lingvo_compat.UseGpipeInLingvo():    # or only inside the block
       model = model_params.Instantiate()
 
-Importing gpipe alone changes nothing in Lingvo. Params built before the
-switch keep the class they name (`p.cls`).
+Importing gpipe alone does not switch Lingvo to gpipe's layer. Params built
+before the switch keep the class they name (`p.cls`).
 """
 
 from gpipe import layers
 from gpipe.pipeline import layer_params
 from lingvo.core import gshard_layers
 from lingvo.core import hyperparams
+
+__all__ = [
+    'UseGpipeInLingvo',
+    'LingvoBuildsGpipe',
+    'LingvosOwnLayer',
+    'AsLingvosOwnLayer',
+    'StagesOverDevicesLayer',
+]
 
 _LINGVO_LAYER = gshard_layers.LayerwiseShardablePipelinedLayer
 
@@ -48,7 +56,7 @@ class UseGpipeInLingvo:
   this way).
   """
 
-  def __init__(self, split_unplaced_stages=False):
+  def __init__(self, split_unplaced_stages: bool = False):
     self._previous = gshard_layers.LayerwiseShardablePipelinedLayer
     gshard_layers.LayerwiseShardablePipelinedLayer = (
         StagesOverDevicesLayer if split_unplaced_stages else
@@ -62,18 +70,18 @@ class UseGpipeInLingvo:
     return False
 
 
-def LingvoBuildsGpipe():
+def LingvoBuildsGpipe() -> bool:
   """True while Lingvo's pipeline layer name means gpipe's layer."""
   return issubclass(gshard_layers.LayerwiseShardablePipelinedLayer,
                     layers.PipelinedLayer)
 
 
-def LingvosOwnLayer():
+def LingvosOwnLayer() -> type:
   """Lingvo's own LayerwiseShardablePipelinedLayer, switched or not."""
   return _LINGVO_LAYER
 
 
-def AsLingvosOwnLayer(params):
+def AsLingvosOwnLayer(params: hyperparams.Params) -> hyperparams.Params:
   """Lingvo's own layer's Params from gpipe PipelinedLayer Params.
 
   Lingvo's layer has every Params name gpipe's has but gpipe's own

@@ -14,13 +14,19 @@ gathers.
 """
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional, Tuple
 
 import numpy as np
 import tensorflow as tf
 
 from gpipe.pipeline import nest
 from gpipe import schedule as schedule_lib
+
+__all__ = [
+    'ToMicrobatches',
+    'ToBatch',
+    'ResolveNumMicrobatches',
+]
 
 
 def BatchSize(x):
@@ -29,7 +35,9 @@ def BatchSize(x):
   return dim if dim is not None else tf.shape(x)[0]
 
 
-def ResolveNumMicrobatches(batch_size, num_microbatches, microbatch_size):
+def ResolveNumMicrobatches(
+    batch_size: int, num_microbatches: Optional[int],
+    microbatch_size: Optional[int]) -> Tuple[int, bool]:
   """Returns M from the layer's params, checking divisibility.
 
   Args:
@@ -85,7 +93,7 @@ def _Divisors(n):
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def ToMicrobatches(x, num_microbatches):
+def ToMicrobatches(x: tf.Tensor, num_microbatches: int) -> tf.Tensor:
   """[B, ...] -> [M, B/M, ...]; microbatch m holds rows m, m+M, m+2M, ...
 
   The batch is reshaped to [B/M, M, ...] and transposed, rather than reshaped
@@ -99,7 +107,7 @@ def ToMicrobatches(x, num_microbatches):
   return tf.transpose(reshaped, [1, 0] + list(range(2, x.shape.rank + 1)))
 
 
-def ToBatch(x):
+def ToBatch(x: tf.Tensor) -> tf.Tensor:
   """[M, B/M, ...] -> [B, ...]; the inverse of ToMicrobatches."""
   if not nest.IsTensor(x):
     return x

@@ -21,7 +21,13 @@ import io
 import logging
 import os
 import sys
+from typing import ContextManager, Optional, Sequence
 import warnings
+
+__all__ = [
+    'UnlessVerbose',
+    'LibraryPrints',
+]
 
 _QUIET = []  # [True] once UnlessVerbose silenced the libraries
 
@@ -29,7 +35,7 @@ _QUIET = []  # [True] once UnlessVerbose silenced the libraries
 _LIBRARY_LOGGERS = ('tensorflow', 'absl', 'jax', 'h5py', 'matplotlib')
 
 
-def UnlessVerbose(argv=None):
+def UnlessVerbose(argv: Optional[Sequence[str]] = None) -> bool:
   """Silences library logging unless argv (default sys.argv) has --verbose.
 
   Returns:
@@ -55,7 +61,7 @@ def UnlessVerbose(argv=None):
   return True
 
 
-def LibraryPrints():
+def LibraryPrints() -> ContextManager:
   """Context swallowing what library code prints to stderr, when quiet.
 
   Lingvo's model registry prints every module it tries to import.

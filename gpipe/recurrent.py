@@ -1,4 +1,4 @@
-"""The pipeline loop: a while loop whose gradient recomputes each iteration.
+"""A while loop over T iterations whose gradient recomputes each iteration.
 
     state_0 --cell--> state_1 --cell--> ... --cell--> state_T
                 |                |                  |
@@ -34,7 +34,7 @@ which XLA compiles to in-place buffers.
 """
 
 import dataclasses
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import tensorflow as tf
 
@@ -45,6 +45,12 @@ from gpipe.loops import while_loops
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record
 # pylint: enable=g-direct-tensorflow-import
+
+__all__ = [
+    'Recurrent',
+    'Rows',
+    'Undo',
+]
 
 
 def _SliceInputs(inputs, t):
@@ -300,18 +306,18 @@ def ZeroIfNone(g, like):
   return tf.zeros_like(like) if g is None else tf.convert_to_tensor(g)
 
 
-def Recurrent(theta,
-              state0,
-              inputs,
-              cell_fn,
+def Recurrent(theta: Any,
+              state0: Any,
+              inputs: Any,
+              cell_fn: Callable[[Any, Any, Any], Tuple[Any, Any]],
               *,
-              remat_policy='recompute',
-              manual_boundary=None,
-              extras_rows=None,
-              return_states=True,
-              data_state=None,
-              undo=None,
-              name='recurrent'):
+              remat_policy: Any = 'recompute',
+              manual_boundary: Optional[Any] = None,
+              extras_rows: Optional[Dict[str, 'Rows']] = None,
+              return_states: bool = True,
+              data_state: Optional[Any] = None,
+              undo: Optional['Undo'] = None,
+              name: str = 'recurrent') -> Tuple[Any, Any, Any]:
   """Runs `cell_fn` over the leading dim of `inputs`.
 
   Args:

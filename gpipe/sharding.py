@@ -48,6 +48,7 @@ How the stages run (the body sees one stage, without the stage dim):
 
 import contextlib
 import threading
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -58,6 +59,15 @@ from tensorflow.python.compiler.xla.experimental import xla_sharding
 from gpipe.pipeline import nest
 from lingvo.core import gshard_utils
 from lingvo.core import py_utils_flags
+
+__all__ = [
+    'SpmdPartitioning',
+    'IsSpmdPartitioning',
+    'MeshSplit',
+    'Split',
+    'Replicate',
+    'CopySharding',
+]
 
 
 class _Stacks(threading.local):
@@ -73,7 +83,7 @@ _STACKS = _Stacks()
 
 
 @contextlib.contextmanager
-def SpmdPartitioning(enabled=True):
+def SpmdPartitioning(enabled: bool = True) -> Iterator[None]:
   """Builds graphs for the XLA SPMD partitioner (TPU, or N virtual devices).
 
   Inside, pipelined layers run their stages in a manual-sharding region, one
@@ -88,14 +98,14 @@ def SpmdPartitioning(enabled=True):
     _STACKS.partitioning.pop()
 
 
-def IsSpmdPartitioning():
+def IsSpmdPartitioning() -> bool:
   """True when graphs are being built for the SPMD partitioner."""
   if _STACKS.partitioning:
     return _STACKS.partitioning[-1]
   return py_utils_flags.use_tpu()
 
 
-def Split(x, dim, num_devices):
+def Split(x: tf.Tensor, dim: int, num_devices: int) -> tf.Tensor:
   """Splits `x` along `dim` over `num_devices` devices (other dims whole).
 
   A dim shorter than num_devices is split too, padded (e.g. the last
@@ -110,14 +120,14 @@ def Split(x, dim, num_devices):
                            use_sharding_op=True)
 
 
-def Replicate(x):
+def Replicate(x: tf.Tensor) -> tf.Tensor:
   """Marks `x` as replicated on every device."""
   if not nest.IsTensor(x):
     return x
   return xla_sharding.replicate(x, use_sharding_op=True)
 
 
-def CopySharding(source, x):
+def CopySharding(source: Any, x: tf.Tensor) -> tf.Tensor:
   """Annotates `x` with the sharding of `source`, if `source` has one.
 
   `source` is an annotated tensor, or a graph-mode variable whose handle
@@ -145,8 +155,9 @@ def VectorizedOverStages():
     _STACKS.vectorized -= 1
 
 
-def MeshSplit(x, device_mesh, tensor_split_dims_mapping,
-              unspecified_dims=None):
+def MeshSplit(x: tf.Tensor, device_mesh: Optional[np.ndarray],
+              tensor_split_dims_mapping: Sequence[int],
+              unspecified_dims: Optional[Sequence[int]] = None) -> tf.Tensor:
   """Splits `x` over an N-D `device_mesh`.
 
   Args:

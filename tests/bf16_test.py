@@ -16,7 +16,7 @@ import tensorflow as tf
 from gpipe import layers
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
-from tests import bodies
+from tests import reference_bodies
 
 DIM, ROWS = 4, 2
 
@@ -45,7 +45,7 @@ def test_bfloat16_pipeline_equals_the_plain_stack(s, m, r, schedule):
         backward_schedule=schedule.split('+')[0],
         stream_io=schedule.endswith('stream_io'),
         unroll='eval_only', fprop_dtype=tf.bfloat16,
-        single_stage_body=bodies.TrainingBody.Params().Set(dim=DIM)
+        single_stage_body=reference_bodies.TrainingBody.Params().Set(dim=DIM)
     ).Instantiate()
     x = tf.constant(x_np, tf.bfloat16)
     piped, plain = _Run(False, layer, x), _Run(True, layer, x)

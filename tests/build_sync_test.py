@@ -207,6 +207,7 @@ _FAKE_TREE = {
     'tests/fake_sweep_test.py': ('from tests import fake_helpers\n'
                                  'import yaml\n\n'
                                  "if __name__ == '__main__':\n  pass\n"),
+    'tests/fakesub/fake_sub_test.py': 'from tests import fake_helpers\n',
     'tools/fake_tool.py': ('import sys\nfrom fakepkg.top import flags\n\n'
                            "if __name__ == '__main__':\n  sys.exit(0)\n"),
 }
@@ -236,14 +237,18 @@ def test_fake_tree_targets(fake_root):
   text = (fake_root / 'BUILD').read_text()
   targets = ParseBuild(text)
   assert sorted(targets) == [
-      'fake_sweep_test', 'fake_top_test', 'fakepkg', 'fakepkg_base',
-      'fakepkg_top', 'tests_conftest', 'tests_fake_helpers', 'tools_fake_tool'
+      'fake_sub_test', 'fake_sweep_test', 'fake_top_test', 'fakepkg',
+      'fakepkg_base', 'fakepkg_top', 'tests_conftest', 'tests_fake_helpers',
+      'tools_fake_tool'
   ]
   assert targets['fakepkg_top'][1] == {'fakepkg', 'fakepkg_base'}
   assert targets['fake_top_test'][1] == {
       'fakepkg', 'fakepkg_top', 'tests_conftest', 'tests_fake_helpers'}
   assert targets['fake_sweep_test'][1] == {'tests_conftest',
                                            'tests_fake_helpers'}
+  # A test in a subdirectory: named by its stem, with the conftest above.
+  assert targets['fake_sub_test'][1] == {'tests_conftest',
+                                         'tests_fake_helpers'}
   for snippet in ('requirement("absl-py")', 'requirement("pyyaml")',
                   'requirement("numpy")', 'size = "large"',
                   'py_binary(\n    name = "tools_fake_tool"',

@@ -19,6 +19,7 @@ from gpipe.xla import partitioning
 from lingvo import compat as tf
 from lingvo.core import base_layer
 from lingvo.core import py_utils
+from tests import close
 
 NestedMap = py_utils.NestedMap
 
@@ -244,13 +245,6 @@ def _UnpadByTable(padded, sched):
   return out
 
 
-def _AssertClose(actual, expected):
-  """float32 vs float64 NumPy through up to 6 attention layers: errors are
-  relative to the tensor's scale."""
-  scale = max(1.0, float(np.abs(expected).max()))
-  np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5 * scale)
-
-
 def _FullSequenceReference(weights, x):
   """The plain stack on the whole sequence: NumPy, layer after layer."""
   keys, vals = [], []
@@ -306,11 +300,13 @@ def CheckDecoding(num_stages, num_microbatches, circular_repeat, batch, mode,
       -1, 1, [batch, _SEQ, _DIM]).astype(np.float32)
   decoded, final, weights, layer = _Decode(params, x, mode)
   expected, keys, vals = _FullSequenceReference(weights, x)
-  _AssertClose(decoded, expected)
+  close.AssertClose(decoded, expected, close.FLOAT32_AT_SCALE)
   # Every layer's keys and values at every position: [L, B, max_len, d].
   sched = layer.Schedule(num_microbatches)
-  _AssertClose(_UnpadByTable(final.k, sched), np.stack(keys))
-  _AssertClose(_UnpadByTable(final.v, sched), np.stack(vals))
+  close.AssertClose(_UnpadByTable(final.k, sched), np.stack(keys),
+                    close.FLOAT32_AT_SCALE)
+  close.AssertClose(_UnpadByTable(final.v, sched), np.stack(vals),
+                    close.FLOAT32_AT_SCALE)
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
     unpadded = sess.run(layer.UnpadStates(
         tf.nest.map_structure(tf.constant, final)))
@@ -354,8 +350,9 @@ def test_decoding_goes_on_from_each_layers_own_cache(
                                        first_position=_PREFIX)
   expected, keys, _ = _FullSequenceReference(weights, x)
   assert decoded.shape == (batch, _SEQ - _PREFIX, _DIM)
-  _AssertClose(decoded, expected[:, _PREFIX:])
-  _AssertClose(_UnpadByTable(final.k, sched), np.stack(keys))
+  close.AssertClose(decoded, expected[:, _PREFIX:], close.FLOAT32_AT_SCALE)
+  close.AssertClose(_UnpadByTable(final.k, sched), np.stack(keys),
+                    close.FLOAT32_AT_SCALE)
 
 
 @pytest.mark.parametrize('num_stages, num_microbatches, circular_repeat',
@@ -392,10 +389,10 @@ def test_unrolled_decoding_with_per_layer_state_lists(num_stages,
   params = _Params(num_stages, 2, circular_repeat, unroll='always')
   decoded, caches, weights, _ = _Decode(params, x, mode)
   expected, keys, _ = _FullSequenceReference(weights, x)
-  _AssertClose(decoded, expected)
+  close.AssertClose(decoded, expected, close.FLOAT32_AT_SCALE)
   assert len(caches) == num_stages * circular_repeat
   for cache, k in zip(caches, keys):
-    _AssertClose(cache.k, k)
+    close.AssertClose(cache.k, k, close.FLOAT32_AT_SCALE)
 
 
 def test_the_test_body_extend_step_matches_its_fprop():

@@ -40,10 +40,10 @@ _ELSEWHERE = {
     r'\.venv/bin/python examples/my_model\.py$':
         'tests/example_test.py::test_my_model_example_runs_checks_partitions_and_plans',
     r'\.venv/bin/tensorboard ':
-        'tests/tensorboard_test.py::test_tensorboard_serves_the_training_runs_events',
+        'tests/apps/tensorboard_test.py::test_tensorboard_serves_the_training_runs_events',
     r'\.venv/bin/python -m pytest tests/': 'the suite itself',
-    r'\.venv/bin/python -m gpipe\.plan --params tests\.plan_test\.':
-        'tests/plan_test.py::test_the_planning_page_shows_this_plan',
+    r'\.venv/bin/python -m gpipe\.plan --params tests\.plan\.plan_test\.':
+        'tests/plan/plan_test.py::test_the_planning_page_shows_this_plan',
     r'\.venv/bin/python -m gpipe\.check_partitioning --model '
     r'lm\.CopyLMMeshSmallData$':
         'tests/mesh_lm_test.py::test_check_partitioning_command_takes_a_model',

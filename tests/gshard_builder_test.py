@@ -34,7 +34,8 @@ training and in eval mode, against a reference that runs no gpipe code:
   reference runs once on the whole batch. Compared: outputs, aux losses, the
   task's loss and metrics.
 
-Dropout is 0; float32. Tolerances: see `_AssertClose`.
+Dropout is 0; float32. Tolerance: close.FLOAT32_AT_SCALE (atol relative to
+the largest entry; tests/close.py says why).
 """
 
 import re
@@ -50,6 +51,7 @@ from lingvo.core import cluster_factory
 from lingvo.core import gshard_builder
 from lingvo.core import py_utils
 from tensorflow.core.protobuf import rewriter_config_pb2
+from tests import close
 
 DIM, HEADS, KV_DIM, HIDDEN, TIME, BATCH, VOCAB = 8, 2, 4, 16, 4, 8, 16
 EXPERTS, CAPACITY = 2, 4
@@ -59,30 +61,10 @@ _STAGES = [(2, 4), (4, 2)]
 _MODES = ['train', 'eval']
 
 
-def _AssertClose(got, want, what):
-  """assert_allclose(rtol=1e-5, atol=1e-5 * max(1, max|want|)).
-
-  atol is scaled by the array's largest magnitude when that is above 1.
-  Lingvo's pipeline (tf.vectorized_map: all stages in one batch) and gpipe's
-  (one stage at a time) run the same float32 ops on differently shaped
-  batches and add up in different orders, so a gradient entry that is a
-  small difference of large terms carries an error of a few float32 ulps of
-  those terms, not of itself. Measured over initial weights from seeds 1 to
-  5: gradient errors up to 3.4e-5, at most 4.1e-6 of the array's largest
-  entry (a plain atol of 1e-5 fails for some seeds); outputs, aux losses
-  and metrics within 1.4e-6. In float64 the dense case agrees exactly.
-  """
-  got, want = np.asarray(got), np.asarray(want)
-  assert got.shape == want.shape, (what, got.shape, want.shape)
-  scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * scale,
-                             err_msg=what)
-
-
 def _AssertAllClose(got, want, names):
   assert len(got) == len(want) == len(names)
   for name, g, w in zip(names, got, want):
-    _AssertClose(g, w, name)
+    close.AssertClose(g, w, close.FLOAT32_AT_SCALE, name)
 
 
 def _AssertNonzero(grads, names):

@@ -22,8 +22,8 @@ from gpipe import schedule as schedule_lib
 from lingvo.core import base_layer
 from lingvo.core import cluster_factory
 from lingvo.core import py_utils
-from tests import bodies
 from tests import pipeline_harness as harness
+from tests import reference_bodies
 
 NestedMap = py_utils.NestedMap
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -34,7 +34,7 @@ def _Params(**overrides):
       name='pipe',
       num_stages=2,
       num_microbatches=2,
-      single_stage_body=bodies.DenseBody.Params().Set(dim=4),
+      single_stage_body=reference_bodies.DenseBody.Params().Set(dim=4),
       unroll='never')
   return p.Set(**overrides)
 
@@ -60,7 +60,7 @@ def _FProp(p, batch=4, **kwargs):
     (dict(microbatch_size=2),
      r'Set only one of num_microbatches \(2\) and microbatch_size \(2\)'),
     (dict(num_microbatches=0), r'num_microbatches must be None or an integer'),
-    (dict(stage_parallel_body=bodies.StageParallelDenseBody.Params()),
+    (dict(stage_parallel_body=reference_bodies.StageParallelDenseBody.Params()),
      r'Set exactly one of single_stage_body and stage_parallel_body'),
     (dict(shard_stages_1d=True, pipeline_stage_mesh_dim=0,
           device_mesh=np.arange(2)),
@@ -126,7 +126,7 @@ def test_mesh_axis_must_match_num_stages():
 def test_per_stage_vars_with_stage_parallel_body():
   p = _Params(
       single_stage_body=None,
-      stage_parallel_body=bodies.StageParallelDenseBody.Params().Set(
+      stage_parallel_body=reference_bodies.StageParallelDenseBody.Params().Set(
           num_stages=2),
       per_stage_vars=True)
   with tf.Graph().as_default():
@@ -237,8 +237,8 @@ def test_kwarg_batch_not_divisible_by_num_microbatches():
 
 def test_args_with_other_batch_sizes():
   with tf.Graph().as_default():
-    layer = _Params(
-        single_stage_body=bodies.MultiInputBody.Params()).Instantiate()
+    layer = _Params(single_stage_body=(
+        reference_bodies.MultiInputBody.Params())).Instantiate()
     with pytest.raises(ValueError, match=r'All args must have the batch size '
                        r'4 as leading dim; got a tensor of shape \(2, 4\)'):
       layer.FProp(layer.theta, tf.zeros([4, 4]), None,
@@ -321,7 +321,7 @@ def test_readme_tf2_training_step_equals_the_unpipelined_step():
                                atol=1e-6)
 
 
-class _V1SummaryBody(bodies.DenseBody):
+class _V1SummaryBody(reference_bodies.DenseBody):
 
   def FProp(self, theta, x):
     y = super().FProp(theta, x)
@@ -352,7 +352,7 @@ def test_forgotten_microbatch_params_are_named_when_the_body_fails():
   assert 'set num_microbatches or microbatch_size' in notes
 
 
-class _RankTwoBody(bodies.DenseBody):
+class _RankTwoBody(reference_bodies.DenseBody):
 
   def FProp(self, theta, x):
     if x.shape.rank != 2:
@@ -378,7 +378,7 @@ def test_eval_of_premicrobatched_inputs_with_a_rank_specific_body():
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-class _LossCarryingBody(bodies.DenseBody):
+class _LossCarryingBody(reference_bodies.DenseBody):
   """(x, loss) -> (y, loss + mean(y)), as the GShard builders carry their
   loss through the pipeline: one scalar per microbatch; adds an aux loss."""
 
@@ -424,10 +424,11 @@ def test_flags_are_parsed_for_lingvo_bodies_without_absl_app():
       'import gpipe\n'
       'from absl import flags\n'
       'from gpipe import layers\n'
-      'from tests import bodies\n'
+      'from tests import reference_bodies\n'
       'assert not flags.FLAGS.is_parsed()\n'
       "layers.PipelinedLayer.Params().Set(name='p', num_stages=2,\n"
-      '    single_stage_body=bodies.DenseBody.Params()).Instantiate()\n'
+      '    single_stage_body=reference_bodies.DenseBody.Params()\n'
+      '    ).Instantiate()\n'
       'print(flags.FLAGS.xla_device)\n')
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL='2')
   env['PYTHONPATH'] = str(_ROOT) + os.pathsep + env.get('PYTHONPATH', '')
@@ -592,7 +593,7 @@ def test_sharding_annotations_on_cpu(overrides, expected):
 # -- Aux losses. -------------------------------------------------------------
 
 
-class _AuxLossBody(bodies.DenseBody):
+class _AuxLossBody(reference_bodies.DenseBody):
   """DenseBody that adds mean(y^2) of its output as an aux loss."""
 
   def FProp(self, theta, x, scale=None, shift=None):
@@ -631,7 +632,7 @@ def test_aux_loss_equals_sequential_per_microbatch(accumulation,
   for m in range(m_count):
     h = x_np[m::m_count]
     for w in weights:
-      h = bodies.DenseFn(bodies.NP, w['w'], w['b'], h)
+      h = reference_bodies.DenseFn(reference_bodies.NP, w['w'], w['b'], h)
       total += np.mean(np.square(h))
   if accumulation == 'mean':
     total /= m_count
@@ -642,7 +643,7 @@ def test_aux_loss_equals_sequential_per_microbatch(accumulation,
 # -- Lingvo's layer API: BodyFProp, per-example kwargs of their own batch. ----
 
 
-class _SourceBody(bodies.DenseBody):
+class _SourceBody(reference_bodies.DenseBody):
   """tanh(x @ w + b) + source, the source's rows tiled over x's rows.
 
   Lingvo's FProp order for several hypotheses per source ([multiplier,
@@ -692,7 +693,8 @@ def test_kwargs_with_a_batch_of_their_own(s, m, r, mode):
   for w in harness.PerLayerWeights(
       harness.Case(num_stages=s, circular_repeat=r),
       {k: dict(v) for k, v in vars_v.items()}):
-    expected = (bodies.DenseFn(bodies.NP, w['w'], w['b'], expected) +
+    expected = (reference_bodies.DenseFn(reference_bodies.NP, w['w'], w['b'],
+                                         expected) +
                 np.tile(src_np, [2, 1]))
   np.testing.assert_allclose(y_v, expected, rtol=1e-5, atol=1e-5)
   for got, want in zip(g_v, ref_g):
@@ -700,7 +702,7 @@ def test_kwargs_with_a_batch_of_their_own(s, m, r, mode):
   assert np.abs(g_v[-1]).max() > 0  # the source's gradient flows
 
 
-class _AuxScaleBody(bodies.DenseBody):
+class _AuxScaleBody(reference_bodies.DenseBody):
   """DenseBody adding sum(y) as an aux loss."""
 
   def FProp(self, theta, x, scale=None, shift=None):
@@ -741,8 +743,8 @@ def test_body_fprop_runs_one_iteration_of_every_stage(s, m, r):
     for j in range(s):
       mb = min(max(schedule.MicrobatchId(i, j), 0), m - 1)
       w = weights[schedule.LayerId(i, j)]
-      want = bodies.DenseFn(bodies.NP, w['w'], w['b'], args_np[j],
-                            scale=scale_np[mb])
+      want = reference_bodies.DenseFn(reference_bodies.NP, w['w'], w['b'],
+                                      args_np[j], scale=scale_np[mb])
       np.testing.assert_allclose(out_v[j], want, rtol=1e-5, atol=1e-6)
       np.testing.assert_allclose(aux_v[j], want.sum(), rtol=1e-5, atol=1e-5)
 
@@ -752,7 +754,7 @@ class _Wrapper(base_layer.BaseLayer):
 
   def __init__(self, params):
     super().__init__(params)
-    self.CreateChild('body', bodies.DenseBody.Params())
+    self.CreateChild('body', reference_bodies.DenseBody.Params())
 
   def FProp(self, theta, x):
     return self.body.FProp(theta.body, x)
@@ -792,7 +794,7 @@ def test_pad_microbatches_returns_non_tensors_unchanged():
     assert padded[1].shape.as_list() == [3, 2, 5]
 
 
-class _StatefulDropoutBody(bodies.DenseBody):
+class _StatefulDropoutBody(reference_bodies.DenseBody):
   """Dropout from a stateful random op (as Lingvo's plain DropoutLayer)."""
 
   def FProp(self, theta, x):

@@ -16,7 +16,8 @@ from gpipe import lingvo_compat
 from lingvo.core import batch_major_attention
 from lingvo.core import gshard_layers
 from lingvo.core import py_utils
-from tests import bodies
+from tests import close
+from tests import reference_bodies
 
 DIM, HEADS, TIME = 8, 2, 4
 
@@ -56,7 +57,7 @@ def test_the_splitting_switch_places_only_unplaced_stages():
       unplaced = unplaced.Instantiate().pipeline
       mesh = gshard_layers.LayerwiseShardablePipelinedLayer.Params().Set(
           name='mesh', num_stages=2,
-          single_stage_body=bodies.DenseBody.Params().Set(dim=DIM),
+          single_stage_body=reference_bodies.DenseBody.Params().Set(dim=DIM),
           device_mesh=np.arange(4).reshape(2, 2), pipeline_stage_mesh_dim=0)
       mesh = mesh.Instantiate()
   assert isinstance(unplaced, lingvo_compat.StagesOverDevicesLayer)
@@ -100,9 +101,9 @@ def _Layers(s, m, r, shard):
 
 
 def _AssertEqualSteps(got, want, names):
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  close.AssertClose(got[0], want[0], close.FLOAT32, 'output')
   for name, g, w in zip(names + ['input'], got[1], want[1]):
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+    close.AssertClose(g, w, close.FLOAT32, name)
     assert np.abs(w).max() > 0, name
 
 

@@ -46,13 +46,12 @@ from absl import flags
 from gpipe import layers
 from lingvo.core import gshard_layers
 from lingvo.core import scatter_update
-from tests import bodies
+from tests import close
+from tests import reference_bodies
 
 _DIM = 4
 _BATCH = 12  # Divisible by every microbatch count used here.
 _TIME = 3
-_RTOL = 1e-5
-_ATOL = 1e-6
 
 _GPIPE = layers.PipelinedLayer
 _LINGVO = gshard_layers.LayerwiseShardablePipelinedLayer
@@ -62,10 +61,11 @@ def _Params(cls, name='pipe', stage_parallel=False, **kwargs):
   """Params of `cls` over a DenseBody (or its stage-parallel twin)."""
   p = cls.Params().Set(name=name, **kwargs)
   if stage_parallel:
-    p.stage_parallel_body = bodies.StageParallelDenseBody.Params().Set(
-        dim=_DIM, num_stages=p.num_stages)
+    p.stage_parallel_body = (
+        reference_bodies.StageParallelDenseBody.Params().Set(
+            dim=_DIM, num_stages=p.num_stages))
   else:
-    p.single_stage_body = bodies.DenseBody.Params().Set(dim=_DIM)
+    p.single_stage_body = reference_bodies.DenseBody.Params().Set(dim=_DIM)
   return p
 
 
@@ -77,11 +77,6 @@ def _RelName(layer_name, var_name):
 
 def _SortedVars(layer):
   return sorted(layer.vars.Flatten(), key=lambda v: v.name)
-
-
-def _AssertAllClose(actual, desired, what):
-  np.testing.assert_allclose(
-      actual, desired, rtol=_RTOL, atol=_ATOL, err_msg=what)
 
 
 def _Inputs(seed, batch=_BATCH):
@@ -96,7 +91,7 @@ def _Inputs(seed, batch=_BATCH):
 
 
 def _NpDense(w, b, x, scale=None, shift=None):
-  """bodies.DenseBody's math in NumPy."""
+  """reference_bodies.DenseBody's math in NumPy."""
   y = np.tanh(np.einsum('...d,de->...e', x, w) + b)
   if scale is not None:
     y = y * scale
@@ -226,7 +221,8 @@ def _RunGraph(params, inputs, kwarg_names=(), weights=None, seed=1234):
 def _AssertSameResults(gpipe_results, ref_results, what):
   assert sorted(gpipe_results) == sorted(ref_results)
   for key in sorted(ref_results):
-    _AssertAllClose(gpipe_results[key], ref_results[key], f'{what}: {key}')
+    close.AssertClose(gpipe_results[key], ref_results[key], close.FLOAT32_TIGHT,
+                      f'{what}: {key}')
 
 
 def _CheckGraphParity(config, kwarg_names=(), batch=_BATCH, seed=0):
@@ -246,7 +242,8 @@ def _CheckGraphParity(config, kwarg_names=(), batch=_BATCH, seed=0):
   _AssertSameResults(gpipe_results, lingvo_results, f'gpipe vs lingvo {config}')
   np_ref = _NpReference(weights, gpipe_p, inputs['x'],
                         {k: inputs[k] for k in kwarg_names})
-  _AssertAllClose(gpipe_results['y'], np_ref, 'gpipe vs NumPy')
+  close.AssertClose(gpipe_results['y'], np_ref, close.FLOAT32_TIGHT,
+                    'gpipe vs NumPy')
 
 
 # Lingvo's pipeline cannot run S=1, M=1 (see test_lingvo_cannot_run).
@@ -336,10 +333,12 @@ def test_jit_parity(parsed_flags, num_stages, num_microbatches,
                       inputs['cotangent'])
   names = ['y', 'dx'] + ['d/' + v.name for v in gpipe_vars]
   for name, g, l in zip(names, gpipe_out, lingvo_out):
-    _AssertAllClose(g, l, f'jit gpipe vs lingvo {config}: {name}')
+    close.AssertClose(g, l, close.FLOAT32_TIGHT,
+                      f'jit gpipe vs lingvo {config}: {name}')
   weights = {_RelName('gpipe_pipe', v.name): v.numpy() for v in gpipe_vars}
   np_ref = _NpReference(weights, _Params(_GPIPE, **config), inputs['x'], {})
-  _AssertAllClose(gpipe_out[0], np_ref, 'jit gpipe vs NumPy')
+  close.AssertClose(gpipe_out[0], np_ref, close.FLOAT32_TIGHT,
+                    'jit gpipe vs NumPy')
 
 
 # -----------------------------------------------------------------------------
@@ -410,4 +409,5 @@ def test_lingvo_cannot_run(case):
   if not config.get('stage_parallel'):
     np_ref = _NpReference(weights, gpipe_p, inputs['x'],
                           {k: inputs[k] for k in kwarg_names})
-    _AssertAllClose(gpipe_results['y'], np_ref, 'gpipe vs NumPy')
+    close.AssertClose(gpipe_results['y'], np_ref, close.FLOAT32_TIGHT,
+                      'gpipe vs NumPy')

@@ -2,9 +2,9 @@
 
 The references never call the layer's code: weights are read from the
 layer's variables and sliced per logical layer here (layer r * S + s), then
-the body's math (tests/bodies.py) is applied layer after layer in a plain
-Python loop — in NumPy for the forward pass, and in TensorFlow for gradients
-(TF autodiff of the plain loop).
+the body's math (tests/reference_bodies.py) is applied layer after layer in
+a plain Python loop — in NumPy for the forward pass, and in TensorFlow for
+gradients (TF autodiff of the plain loop).
 
 Modes:
   'graph': tf.Graph + tf.compat.v1.Session, tf.gradients (Lingvo's home).
@@ -21,7 +21,8 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import layers
 from lingvo.core import py_utils
-from tests import bodies
+from tests import close
+from tests import reference_bodies
 
 NestedMap = py_utils.NestedMap
 
@@ -68,14 +69,15 @@ class Case:
 
   def Params(self):
     if self.body == 'dense':
-      body = dict(single_stage_body=bodies.DenseBody.Params().Set(dim=self.dim))
+      body = dict(single_stage_body=reference_bodies.DenseBody.Params().Set(
+          dim=self.dim))
     elif self.body == 'multi':
-      body = dict(
-          single_stage_body=bodies.MultiInputBody.Params().Set(dim=self.dim))
+      body = dict(single_stage_body=(
+          reference_bodies.MultiInputBody.Params().Set(dim=self.dim)))
     else:
-      body = dict(
-          stage_parallel_body=bodies.StageParallelDenseBody.Params().Set(
-              dim=self.dim, num_stages=self.num_stages))
+      body = dict(stage_parallel_body=(
+          reference_bodies.StageParallelDenseBody.Params().Set(
+              dim=self.dim, num_stages=self.num_stages)))
     return layers.PipelinedLayer.Params().Set(
         name='pipe',
         num_stages=self.num_stages,
@@ -155,11 +157,11 @@ def SequentialReference(xp, case, weights, args, kwargs, no_batch):
   if case.body == 'multi':
     x, _, nested = args
     for w in weights:
-      x, nested = bodies.MultiInputFn(xp, w['w'], w['v'], x, nested)
+      x, nested = reference_bodies.MultiInputFn(xp, w['w'], w['v'], x, nested)
     return [x, None, nested]
   x = args[0]
   for w in weights:
-    x = bodies.DenseFn(xp, w['w'], w['b'], x, scale, shift)
+    x = reference_bodies.DenseFn(xp, w['w'], w['b'], x, scale, shift)
   return [x]
 
 
@@ -243,8 +245,8 @@ def _Compute(layer, case, args, kwargs, no_batch, cotangents, watch=None):
   for name, child in layer.vars.items():
     values[name] = dict(child.items())
   weights = PerLayerWeights(case, values)
-  ref = SequentialReference(bodies.TF, case, weights, t_args, t_kwargs,
-                            t_no_batch)
+  ref = SequentialReference(reference_bodies.TF, case, weights, t_args,
+                            t_kwargs, t_no_batch)
   cot = _ToTf(cotangents)
   cot_p = _ToTf(_Premicrobatch(case, cotangents)) if case.premicrobatched else cot
   loss = _Loss(out, cot_p)
@@ -265,7 +267,7 @@ def RunCase(case, mode):
     with tf.Graph().as_default():
       tf.compat.v1.set_random_seed(case.seed)
       layer = case.Params().Instantiate()
-      probe = SequentialReference(bodies.NP, case, PerLayerWeights(
+      probe = SequentialReference(reference_bodies.NP, case, PerLayerWeights(
           case, _ZeroValues(layer, case)), args, kwargs, no_batch)
       cotangents = _Cotangents(probe, case.seed)
       t = _Compute(layer, case, args, kwargs, no_batch, cotangents)
@@ -286,7 +288,7 @@ def RunCase(case, mode):
     # function of the case alone, not of the tests run before it.
     tf.random.set_seed(case.seed)
     layer = case.Params().Instantiate()
-    probe = SequentialReference(bodies.NP, case, PerLayerWeights(
+    probe = SequentialReference(reference_bodies.NP, case, PerLayerWeights(
         case, _ZeroValues(layer, case)), args, kwargs, no_batch)
     cotangents = _Cotangents(probe, case.seed)
 
@@ -314,8 +316,8 @@ def RunCase(case, mode):
     res['grads'][-1] = _Unpremicrobatch(case, res['grads'][-1])
   res['layer'] = layer
   res['np_ref'] = SequentialReference(
-      bodies.NP, case, PerLayerWeights(case, res['vars']), args, kwargs,
-      no_batch)
+      reference_bodies.NP, case, PerLayerWeights(case, res['vars']), args,
+      kwargs, no_batch)
   return res
 
 
@@ -358,33 +360,19 @@ def _Record(actual, expected):
     _ERRORS['checks'] += 1
 
 
-def AssertClose(actual, expected, what, rtol=1e-5, atol=1e-5):
-  """|actual - expected| <= atol + rtol * |expected|, elementwise."""
-  flat_a = tf.nest.flatten(actual)
-  flat_e = tf.nest.flatten(expected)
-  assert len(flat_a) == len(flat_e), (what, len(flat_a), len(flat_e))
-  for a, e in zip(flat_a, flat_e):
-    if e is None:
-      assert a is None, f'{what}: expected None, got {a}'
-      continue
-    a = np.asarray(a)
-    e = np.asarray(e)
-    assert a.shape == e.shape, f'{what}: shape {a.shape} != {e.shape}'
-    _Record(a, e)
-    np.testing.assert_allclose(a, e, rtol=rtol, atol=atol, err_msg=what)
-
-
 def CheckCase(case, mode):
   """Pipelined == NumPy sequential (forward) == TF plain loop (grads)."""
   res = RunCase(case, mode)
-  AssertClose(res['out'], res['np_ref'], 'forward vs NumPy reference')
-  AssertClose(res['out'], res['ref'], 'forward vs TF reference')
+  close.AssertClose(res['out'], res['np_ref'], close.FLOAT32,
+                    'forward vs NumPy reference', record=_Record)
+  close.AssertClose(res['out'], res['ref'], close.FLOAT32,
+                    'forward vs TF reference', record=_Record)
   assert len(res['grads']) == len(res['ref_grads'])
   for i, (g, r) in enumerate(zip(res['grads'], res['ref_grads'])):
     assert r is not None, f'reference gradient {i} is None'
     assert g is not None, f'pipelined gradient {i} is None'
     assert np.abs(r).max() > 0, f'reference gradient {i} is all zero'
-    AssertClose(g, r, f'gradient {i}')
+    close.AssertClose(g, r, close.FLOAT32, f'gradient {i}', record=_Record)
   return res
 
 

@@ -33,7 +33,7 @@ def _Command(*argv):
 
 
 _CHECK = ('gpipe.check_partitioning', '--params',
-          'tests.partitioning_test.CliParams', '--input_shape', '24,8')
+          'tests.xla.partitioning_test.CliParams', '--input_shape', '24,8')
 
 
 @pytest.mark.runs_long

@@ -25,9 +25,8 @@ import pytest
 import tensorflow as tf
 
 from gpipe import recurrent
+from tests import close
 
-_RTOL = 1e-5
-_ATOL = 1e-6
 _B, _H, _T, _V = 3, 4, 5, 6
 
 # Largest errors seen by _AssertClose, reported at module teardown (run pytest
@@ -71,33 +70,31 @@ def _FloatLeaves(structure):
   return [x for x in tf.nest.flatten(structure) if _IsFloat(x)]
 
 
-def _AssertClose(actual, expected, what, against):
-  """Asserts one leaf matches; records the largest abs/rel errors."""
-  actual = np.asarray(actual)
-  expected = np.asarray(expected)
-  assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
-  if not np.issubdtype(expected.dtype, np.floating):
-    assert actual.dtype == expected.dtype, (what, actual.dtype, expected.dtype)
-    np.testing.assert_array_equal(actual, expected, err_msg=what)
-    return
-  np.testing.assert_allclose(
-      actual, expected, rtol=_RTOL, atol=_ATOL, err_msg=what)
-  # Record passing comparisons only (not the expected failures).
-  diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+def _RecordError(against, actual, expected):
+  """Keeps the largest abs/rel errors of passing comparisons (not of the
+  expected failures)."""
+  diff = np.abs(actual - expected)
   if diff.size:
     err = _MAX_ERR[against]
     err['abs'] = max(err['abs'], float(diff.max()))
     big = np.abs(expected) > 1e-3
     if big.any():
-      rel = diff[big] / np.abs(expected[big].astype(np.float64))
+      rel = diff[big] / np.abs(expected[big])
       err['rel'] = max(err['rel'], float(rel.max()))
 
 
-def _AssertStructClose(actual, expected, what, against):
+def _AssertClose(actual, expected, what, against):
+  """close.AssertClose(FLOAT32_TIGHT) of two leaves or two structures (the
+  same structure; integers of the same dtype), recording the largest errors
+  `against` each reference."""
   tf.nest.assert_same_structure(actual, expected)
   for i, (a, e) in enumerate(
       zip(tf.nest.flatten(actual), tf.nest.flatten(expected))):
-    _AssertClose(a, e, f'{what}[{i}]', against)
+    a, e = np.asarray(a), np.asarray(e)
+    if e.dtype.kind in 'biu':
+      assert a.dtype == e.dtype, (what, i, a.dtype, e.dtype)
+  close.AssertClose(actual, expected, close.FLOAT32_TIGHT, what,
+                    record=functools.partial(_RecordError, against))
 
 
 # ---------------------------------------------------------------------------
@@ -500,8 +497,8 @@ def _CheckAgainstReferences(mode, cell, remat_policy, loss_kind,
   ref_outputs, ref_loss, ref_grads = got['reference']
 
   # Forward.
-  _AssertStructClose(outputs, ref_outputs, 'outputs', 'vs_while_loop')
-  _AssertStructClose(outputs, np_outputs, 'outputs', 'vs_numpy')
+  _AssertClose(outputs, ref_outputs, 'outputs', 'vs_while_loop')
+  _AssertClose(outputs, np_outputs, 'outputs', 'vs_numpy')
   _AssertClose(loss, ref_loss, 'loss', 'vs_while_loop')
   _AssertClose(loss, np_loss, 'loss', 'vs_numpy')
   states, final, _ = outputs
@@ -599,7 +596,7 @@ def test_extras_in_rows_and_no_returned_states(jit):
   (outputs, loss, grads), (ref_outputs, ref_loss, ref_grads) = (
       got['recurrent'], got['reference'])
   assert outputs[1].shape == (_ROWS.num_rows, _B, _H)
-  _AssertStructClose(outputs, ref_outputs, 'outputs', 'vs_while_loop')
+  _AssertClose(outputs, ref_outputs, 'outputs', 'vs_while_loop')
   _AssertClose(loss, ref_loss, 'loss', 'vs_while_loop')
   for i, (g, ref_g) in enumerate(zip(grads, ref_grads)):
     assert np.any(g != 0), f'grad[{i}] is all zeros'

@@ -1,7 +1,8 @@
 """The annotation helpers emit the shardings they document, on CPU.
 
 Checked on the graph they build (op types and OpSharding protos), without a
-partitioner; what the partitioner makes of them is tests/partitioning_test.py.
+partitioner; what the partitioner makes of them is
+tests/xla/partitioning_test.py.
 """
 
 import numpy as np

@@ -9,9 +9,9 @@ the documented stream of (layer, microbatch):
 base + Schedule.StepSeedOffset(layer, microbatch). Nothing of the pipeline's
 code runs in the reference.
 
-The body (tests/bodies.py TrainingBody) adds an aux loss and a summary, may apply dropout, and
-may multiply by x / x: 1 on real data, NaN on the zeros a careless pipeline
-would feed its bubbles.
+The body (tests/reference_bodies.py TrainingBody) adds an aux loss and a
+summary, may apply dropout, and may multiply by x / x: 1 on real data, NaN
+on the zeros a careless pipeline would feed its bubbles.
 """
 
 import dataclasses
@@ -24,9 +24,10 @@ import tensorflow as tf
 from gpipe import layers
 from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
-from tests import bodies
+from tests import close
+from tests import reference_bodies
 
-DIM = bodies.TrainingBody.Params().dim
+DIM = reference_bodies.TrainingBody.Params().dim
 BASE_SEED = 1000
 GLOBAL_STEP = 7
 
@@ -65,7 +66,7 @@ class Case:
         backward_schedule=self.backward_schedule,
         stream_io=self.stream_io,
         unroll='never',
-        single_stage_body=bodies.TrainingBody.Params().Set(
+        single_stage_body=reference_bodies.TrainingBody.Params().Set(
             keep_prob=self.keep_prob, divide_by_input=self.divide_by_input),
         random_seed=3).Set(**dict(self.path))
 
@@ -202,12 +203,12 @@ def _Load(pipe, case, weights, sess=None):
       var.load(value, sess)
 
 
-def _AssertMatches(res, tol=1e-5):
+def _AssertMatches(res):
   pipe, ref = res['pipe'], res['ref']
   for key in ('out', 'aux', 'summaries', 'grads'):
-    for got, want in zip(tf.nest.flatten(pipe[key]), tf.nest.flatten(ref[key])):
+    for got in tf.nest.flatten(pipe[key]):
       assert np.all(np.isfinite(got)), key
-      np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=key)
+    close.AssertClose(pipe[key], ref[key], close.FLOAT32, key)
   for i, g in enumerate(ref['grads']):
     assert np.abs(g).max() > 0, f'reference gradient {i} is all zero'
 
@@ -383,7 +384,7 @@ def test_non_trainable_state_updates_like_the_plain_stack(
   p = layers.PipelinedLayer.Params().Set(
       name='pipe', num_stages=num_stages, num_microbatches=num_microbatches,
       circular_repeat=circular_repeat, per_stage_vars=per_stage_vars,
-      unroll='never', single_stage_body=bodies.StatefulBody.Params(),
+      unroll='never', single_stage_body=reference_bodies.StatefulBody.Params(),
       random_seed=5, backward_schedule=schedule.split('+')[0],
       stream_io=schedule.endswith('stream_io'))
   rng = np.random.RandomState(1)
@@ -407,8 +408,9 @@ def test_non_trainable_state_updates_like_the_plain_stack(
     for m in range(num_microbatches):
       h = x_np[m::num_microbatches]
       for l in range(layers_count):
-        h, moving[l] = bodies.StatefulFn(
-            bodies.NP, Layout(vars_np, 'w', l), Layout(vars_np, 'b', l), moving[l], h)
+        h, moving[l] = reference_bodies.StatefulFn(
+            reference_bodies.NP, Layout(vars_np, 'w', l),
+            Layout(vars_np, 'b', l), moving[l], h)
       outs.append(h)
     out = np.stack(outs, axis=1).reshape(x_np.shape)
     return out, moving
@@ -421,9 +423,9 @@ def test_non_trainable_state_updates_like_the_plain_stack(
     for m in range(num_microbatches):
       h = x[m::num_microbatches]
       for l in range(layers_count):
-        h, new_moving = bodies.StatefulFn(
-            bodies.TF, Layout(theta_vars, 'w', l), Layout(theta_vars, 'b', l),
-            moving[l], h)
+        h, new_moving = reference_bodies.StatefulFn(
+            reference_bodies.TF, Layout(theta_vars, 'w', l),
+            Layout(theta_vars, 'b', l), moving[l], h)
         # A variable update: read by later microbatches, never differentiated.
         moving[l] = tf.stop_gradient(new_moving)
       outs.append(h)

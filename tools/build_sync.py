@@ -6,8 +6,8 @@ imports with `ast` (nothing is imported or run) and writes one target per
 file; tests/build_sync_test.py fails when the committed BUILD differs.
 
 * Target names follow the path: gpipe/layers.py -> gpipe_layers; a
-  package's __init__.py -> the package (gpipe); a test below tests/ -> its
-  stem (tests/layers_test.py -> layers_test).
+  package's __init__.py -> the package (gpipe); a test anywhere below
+  tests/ -> its stem (tests/plan/plan_test.py -> plan_test).
 * `*_test.py` -> py_test (size "large" if its name contains "sweep", else
   "medium"); a file with an `if __name__ == '__main__':` block -> py_binary;
   anything else -> py_library, `testonly` below tests/.
@@ -130,11 +130,10 @@ def _HasMainBlock(tree):
 
 
 def TargetName(path):
-  """gpipe/layers.py -> gpipe_layers; tests/x_test.py -> x_test."""
-  stem = path[:-len('.py')].removesuffix('/__init__')
-  if path.endswith('_test.py'):
-    stem = stem.removeprefix('tests/')
-  return stem.replace('/', '_')
+  """gpipe/layers.py -> gpipe_layers; tests/plan/x_test.py -> x_test."""
+  if path.startswith('tests/') and path.endswith('_test.py'):
+    return path.rpartition('/')[2][:-len('.py')]
+  return path[:-len('.py')].removesuffix('/__init__').replace('/', '_')
 
 
 def _NewTarget(module):

@@ -83,7 +83,7 @@ class GradientLoop:
     place = self._place
     entry = lambda x: tf.TensorSpec(x.shape, x.dtype)
     size = self._waves.ring_size
-    self._rows = stage_slots.For(place, cell.spec.manual_mesh)
+    self._rows = stage_slots.For(place, cell.spec.runner.manual_mesh)
     ring = lambda spec: stage_slots.Ring(spec, size, place)
     self._rings = NestedMap(
         buffer=[ring(entry(x)) for x in cell.state0.buffer],

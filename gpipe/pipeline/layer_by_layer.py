@@ -36,7 +36,6 @@ from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 from gpipe import microbatch
 from gpipe.pipeline import nest
 from gpipe.pipeline import pipeline_loop
-from gpipe.pipeline import stage_runners
 from gpipe.pipeline import vectorized_stages
 from gpipe import recurrent
 from lingvo.core import py_utils
@@ -86,11 +85,12 @@ class LayerByLayer:
 
 def WhyNot(spec) -> Optional[str]:
   """Why the call cannot run layer by layer, or None if it can."""
-  if spec.run_stages is stage_runners.RunTogether:
+  runner = spec.runner
+  if runner.stage_parallel:
     return 'its stage-parallel body runs every stage in one call.'
-  if not isinstance(spec.run_stages, vectorized_stages.Vectorizing):
+  if runner.manual_mesh is not None:
     return 'it is partitioned: each device runs its own stage.'
-  if spec.run_stages.mode == 'never':
+  if not runner.vectorizes:
     return ("vectorize_stages='never' (layer by layer vectorizes over the "
             'microbatches).')
   if spec.var_names:

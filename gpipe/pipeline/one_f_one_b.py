@@ -48,7 +48,6 @@ from gpipe.pipeline import gradient_waves
 from gpipe.pipeline import loop_io
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_step
-from gpipe.pipeline import vectorized_stages
 from gpipe import recurrent
 from gpipe import sharding
 from lingvo.core import py_utils
@@ -120,7 +119,7 @@ class _StageCell:
     with record.VariableWatcher() as watcher:
       graph = cell_graph.CellGraph(
           self._Fn, theta, self.state0, self._inputs, policy,
-          sharding.ManualBoundary.For(self.spec.manual_mesh),
+          sharding.ManualBoundary.For(self.spec.runner.manual_mesh),
           data_state=NestedMap(buffer=[True] * len(self.state0.buffer),
                                vars=[False] * len(self.state0.vars)),
           keeps_new_state=False)
@@ -140,11 +139,7 @@ class _StageCell:
     """Whether every activation of the cell has a leading stage dim (the
     stages vectorized, or each device's stage in a manual region), so that
     a ring can keep each stage's part of what the policy stores."""
-    if self.spec.manual_mesh is not None:
-      return True
-    run = self.spec.run_stages
-    return (isinstance(run, vectorized_stages.Vectorizing) and
-            run.vectorized and run.reason is None)
+    return self.spec.runner.stage_dim_inside
 
   def Forward(self, theta, buffer, var_values, rows, state_slots, captures,
               with_extras=True, with_stored=False):

@@ -20,7 +20,7 @@ iteration and runs its gradient in forward order.
 """
 
 import dataclasses
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
@@ -47,10 +47,8 @@ class LoopSpec:
     schedule: which stage works on what, per iteration.
     body: the body layer.
     fn_name: the body method each stage runs.
-    run_stages: (spec, theta, IterationStages) -> StagesResult, one of
-      gpipe.pipeline.stage_runners.
-    manual_mesh: (device_mesh, mesh_dim) of the manual region run_stages
-      runs the body in, or None.
+    runner: runs every stage of an iteration (a
+      gpipe.pipeline.stage_runners.StageRunner, which says what it can do).
     repeats: the circular-repeat selector (gpipe.pipeline.repeats).
     placement: the sharding placement (gpipe.sharding.StagePlacement).
     args: the structure of the microbatched positional inputs.
@@ -74,8 +72,7 @@ class LoopSpec:
   schedule: schedule_lib.Schedule
   body: stage_call.Body
   fn_name: str
-  run_stages: Callable[..., stage_runners.StagesResult]
-  manual_mesh: Any
+  runner: stage_runners.StageRunner
   repeats: Any
   placement: Any
   args: nest.TensorLeaves
@@ -178,7 +175,7 @@ def _Phases(spec):
   and drain iterations on the stages that hold their useful slots only
   (Schedule.Phases)."""
   sched = spec.schedule
-  if spec.skip_bubbles and stage_runners.RunsAnyStageRange(spec.run_stages):
+  if spec.skip_bubbles and spec.runner.any_stage_range:
     return sched.Phases()
   return [schedule_lib.Phase(0, sched.num_iterations, 0, sched.num_stages)]
 
@@ -214,7 +211,7 @@ def _RunPhase(spec, io, undo, phase, loop_theta, state0, inputs):
       loop_theta, state0, inputs,
       lambda th, st, inp: _Iteration(spec, io, phase, th, st, inp),
       remat_policy=spec.remat_policy,
-      manual_boundary=sharding.ManualBoundary.For(spec.manual_mesh),
+      manual_boundary=sharding.ManualBoundary.For(spec.runner.manual_mesh),
       extras_rows={'outputs': rows},
       return_states=False,
       data_state=NestedMap(buffer=marks(state0.buffer, True),

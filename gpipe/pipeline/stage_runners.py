@@ -1,21 +1,22 @@
-"""Running every stage of one loop iteration, three ways.
+"""Running every stage of one loop iteration: a StageRunner, four kinds.
 
 In each iteration all S stages compute, each on its own slot of the
-[S, ...] buffer with its own weights, microbatch, repeat and step seed:
+[S, ...] buffer with its own weights, microbatch, repeat and step seed. A
+layer picks its runner once (`For`); the runner says what the loop may ask
+of it (`StageRunner`'s attributes) and runs the stages (`Run`):
 
-  * `RunOneByOne` (one device, no partitioner): the stages one after
+  * `OneByOne` (one device, no partitioner): the stages one after
     another on their slices, results stacked back to [S, ...]. The manual-
     sharding ops below have no single-device kernel. Where the body allows,
     a layer runs its stages vectorized instead, all in one computation
-    (gpipe.pipeline.vectorized_stages).
-  * `RunInManualRegion` (SPMD partitioning): [S, ...] tensors, stage dim
+    (gpipe.pipeline.vectorized_stages.Vectorizing, a runner too).
+  * `InManualRegion` (SPMD partitioning): [S, ...] tensors, stage dim
     split, become each device's own [...] slice, the body runs once, and its
     results go back to [S, ...]: each device computes exactly its stage.
-  * `RunTogether` (a stage_parallel_body): one call on the [S, ...] tensors.
+  * `Together` (a stage_parallel_body): one call on the [S, ...] tensors.
 
 Each calls the body once per call site through `stage_call.CallStage` and
-returns a `StagesResult`.
-"""
+returns a `StagesResult`."""
 
 import dataclasses
 from typing import Any, List, Optional, Tuple
@@ -71,29 +72,73 @@ class StagesResult:
   vars: List[tf.Tensor]
 
 
-def ManualMesh(stage_parallel, placement):
-  """(device_mesh, mesh_dim) of the manual region the stages run in, or None.
+class StageRunner:
+  """Runs every stage of one iteration, and says what it can do.
 
-  Only a partitioned single-stage body runs in one (RunInManualRegion).
+  Attributes:
+    any_stage_range: it runs whatever range of the stages it is given (one
+      device, no partitioner), so the loop may leave out the stages that
+      only hold bubbles (skip_bubbles).
+    manual_mesh: (device_mesh, mesh_dim) of the manual region the body runs
+      in, each device its own stage; None where there is none.
+    stage_parallel: one call of the body computes every stage.
+    vectorizes: it runs the stages of an iteration as one computation
+      vectorized over the stage dim where the body allows (what
+      layer_by_layer does over the microbatches).
+    stage_dim_inside: every activation of a call has the leading stage dim
+      (the stages vectorized, or each device's stage in a manual region),
+      so that a 1f1b ring can keep each stage's part of what it stores.
   """
-  if stage_parallel or placement.mesh is None:
-    return None
-  return placement.mesh if sharding.IsSpmdPartitioning() else None
+  any_stage_range = False
+  manual_mesh = None
+  stage_parallel = False
+  vectorizes = False
+  stage_dim_inside = False
+
+  def Run(self, spec, theta, it: 'IterationStages') -> 'StagesResult':
+    raise NotImplementedError
 
 
-def For(stage_parallel, placement, one_device=None):
+class OneByOne(StageRunner):
+  """One device: the stages one after another (RunOneByOne)."""
+  any_stage_range = True
+
+  def Run(self, spec, theta, it):
+    return RunOneByOne(spec, theta, it)
+
+
+class InManualRegion(StageRunner):
+  """Partitioned: the body once, each device its own stage."""
+  stage_dim_inside = True
+
+  def __init__(self, manual_mesh):
+    self.manual_mesh = manual_mesh
+
+  def Run(self, spec, theta, it):
+    return RunInManualRegion(spec, theta, it, self.manual_mesh)
+
+
+class Together(StageRunner):
+  """A stage_parallel_body: one call computes all stages (RunTogether)."""
+  stage_parallel = True
+
+  def Run(self, spec, theta, it):
+    return RunTogether(spec, theta, it)
+
+
+def For(stage_parallel, placement, one_device=None) -> StageRunner:
   """The runner for a layout (stage-parallel or not) and a placement.
 
-  one_device: the runner of a single-stage body on one device (no
-  partitioner), e.g. gpipe.pipeline.vectorized_stages.Vectorizing; RunOneByOne
-  if None.
+  A single-stage body whose stages are placed over devices runs in a manual
+  region when graphs are built for the SPMD partitioner; otherwise on one
+  device, with `one_device` (e.g. gpipe.pipeline.vectorized_stages.
+  Vectorizing; OneByOne if None).
   """
   if stage_parallel:
-    return RunTogether
-  mesh = ManualMesh(stage_parallel, placement)
-  if mesh is not None:
-    return lambda spec, theta, it: RunInManualRegion(spec, theta, it, mesh)
-  return one_device or RunOneByOne
+    return Together()
+  if placement.mesh is not None and sharding.IsSpmdPartitioning():
+    return InManualRegion(placement.mesh)
+  return one_device or OneByOne()
 
 
 def _Kwargs(spec, slice_fn):
@@ -150,15 +195,6 @@ def RunOneByOne(spec, theta, it: IterationStages) -> StagesResult:
       aux=aux, summaries=summaries,
       vars=[tf.stack(rows) for rows in zip(*new_vars)])
 
-
-# A one-device runner: it runs whatever range of stages it is given.
-RunOneByOne.any_stage_range = True
-
-
-def RunsAnyStageRange(run_stages):
-  """Whether run_stages computes just the stages it is given (one device),
-  so that the loop may leave out stages that only hold bubbles."""
-  return getattr(run_stages, 'any_stage_range', False)
 
 
 def RunInManualRegion(spec, theta, it: IterationStages,

@@ -85,10 +85,10 @@ def Step(spec, stages, theta, rows, stage_in, state_slots,
 
 
 def RunStages(spec, stages, theta, rows, args, var_values):
-  """The run_stages of the range's stages, widened back to all S: the
+  """The runner's run of the range's stages, widened back to all S: the
   others are all bubbles, which the caller masks (their outputs are their
   inputs, their aux losses and summaries zero, their variables kept)."""
-  res = spec.run_stages(
+  res = spec.runner.Run(
       spec, stages.Narrow(theta),
       StagesAt(spec, stages.Narrow(rows), stages.Narrow(args),
                stages.Narrow(var_values), stages.first))

@@ -46,15 +46,14 @@ class CannotVectorize(ValueError):
   """The body cannot run vectorized over the stages; says why."""
 
 
-class Vectorizing:
-  """A layer's choice between vectorized and stage-by-stage runs.
+class Vectorizing(stage_runners.StageRunner):
+  """A layer's one-device runner: vectorized or stage by stage.
 
   'auto' tries the vectorized run and, if the body cannot take it, falls
   back to stage by stage for good, logging why once; 'always' raises
   instead; 'never' runs stage by stage.
   """
-
-  any_stage_range = True  # see stage_runners.RunsAnyStageRange
+  any_stage_range = True
 
   def __init__(self, mode, owner):
     self.mode = mode  # checked with the layer's other params
@@ -62,7 +61,16 @@ class Vectorizing:
     self.reason = None  # why the body runs stage by stage, once known
     self.vectorized = False  # whether a call has run vectorized
 
-  def __call__(self, spec, theta, it):
+  @property
+  def vectorizes(self):
+    return self.mode != 'never'
+
+  @property
+  def stage_dim_inside(self):
+    """Once a call has run vectorized (and none fell back)."""
+    return self.vectorized and self.reason is None
+
+  def Run(self, spec, theta, it):
     if (self.mode == 'never' or self.reason is not None or
         it.num_stages == 1 or tf.executing_eagerly()):
       return stage_runners.RunOneByOne(spec, theta, it)

@@ -11,7 +11,7 @@ and each optimizer says which slots a weight gets (`Slots`), with their own
 shapes: Adafactor's factored second moment is a row and a column vector
 per matrix, not a copy of the weight. Every update computes what Lingvo's
 optimizer of the same name computes on a variable (checked against Lingvo's
-own optimizers in tests/optimizers_test.py), so the step the planner
+own optimizers in tests/plan/optimizers_test.py), so the step the planner
 measures is the step the task trains with:
 
     Lingvo (lingvo.core.optimizer)  here        slots per weight

@@ -44,6 +44,16 @@ TensorFlow.
 
 import dataclasses
 import numbers
+from typing import Sequence, Set, Tuple
+
+__all__ = [
+    'Schedule',
+    'Phase',
+    'OneFOneB',
+    'GradientPhase',
+    'Streams',
+    'ComputedSlots',
+]
 
 # Step seeds one body call may draw (each py_utils.GenerateStepSeedPair takes
 # one) before its stream would run into the next (layer, microbatch)'s.
@@ -307,7 +317,7 @@ class Schedule:
     return rows
 
 
-def ComputedSlots(phases):
+def ComputedSlots(phases: Sequence['Phase']) -> Set[Tuple[int, int]]:
   """The (iteration, stage) slots the phases compute, as a set."""
   return {(i, s) for p in phases for i in range(p.begin, p.end)
           for s in range(p.first_stage, p.first_stage + p.num_stages)}
@@ -352,7 +362,7 @@ class OneFOneB:
   2 R S - 1 iterations (layer 0), whatever M is.
   """
 
-  def __init__(self, schedule):
+  def __init__(self, schedule: 'Schedule'):
     self.schedule = schedule
 
   @property
@@ -435,7 +445,7 @@ class Streams:
   [S] entries by one stage at a time.
   """
 
-  def __init__(self, schedule):
+  def __init__(self, schedule: 'Schedule'):
     self.schedule = schedule
 
   @property

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import re
 import sys
+from typing import Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -23,7 +24,10 @@ from lingvo.core import hyperparams
 from lingvo.core import py_utils
 
 
-def CheckPartitioning(layer_params, input_shapes, num_devices, seed=0):
+def CheckPartitioning(layer_params: hyperparams.Params,
+                      input_shapes: Sequence[Sequence[int]],
+                      num_devices: int,
+                      seed: int = 0) -> partitioned_step.Report:
   """Partitions one training step of the layer; a partitioned_step.Report."""
   with tf.init_scope():
     layer = layer_params.Copy().Instantiate()
@@ -36,7 +40,7 @@ def CheckPartitioning(layer_params, input_shapes, num_devices, seed=0):
       **partitioned_step.StackMesh(layer_params, num_devices))
 
 
-def LoadParams(spec):
+def LoadParams(spec: str) -> hyperparams.Params:
   """Params named by `spec` (an object, or a function returning one).
 
   `spec` is `module.attribute` (or `module:attribute`) of an importable

@@ -20,7 +20,7 @@ from lingvo.core import py_utils_flags
 from lingvo.core import recurrent
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
-_ROOT = pathlib.Path(__file__).resolve().parent.parent
+_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 _NEEDS_FALLBACK = pytest.mark.skipif(
     not lingvo_ops.UsingFallback(),

@@ -32,7 +32,7 @@ import sys
 import numpy as np
 import pytest
 
-_SCHEDULE_PATH = (pathlib.Path(__file__).resolve().parent.parent / 'gpipe' /
+_SCHEDULE_PATH = (pathlib.Path(__file__).resolve().parents[2] / 'gpipe' /
                   'schedule' / '__init__.py')
 
 _TF_LOADED_BEFORE = 'tensorflow' in sys.modules

@@ -8,7 +8,7 @@ import tensorflow as tf
 from gpipe.pipeline import stage_call
 from lingvo.core import base_layer
 from lingvo.core import py_utils
-from tests import bodies
+from tests import reference_bodies
 
 NestedMap = py_utils.NestedMap
 
@@ -102,7 +102,8 @@ def test_body_errors_get_a_note_saying_where():
 
 def test_non_trainable_assignments_come_back_instead_of_being_written():
   with tf.Graph().as_default():
-    layer = bodies.StatefulBody.Params().Set(name='st', dim=2).Instantiate()
+    layer = reference_bodies.StatefulBody.Params().Set(
+        name='st', dim=2).Instantiate()
     body = stage_call.Body(layer, 'single_stage_body', 'pipe')
     x = tf.constant([[1.0, 3.0]])
     res = stage_call.CallStage(

@@ -25,10 +25,11 @@ from gpipe import layers
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import stage_runners
 from gpipe import schedule
-from tests import bodies
+from tests import close
 from tests import decoding_test
+from tests.pipeline import vectorized_stages_test as vst
 from tests import pipeline_harness as harness
-from tests import vectorized_stages_test as vst
+from tests import reference_bodies
 
 # (S, M, R, mode, vectorize_stages)
 _SWEEP = [
@@ -98,25 +99,18 @@ def test_everything_the_layer_gives_is_unchanged(name, params, batch,
   whole, _ = vst._Results(params, batch, with_kwargs, mode, 'auto')
   # bfloat16: the weight gradients are summed over the phases' loops in
   # another order, which moves some by an ulp (2^-8 relative).
-  rtol = 1e-2 if params.fprop_dtype == tf.bfloat16 else 1e-5
+  tolerance = (close.BFLOAT16 if params.fprop_dtype == tf.bfloat16 else
+               close.FLOAT32_TIGHT)
   for key in ('outs', 'grads', 'aux', 'vars'):
-    _AssertClose(skipping[key], whole[key], f'{name} {mode}: {key}', rtol)
+    close.AssertClose(skipping[key], whole[key], tolerance,
+                      f'{name} {mode}: {key}')
   assert sorted(skipping['summaries']) == sorted(whole['summaries'])
-  _AssertClose([skipping['summaries'][k] for k in sorted(whole['summaries'])],
-               [whole['summaries'][k] for k in sorted(whole['summaries'])],
-               f'{name} {mode}: summaries', rtol)
+  close.AssertClose(
+      [skipping['summaries'][k] for k in sorted(whole['summaries'])],
+      [whole['summaries'][k] for k in sorted(whole['summaries'])], tolerance,
+      f'{name} {mode}: summaries')
   assert any(np.abs(g).max() > 0 for g in whole['grads']), name
   # pylint: enable=protected-access
-
-
-def _AssertClose(got, want, what, rtol):
-  flat_g, flat_w = tf.nest.flatten(got), tf.nest.flatten(want)
-  assert len(flat_g) == len(flat_w), what
-  for i, (g, w) in enumerate(zip(flat_g, flat_w)):
-    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-    assert g.shape == w.shape, (what, i)
-    np.testing.assert_allclose(g, w, rtol=rtol, atol=1e-6,
-                               err_msg=f'{what} [{i}]')
 
 
 @pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat,mode',
@@ -130,30 +124,27 @@ def test_decoding_with_per_stage_states(num_stages, num_microbatches,
                               2 * num_microbatches, mode, skip_bubbles=True)
 
 
-def _Spec(skip_bubbles, run_stages):
+def _Spec(skip_bubbles, runner):
   return types.SimpleNamespace(schedule=schedule.Schedule(4, 4),
-                               skip_bubbles=skip_bubbles,
-                               run_stages=run_stages)
+                               skip_bubbles=skip_bubbles, runner=runner)
 
 
 def test_phases_only_with_the_param_and_a_one_device_runner():
   # pylint: disable=protected-access
   whole = [schedule.Phase(0, 7, 0, 4)]
+  one_device = stage_runners.OneByOne()
   assert pipeline_loop._Phases(
-      _Spec(True, stage_runners.RunOneByOne)) == schedule.Schedule(
-          4, 4).Phases()
-  assert len(pipeline_loop._Phases(_Spec(True,
-                                         stage_runners.RunOneByOne))) == 3
-  assert pipeline_loop._Phases(
-      _Spec(False, stage_runners.RunOneByOne)) == whole
+      _Spec(True, one_device)) == schedule.Schedule(4, 4).Phases()
+  assert len(pipeline_loop._Phases(_Spec(True, one_device))) == 3
+  assert pipeline_loop._Phases(_Spec(False, one_device)) == whole
   # Partitioned (each device its stage) and stage-parallel bodies: one loop.
-  in_region = lambda spec, theta, it: None
+  in_region = stage_runners.InManualRegion((np.arange(4), 0))
   assert pipeline_loop._Phases(_Spec(True, in_region)) == whole
-  assert pipeline_loop._Phases(_Spec(True, stage_runners.RunTogether)) == whole
+  assert pipeline_loop._Phases(_Spec(True, stage_runners.Together())) == whole
   # pylint: enable=protected-access
 
 
-class _CountingBody(bodies.DenseBody):
+class _CountingBody(reference_bodies.DenseBody):
   """DenseBody that counts, in Python, each stage call the graph runs."""
 
   calls = []

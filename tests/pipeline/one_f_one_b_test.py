@@ -235,12 +235,12 @@ def test_partitioned_aux_losses_and_summaries_equal_one_device():
   partitioner cannot hand out of the step)."""
   from gpipe import check_partitioning  # pylint: disable=g-import-not-at-top
   from gpipe import layers  # pylint: disable=g-import-not-at-top
-  from tests import bodies  # pylint: disable=g-import-not-at-top
+  from tests import reference_bodies  # pylint: disable=g-import-not-at-top
   params = layers.PipelinedLayer.Params().Set(
       name='pipe', num_stages=4, num_microbatches=6, circular_repeat=2,
       shard_stages_1d=True, backward_schedule='1f1b', stream_io=True,
-      unroll='never', single_stage_body=bodies.TrainingBody.Params().Set(
-          dim=4))
+      unroll='never',
+      single_stage_body=reference_bodies.TrainingBody.Params().Set(dim=4))
   report = check_partitioning.CheckPartitioning(params, [(12, 4)], 4)
   for name, got, want in zip(report.step.ResultNames(), report.run.outputs,
                              report.expected):

@@ -29,9 +29,10 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import layers
 from lingvo.core import py_utils
-from tests import bodies
+from tests import close
 from tests import decoding_test
 from tests import pipeline_harness as harness
+from tests import reference_bodies
 
 D = 4
 
@@ -41,13 +42,14 @@ def _Dense(**kw):
 
 
 def _Training(keep_prob=0.8, **kw):
-  return _Dense(**kw).Set(single_stage_body=bodies.TrainingBody.Params().Set(
-      dim=D, keep_prob=keep_prob))
+  return _Dense(**kw).Set(
+      single_stage_body=reference_bodies.TrainingBody.Params().Set(
+          dim=D, keep_prob=keep_prob))
 
 
 def _Stateful(**kw):
-  return _Dense(**kw).Set(single_stage_body=bodies.StatefulBody.Params().Set(
-      dim=D))
+  return _Dense(**kw).Set(
+      single_stage_body=reference_bodies.StatefulBody.Params().Set(dim=D))
 
 
 # (id, Params, batch, kwargs: scale per example, kwargs_no_batch: shift)
@@ -78,7 +80,7 @@ _LAYOUTS = [
 def _Inputs(params, batch, with_kwargs):
   rng = np.random.RandomState(0)
   x = rng.uniform(-1, 1, [batch, 3, D]).astype(np.float32)
-  if params.single_stage_body.cls is bodies.MultiInputBody:
+  if params.single_stage_body.cls is reference_bodies.MultiInputBody:
     args = (x, None, py_utils.NestedMap(
         a=rng.uniform(-1, 1, [batch, 3, D]).astype(np.float32),
         b=rng.uniform(-1, 1, [batch, 3]).astype(np.float32)))
@@ -123,7 +125,8 @@ def _Results(params, batch, with_kwargs, mode, vectorize):
   """Everything the layer gives, as NumPy, with vectorize_stages set."""
   params = params.Copy().Set(vectorize_stages=vectorize)
   args_np, kwargs_np = _Inputs(params, batch, with_kwargs)
-  with_shift = with_kwargs and params.single_stage_body.cls is bodies.DenseBody
+  with_shift = (with_kwargs and
+                params.single_stage_body.cls is reference_bodies.DenseBody)
 
   def Build(layer, tape=None):
     outs, loss, aux, summaries, args = _Run(
@@ -177,16 +180,6 @@ def _LoadWeights(layer, sess=None):
       var.load(value, sess)
 
 
-def _AssertAllClose(got, want, what):
-  flat_g, flat_w = tf.nest.flatten(got), tf.nest.flatten(want)
-  assert len(flat_g) == len(flat_w), what
-  for i, (g, w) in enumerate(zip(flat_g, flat_w)):
-    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-    assert g.shape == w.shape, (what, i)
-    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6,
-                               err_msg=f'{what} [{i}]')
-
-
 @pytest.mark.parametrize('mode', ['graph', 'jit'])
 @pytest.mark.parametrize('name,params,batch,with_kwargs', _LAYOUTS,
                          ids=[layout[0] for layout in _LAYOUTS])
@@ -196,11 +189,12 @@ def test_vectorized_and_stage_by_stage_agree(name, params, batch, with_kwargs,
   seq, _ = _Results(params, batch, with_kwargs, mode, 'never')
   assert vectorized, f'{name}: the default layer did not vectorize'
   for key in ('outs', 'grads', 'aux', 'vars'):
-    _AssertAllClose(vec[key], seq[key], f'{name} {mode}: {key}')
+    close.AssertClose(vec[key], seq[key], close.FLOAT32_TIGHT,
+                      f'{name} {mode}: {key}')
   assert sorted(vec['summaries']) == sorted(seq['summaries'])
-  _AssertAllClose([vec['summaries'][k] for k in sorted(seq['summaries'])],
-                  [seq['summaries'][k] for k in sorted(seq['summaries'])],
-                  f'{name} {mode}: summaries')
+  close.AssertClose([vec['summaries'][k] for k in sorted(seq['summaries'])],
+                    [seq['summaries'][k] for k in sorted(seq['summaries'])],
+                    close.FLOAT32_TIGHT, f'{name} {mode}: summaries')
   assert any(np.abs(g).max() > 0 for g in seq['grads']), name
 
 
@@ -237,7 +231,7 @@ def test_stage_by_stage_equals_the_reference(case, mode):
 # -- What cannot be vectorized. ----------------------------------------------
 
 
-class _StatefulRandomBody(bodies.DenseBody):
+class _StatefulRandomBody(reference_bodies.DenseBody):
   """DenseBody plus noise from a stateful random op (forward use only),
   drawn from [0.25, 0.25]: every draw is 0.25, so the numbers are known."""
 
@@ -246,14 +240,14 @@ class _StatefulRandomBody(bodies.DenseBody):
                                                        0.25)
 
 
-class _ShiftedBody(bodies.DenseBody):
+class _ShiftedBody(reference_bodies.DenseBody):
   """_StatefulRandomBody's numbers without a random op."""
 
   def FProp(self, theta, x):
     return super().FProp(theta, x) + 0.25
 
 
-class _CustomGradientBody(bodies.DenseBody):
+class _CustomGradientBody(reference_bodies.DenseBody):
   """DenseBody whose tanh input gets a custom (scaled) gradient."""
 
   def FProp(self, theta, x):
@@ -266,7 +260,7 @@ class _CustomGradientBody(bodies.DenseBody):
                    theta.b)
 
 
-class _DataDependentCondBody(bodies.DenseBody):
+class _DataDependentCondBody(reference_bodies.DenseBody):
   """A tf.cond whose condition depends on each stage's data."""
 
   def FProp(self, theta, x):
@@ -330,8 +324,8 @@ def test_a_body_that_cannot_be_vectorized_runs_stage_by_stage(
   same_numbers = {_StatefulRandomBody: _ShiftedBody}.get(body_cls, body_cls)
   want_y, want_grads, _ = _ForwardAndGrad(same_numbers, 'never',
                                           differentiate=differentiate)
-  _AssertAllClose(y, want_y, 'outputs')
-  _AssertAllClose(grads, want_grads, 'gradients')
+  close.AssertClose(y, want_y, close.FLOAT32_TIGHT, 'outputs')
+  close.AssertClose(grads, want_grads, close.FLOAT32_TIGHT, 'gradients')
 
 
 def test_the_fallback_is_decided_once_per_layer(caplog):
@@ -360,10 +354,10 @@ def test_data_dependent_control_flow_vectorizes_in_graph_mode_only(caplog):
   want = _ForwardAndGrad(_DataDependentCondBody, 'never')
   y, grads, layer = _ForwardAndGrad(_DataDependentCondBody, 'auto')
   assert layer.vectorizing.vectorized
-  _AssertAllClose((y, grads), want[:2], 'graph mode')
+  close.AssertClose((y, grads), want[:2], close.FLOAT32_TIGHT, 'graph mode')
   y, grads, layer = _ForwardAndGrad(_DataDependentCondBody, 'auto', 'jit')
   assert 'XLA cannot compile' in layer.vectorizing.reason
-  _AssertAllClose((y, grads), want[:2], 'jit')
+  close.AssertClose((y, grads), want[:2], close.FLOAT32_TIGHT, 'jit')
 
 
 def test_one_stage_and_partitioned_layers_do_not_vectorize():
@@ -371,10 +365,11 @@ def test_one_stage_and_partitioned_layers_do_not_vectorize():
   stage (the manual region), never the vectorized path."""
   from gpipe import sharding  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default():
-    layer = _Params(bodies.DenseBody, 'auto').Set(num_stages=1).Instantiate()
+    layer = _Params(reference_bodies.DenseBody, 'auto').Set(
+        num_stages=1).Instantiate()
     layer.FProp(layer.theta, tf.zeros([4, D]))
     assert not layer.vectorizing.vectorized
-    layer = _Params(bodies.DenseBody, 'auto').Set(
+    layer = _Params(reference_bodies.DenseBody, 'auto').Set(
         name='split', shard_stages_1d=True).Instantiate()
     with sharding.SpmdPartitioning():
       layer.FProp(layer.theta, tf.zeros([4, D]))

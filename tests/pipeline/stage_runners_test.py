@@ -14,11 +14,14 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
+from gpipe.pipeline import layer_by_layer
 from gpipe.pipeline import repeats
 from gpipe.pipeline import stage_call
 from gpipe.pipeline import stage_runners
+from gpipe.pipeline import vectorized_stages
 from gpipe import schedule as schedule_lib
-from tests import bodies
+from gpipe import sharding
+from tests import reference_bodies
 
 S, M, R, ROWS, D = 3, 4, 2, 2, 4
 
@@ -45,12 +48,13 @@ def test_each_stage_gets_its_slot_repeat_and_microbatch(stage_parallel):
   d = _Data()
   with tf.Graph().as_default():
     if stage_parallel:
-      layer = bodies.StageParallelDenseBody.Params().Set(
+      layer = reference_bodies.StageParallelDenseBody.Params().Set(
           name='body', dim=D, num_stages=S).Instantiate()
       theta = dict(w=np.swapaxes(d['w'], 0, 1), b=np.swapaxes(d['b'], 0, 1))
       param = 'stage_parallel_body'
     else:
-      layer = bodies.DenseBody.Params().Set(name='body', dim=D).Instantiate()
+      layer = reference_bodies.DenseBody.Params().Set(
+          name='body', dim=D).Instantiate()
       theta = dict(w=d['w'], b=d['b'])
       param = 'single_stage_body'
     theta = layer.theta.Pack([tf.constant(theta[k]) for k in ('b', 'w')])
@@ -76,3 +80,43 @@ def test_stage_parallel_aux_losses_must_be_per_stage():
   with pytest.raises(ValueError, match=r'aux losses of shape \[num_stages\]'):
     with tf.Graph().as_default():
       stage_runners.StageParallelAuxLoss([tf.constant(1.0)], S)
+
+
+def test_the_runner_a_layer_gets_says_what_it_can_do():
+  """stage_runners.For: one runner object per layout and placement, whose
+  attributes the loop and layer_by_layer read (no closures, no isinstance)."""
+  placed = sharding.StagePlacement(4, shard_stages_1d=True)
+  unplaced = sharding.StagePlacement(4)
+  vectorizing = vectorized_stages.Vectorizing('auto', 'stack')
+  together = stage_runners.For(True, placed, vectorizing)
+  assert isinstance(together, stage_runners.Together)
+  assert together.stage_parallel and not together.any_stage_range
+  assert together.manual_mesh is None
+  one_device = stage_runners.For(False, placed, vectorizing)
+  assert one_device is vectorizing and one_device.any_stage_range
+  assert one_device.vectorizes and one_device.manual_mesh is None
+  assert not one_device.stage_dim_inside  # until a call has run vectorized
+  assert isinstance(stage_runners.For(False, placed), stage_runners.OneByOne)
+  with sharding.SpmdPartitioning():
+    partitioned = stage_runners.For(False, placed, vectorizing)
+    assert isinstance(stage_runners.For(False, unplaced),
+                      stage_runners.OneByOne)
+  assert isinstance(partitioned, stage_runners.InManualRegion)
+  assert partitioned.manual_mesh is placed.mesh or (
+      np.array_equal(partitioned.manual_mesh[0], placed.mesh[0]) and
+      partitioned.manual_mesh[1] == placed.mesh[1])
+  assert not partitioned.any_stage_range and partitioned.stage_dim_inside
+  assert not vectorized_stages.Vectorizing('never', 'stack').vectorizes
+
+
+@pytest.mark.parametrize('runner, reason', [
+    (stage_runners.Together(), 'stage-parallel body'),
+    (stage_runners.InManualRegion((np.arange(4), 0)), 'partitioned'),
+    (vectorized_stages.Vectorizing('never', 'stack'),
+     "vectorize_stages='never'"),
+    (vectorized_stages.Vectorizing('auto', 'stack'), None),
+])
+def test_layer_by_layer_reads_why_not_off_the_runner(runner, reason):
+  spec = types.SimpleNamespace(runner=runner, var_names=(), states=[])
+  why = layer_by_layer.WhyNot(spec)
+  assert (why is None) if reason is None else (reason in why), why

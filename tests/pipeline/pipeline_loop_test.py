@@ -24,7 +24,14 @@ from lingvo.core import py_utils
 ROWS, DIM = 2, 3
 
 
-def _FakeRunner(spec, theta, it):
+class _FakeRunner(stage_runners.StageRunner):
+  """Every stage at once, in NumPy-checkable arithmetic."""
+
+  def Run(self, spec, theta, it):
+    return _FakeRun(spec, theta, it)
+
+
+def _FakeRun(spec, theta, it):
   (x,) = it.args
   num_stages = spec.schedule.num_stages
   layer = it.repeat_ids * num_stages + tf.range(num_stages)
@@ -38,8 +45,7 @@ def _FakeRunner(spec, theta, it):
 
 def _Spec(sched, x_mb, remat_policy='recompute'):
   return pipeline_loop.LoopSpec(
-      schedule=sched, body=None, fn_name='FProp', run_stages=_FakeRunner,
-      manual_mesh=None,
+      schedule=sched, body=None, fn_name='FProp', runner=_FakeRunner(),
       repeats=repeats.For(sched.circular_repeat),
       placement=sharding.StagePlacement(sched.num_stages),
       args=nest.TensorLeaves((x_mb,)), states=[], mb_kwargs={},

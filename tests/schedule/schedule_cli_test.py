@@ -199,7 +199,7 @@ def test_schedule_command_needs_neither_tensorflow_nor_lingvo():
           'assert not heavy, heavy\n')
   result = subprocess.run([sys.executable, '-c', code], capture_output=True,
                           text=True, timeout=60, check=False,
-                          cwd=pathlib.Path(__file__).resolve().parent.parent)
+                          cwd=pathlib.Path(__file__).resolve().parents[2])
   assert result.returncode == 0, result.stderr
   assert 'bubble fraction' in result.stdout
 

@@ -51,8 +51,9 @@ from gpipe.plan import roofline
 from gpipe.plan import train_step
 from gpipe import sharding
 from gpipe.xla import partitioning
-from tests import bodies
+import params.lm  # pylint: disable=unused-import  (the registered lm.* models)
 from tests import docs_test
+from tests import reference_bodies
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 
 DIM = 64
@@ -64,7 +65,7 @@ BATCH = 24
 def LayerParams(shard=True, circular_repeat=1):
   return layers.PipelinedLayer.Params().Set(
       name='stack', num_stages=NUM_STAGES,
-      single_stage_body=bodies.DenseBody.Params().Set(dim=DIM),
+      single_stage_body=reference_bodies.DenseBody.Params().Set(dim=DIM),
       num_microbatches=NUM_MICROBATCHES, shard_stages_1d=shard,
       circular_repeat=circular_repeat, unroll='never')
 
@@ -73,14 +74,14 @@ def UnshardedLayerParams():
   return LayerParams(shard=False)
 
 
-class _TypeErrorBody(bodies.DenseBody):
+class _TypeErrorBody(reference_bodies.DenseBody):
   """A body with a bug of its own."""
 
   def FProp(self, theta, x):
     raise TypeError('the body got a wrong argument')
 
 
-class _ShapeErrorBody(bodies.DenseBody):
+class _ShapeErrorBody(reference_bodies.DenseBody):
   """A body multiplying by a weight of the wrong height: TensorFlow's shape
   error, a ValueError like the ones gpipe's param checks raise."""
 
@@ -381,7 +382,7 @@ def test_backward_schedules_and_stream_io_as_candidates(capsys):
   runs in three loops with one forward more, and stream_io's inputs,
   outputs and their gradients are 1/S per device, so temp falls."""
   status = plan.main([
-      '--params', 'tests.plan_test.LayerParams', '--input_shape',
+      '--params', 'tests.plan.plan_test.LayerParams', '--input_shape',
       f'{BATCH},{DIM}', '--num_devices', str(NUM_STAGES), '--tpu', 'v5e',
       '--hbm_gib', '16', '--num_microbatches', '8', '--backward_schedule',
       'reverse,1f1b', '--stream_io', 'false,true', '--json'])
@@ -741,7 +742,7 @@ def test_a_loop_of_unknown_trip_count_leaves_memory_and_says_why_no_cost():
 
 def test_plan_command_json(capsys, tmp_path):
   status = plan.main([
-      '--params', 'tests.plan_test.LayerParams', '--input_shape',
+      '--params', 'tests.plan.plan_test.LayerParams', '--input_shape',
       f'{BATCH},{DIM}', '--num_devices', str(NUM_STAGES), '--tpu', 'v5e',
       '--hbm_gib', '16', '--num_microbatches', '8,5', '--json', '--plot',
       str(tmp_path / 'plan.png')
@@ -782,7 +783,7 @@ def test_plan_command_json(capsys, tmp_path):
 
 def test_plan_command_rejects_a_device_count_before_compiling(capsys):
   status = plan.main([
-      '--params', 'tests.plan_test.LayerParams', '--input_shape',
+      '--params', 'tests.plan.plan_test.LayerParams', '--input_shape',
       f'{BATCH},{DIM}', '--num_devices', '8'
   ])
   err = capsys.readouterr().err
@@ -800,7 +801,7 @@ def test_plan_command_lists_the_registered_models_for_an_unknown_one(capsys):
 
 def test_plan_command_rejects_a_circular_repeat_that_changes_depth(capsys):
   status = plan.main([
-      '--params', 'tests.plan_test.LayerParams', '--input_shape',
+      '--params', 'tests.plan.plan_test.LayerParams', '--input_shape',
       f'{BATCH},{DIM}', '--circular_repeat', '2', '--json'
   ])
   assert status == 2  # nothing could be planned
@@ -810,7 +811,7 @@ def test_plan_command_rejects_a_circular_repeat_that_changes_depth(capsys):
 
 
 def _Command(*extra):
-  return ['--params', 'tests.plan_test.LayerParams', '--input_shape',
+  return ['--params', 'tests.plan.plan_test.LayerParams', '--input_shape',
           f'{BATCH},{DIM}', *extra]
 
 
@@ -891,7 +892,7 @@ def test_plan_command_refuses_an_unwritable_plot(name, why, tmp_path, capsys,
 def test_a_model_error_is_an_error_not_a_skipped_candidate(params, error,
                                                            capsys):
   status = plan.main([
-      '--params', f'tests.plan_test.{params}', '--input_shape',
+      '--params', f'tests.plan.plan_test.{params}', '--input_shape',
       f'{BATCH},{DIM}', '--json'
   ])
   captured = capsys.readouterr()
@@ -902,7 +903,7 @@ def test_a_model_error_is_an_error_not_a_skipped_candidate(params, error,
 
 
 def test_an_input_of_the_wrong_shape_is_named_in_one_line(capsys):
-  status = plan.main(['--params', 'tests.plan_test.LayerParams',
+  status = plan.main(['--params', 'tests.plan.plan_test.LayerParams',
                       '--input_shape', f'{BATCH},{DIM // 2}'])
   err = capsys.readouterr().err.strip().splitlines()
   assert status == 1
@@ -949,11 +950,11 @@ def test_the_planning_page_shows_this_plan(linear_plan):
   the candidates), and the page's output is the report's text."""
   page = (docs_test.ROOT / 'docs' / 'planning.md').read_text()
   shown = [c for c in docs_test.Commands(page)
-           if 'tests.plan_test.LayerParams' in c.text]
+           if 'tests.plan.plan_test.LayerParams' in c.text]
   assert len(shown) == 1 and shown[0].shown, shown
   assert shown[0].text.split() == [
       '.venv/bin/python', '-m', 'gpipe.plan', '--params',
-      'tests.plan_test.LayerParams', '--input_shape', f'{BATCH},{DIM}',
+      'tests.plan.plan_test.LayerParams', '--input_shape', f'{BATCH},{DIM}',
       '--num_devices', str(NUM_STAGES), '--tpu', 'v5e',
       '--num_microbatches', '8,4']
   text = linear_plan.Render()

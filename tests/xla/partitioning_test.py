@@ -37,7 +37,7 @@ from gpipe.xla import partitioned_step
 from gpipe.xla import partitioning
 from gpipe.xla import user_layer
 from lingvo.core import py_utils
-from tests import bodies
+from tests import reference_bodies
 
 DIM = 8
 
@@ -71,16 +71,17 @@ class Case:
 
   def Params(self, layer_cls=layers.PipelinedLayer):
     if self.mesh:
-      body = bodies.MeshDenseBody.Params().Set(
+      body = reference_bodies.MeshDenseBody.Params().Set(
           dim=DIM, device_mesh=self.device_mesh, batch_mesh_dim=1)
     elif self.body == 'multi':
-      body = bodies.MultiInputBody.Params().Set(dim=DIM)
+      body = reference_bodies.MultiInputBody.Params().Set(dim=DIM)
     elif self.body == 'training':
-      body = bodies.TrainingBody.Params().Set(dim=DIM, keep_prob=0.5)
+      body = reference_bodies.TrainingBody.Params().Set(dim=DIM, keep_prob=0.5)
     elif self.body == 'stateful':
-      body = bodies.StatefulBody.Params().Set(dim=DIM, with_counter=False)
+      body = reference_bodies.StatefulBody.Params().Set(dim=DIM,
+                                                        with_counter=False)
     else:
-      body = bodies.DenseBody.Params().Set(dim=DIM)
+      body = reference_bodies.DenseBody.Params().Set(dim=DIM)
     p = layer_cls.Params().Set(
         name='pipe',
         num_stages=self.num_stages,
@@ -274,7 +275,7 @@ def CliParams():
 
 def test_check_partitioning_command(capsys):
   status = check_partitioning.main([
-      '--params', 'tests.partitioning_test.CliParams', '--input_shape',
+      '--params', 'tests.xla.partitioning_test.CliParams', '--input_shape',
       f'24,{DIM}'
   ])
   out = capsys.readouterr().out
@@ -300,7 +301,7 @@ def test_weights_held_whole_are_reported_not_split():
 
 
 def BodyParams():
-  return bodies.DenseBody.Params().Set(dim=DIM)
+  return reference_bodies.DenseBody.Params().Set(dim=DIM)
 
 
 def UnshardedCliParams():
@@ -308,31 +309,32 @@ def UnshardedCliParams():
 
 
 @pytest.mark.parametrize('argv, message', [
-    (['--params', 'tests.partitioning_test.CliParams', '--num_devices', '4'],
+    (['--params', 'tests.xla.partitioning_test.CliParams', '--num_devices',
+      '4'],
      r'--num_devices 4 does not match the layer: shard_stages_1d splits the '
      r'stage dim over num_stages=2 devices. Use --num_devices 2.'),
-    (['--params', 'tests.partitioning_test.UnshardedCliParams'],
+    (['--params', 'tests.xla.partitioning_test.UnshardedCliParams'],
      r'neither shard_stages_1d nor pipeline_stage_mesh_dim is set.*Set '
      r'shard_stages_1d=True'),
-    (['--params', 'tests.partitioning_test.NoSuchParams'],
-     r"--params tests.partitioning_test.NoSuchParams: module "
-     r"'tests.partitioning_test' has no attribute 'NoSuchParams'"),
-    (['--params', 'tests.partitioning_test.BodyParams'],
-     r'--params tests.partitioning_test.BodyParams is Params of DenseBody, '
-     r'not of a PipelinedLayer.'),
-    (['--params', 'tests.partitioning_test.CliParams', '--input_shape',
+    (['--params', 'tests.xla.partitioning_test.NoSuchParams'],
+     r"--params tests.xla.partitioning_test.NoSuchParams: module "
+     r"'tests.xla.partitioning_test' has no attribute 'NoSuchParams'"),
+    (['--params', 'tests.xla.partitioning_test.BodyParams'],
+     r'--params tests.xla.partitioning_test.BodyParams is Params of '
+     r'DenseBody, not of a PipelinedLayer.'),
+    (['--params', 'tests.xla.partitioning_test.CliParams', '--input_shape',
       '25,8'],
      r'Batch size 25 is not divisible by num_microbatches=\d+'),
-    (['--params', 'tests.partitioning_test.CliParams', '--input_shape',
+    (['--params', 'tests.xla.partitioning_test.CliParams', '--input_shape',
       '24,5'],
      r'input 0 has shape \[24, 5\]; the stage body takes 8 features in the '
      r'last dim, not 5 \(the layer runs on \[24, 8\]\)$'),
-    (['--params', 'tests/partitioning_test.py'],
-     r'--params tests/partitioning_test.py names a file but no attribute: '
-     r'write tests/partitioning_test.py:<attribute>.'),
+    (['--params', 'tests/xla/partitioning_test.py'],
+     r'--params tests/xla/partitioning_test.py names a file but no attribute: '
+     r'write tests/xla/partitioning_test.py:<attribute>.'),
     (['--params', 'tests/no_such_file.py:CliParams'],
      r'--params tests/no_such_file.py:CliParams: no file .*no_such_file.py$'),
-    (['--params', 'tests/partitioning_test.py:CliParams', '--input_shape',
+    (['--params', 'tests/xla/partitioning_test.py:CliParams', '--input_shape',
       '24,8,3'],
      r'input 0 has shape \[24, 8, 3\]; the stage body takes 8 features in '
      r'the last dim, not 3'),

@@ -37,7 +37,7 @@ from lingvo.core import hyperparams
 from lingvo.core import learner as lingvo_learner
 from lingvo.core import optimizer
 from lingvo.core import py_utils
-from tests import bodies
+from tests import reference_bodies
 
 SHAPES = [(6, 5), (3, 8, 6), (7, 3, 5), (5,), ()]
 LEARNING_RATES = [0.1, 0.05, 0.02, 0.01]
@@ -275,7 +275,7 @@ DIM, NUM_STAGES, REPEATS, BATCH = 64, 4, 2, 24
 def _CircularStack():
   return layers.PipelinedLayer.Params().Set(
       name='stack', num_stages=NUM_STAGES,
-      single_stage_body=bodies.DenseBody.Params().Set(dim=DIM),
+      single_stage_body=reference_bodies.DenseBody.Params().Set(dim=DIM),
       num_microbatches=8, shard_stages_1d=True, circular_repeat=REPEATS,
       unroll='never')
 

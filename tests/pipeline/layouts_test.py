@@ -18,7 +18,7 @@ from gpipe.pipeline import layouts
 from gpipe.pipeline import repeats
 from gpipe import sharding
 from lingvo.core import base_layer
-from tests import bodies
+from tests import reference_bodies
 
 S, D = 3, 2
 KINDS = ['stacked', 'per_stage', 'stage_parallel']
@@ -48,10 +48,12 @@ class _Host(base_layer.BaseLayer):
 def _Host_(kind, r, body=None):
   pipe = layers.PipelinedLayer.Params().Set(num_stages=S, circular_repeat=r)
   if kind == 'stage_parallel':
-    pipe.stage_parallel_body = bodies.StageParallelDenseBody.Params().Set(
-        dim=D, num_stages=S)
+    pipe.stage_parallel_body = (
+        reference_bodies.StageParallelDenseBody.Params().Set(dim=D,
+                                                             num_stages=S))
   else:
-    pipe.single_stage_body = body or bodies.DenseBody.Params().Set(dim=D)
+    pipe.single_stage_body = (
+        body or reference_bodies.DenseBody.Params().Set(dim=D))
     pipe.per_stage_vars = kind == 'per_stage'
   return _Host.Params().Set(name='host', pipe=pipe).Instantiate()
 
@@ -112,7 +114,7 @@ def test_layer_theta_and_loop_theta_follow_the_layout(kind, r):
 @pytest.mark.parametrize('kind', ['stacked', 'per_stage'])
 def test_non_trainable_values_and_their_write_back(kind):
   with tf.Graph().as_default():
-    host = _Host_(kind, 2, bodies.StatefulBody.Params().Set(dim=D))
+    host = _Host_(kind, 2, reference_bodies.StatefulBody.Params().Set(dim=D))
     layout = host.layout
     names = layout.NonTrainableNames(host)
     assert names == ['count', 'moving']

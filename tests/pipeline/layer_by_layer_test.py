@@ -21,9 +21,10 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe.pipeline import layer_by_layer
+from tests import close
 from tests import decoding_test
+from tests.pipeline import vectorized_stages_test as vst
 from tests import pipeline_harness as harness
-from tests import vectorized_stages_test as vst
 
 # (S, M, R, mode)
 _SWEEP = [
@@ -110,32 +111,19 @@ def test_everything_the_layer_gives_is_unchanged(name, params, batch,
   # bfloat16 gradient per iteration, which moves some elements by a few
   # ulps at the tensor's scale (closer to the float32 gradient: 0.31 % of
   # the largest element off, against the pipeline's 0.38 %).
-  ulps = 2 if params.fprop_dtype == tf.bfloat16 else 0
-  rtol = 1e-2 if ulps else 1e-5
+  tolerance = (close.BFLOAT16_AT_SCALE if params.fprop_dtype == tf.bfloat16
+               else close.FLOAT32_TIGHT)
   for key in ('outs', 'grads', 'aux', 'vars'):
-    _AssertClose(by_layer[key], pipelined[key], f'{name} {mode}: {key}',
-                 rtol, ulps)
+    close.AssertClose(by_layer[key], pipelined[key], tolerance,
+                      f'{name} {mode}: {key}')
   assert sorted(by_layer['summaries']) == sorted(pipelined['summaries'])
   assert pipelined['summaries'] or 'summaries' not in name
   keys = sorted(pipelined['summaries'])
-  _AssertClose([by_layer['summaries'][k] for k in keys],
-               [pipelined['summaries'][k] for k in keys],
-               f'{name} {mode}: summaries', rtol, ulps)
+  close.AssertClose([by_layer['summaries'][k] for k in keys],
+                    [pipelined['summaries'][k] for k in keys], tolerance,
+                    f'{name} {mode}: summaries')
   assert np.abs(pipelined['aux']).max() > 0 or 'aux' not in name
   assert any(np.abs(g).max() > 0 for g in pipelined['grads']), name
-
-
-def _AssertClose(got, want, what, rtol, bf16_ulps=0):
-  """Elementwise close; with bf16_ulps, also allowed that many bfloat16
-  ulps (2^-8) of the tensor's largest element."""
-  flat_g, flat_w = tf.nest.flatten(got), tf.nest.flatten(want)
-  assert len(flat_g) == len(flat_w), what
-  for i, (g, w) in enumerate(zip(flat_g, flat_w)):
-    g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-    assert g.shape == w.shape, (what, i)
-    atol = max(1e-6, bf16_ulps * 2.0**-8 * np.abs(w).max(initial=0.0))
-    np.testing.assert_allclose(g, w, rtol=rtol, atol=atol,
-                               err_msg=f'{what} [{i}]')
 
 
 @pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat,mode',
@@ -182,7 +170,9 @@ def test_non_trainable_state_runs_the_pipeline_loop(caplog):
   # pylint: enable=protected-access
   assert not got['ran_layer_by_layer']
   for key in ('outs', 'grads', 'vars'):
-    _AssertClose(got[key], want[key], f'{name}: {key}', 1e-6)
+    # Both run the same pipeline loop: within rtol and atol 1e-6.
+    close.AssertClose(got[key], want[key],
+                      close.Tolerance(rtol=1e-6, atol=1e-6), f'{name}: {key}')
   lines = _Lines(caplog)
   assert len(lines) == 1, lines
   assert 'non-trainable variables' in lines[0], lines

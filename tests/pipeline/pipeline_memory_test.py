@@ -28,7 +28,7 @@ from gpipe import plan
 from gpipe.plan import roofline
 from gpipe.xla import hlo_text
 from gpipe.xla import partitioning
-from tests import bodies
+from tests import reference_bodies
 
 NUM_STAGES = 4
 NUM_MICROBATCHES = 8
@@ -42,7 +42,7 @@ def _Report(circular_repeat, remat_policy):
     pytest.fail('jax and jaxlib are needed (they are in the test extra).')
   p = layers.PipelinedLayer.Params().Set(
       name='stack', num_stages=NUM_STAGES,
-      single_stage_body=bodies.DenseBody.Params().Set(dim=DIM),
+      single_stage_body=reference_bodies.DenseBody.Params().Set(dim=DIM),
       num_microbatches=NUM_MICROBATCHES, shard_stages_1d=True,
       circular_repeat=circular_repeat, unroll='never')
   result = plan.MakePlan(
@@ -94,7 +94,7 @@ def test_1f1b_with_stream_io_holds_a_bounded_share_whatever_m():
   for r in (1, 2):
     p = layers.PipelinedLayer.Params().Set(
         name='stack', num_stages=NUM_STAGES,
-        single_stage_body=bodies.DenseBody.Params().Set(dim=dim),
+        single_stage_body=reference_bodies.DenseBody.Params().Set(dim=dim),
         num_microbatches=NUM_MICROBATCHES, shard_stages_1d=True,
         circular_repeat=r, unroll='never', backward_schedule='1f1b',
         stream_io=True)
