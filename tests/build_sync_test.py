@@ -292,5 +292,27 @@ def test_generator_rejects_import_cycle(fake_root):
   assert 'fakepkg_base -> fakepkg_top -> fakepkg_base' in result.stderr
 
 
+def test_generator_rejects_duplicate_target_names(fake_root):
+  (fake_root / 'tests' / 'other').mkdir()
+  (fake_root / 'tests' / 'other' / 'fake_top_test.py').write_text('')
+  result = _RunGenerator('--root', str(fake_root), '--check')
+  assert result.returncode == 2
+  assert ('tests/fake_top_test.py and tests/other/fake_top_test.py would '
+          "both be target 'fake_top_test'") in result.stderr
+
+
+def test_tree_reading_test_gets_the_tree_as_data(fake_root):
+  (fake_root / 'tests' / 'build_sync_test.py').write_text('')
+  (fake_root / '.gitignore').write_text('')
+  assert _RunGenerator('--root', str(fake_root)).returncode == 0
+  text = (fake_root / 'BUILD').read_text()
+  assert '\n'.join([
+      '    srcs = ["tests/build_sync_test.py"],', '    data = [',
+      '        ".gitignore",', '        "BUILD",', '    ] + glob([',
+      '        "fakepkg/**/*.py",', '        "tests/**/*.py",',
+      '        "tools/**/*.py",', '    ]),', '    legacy_create_init = 0,',
+      '    main = "tests/build_sync_test.py",']) in text
+
+
 if __name__ == '__main__':
   sys.exit(pytest.main([__file__, '-q']))

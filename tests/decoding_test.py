@@ -5,7 +5,9 @@ a sequence one position per call (FPropFn('ExtendStep') with the caches as
 padded_per_stage_states) must give, at every position, what the plain
 unpipelined stack gives on the full sequence (each layer's FProp in a plain
 loop, and independently the NumPy version of the same math); the caches
-must hold every layer's keys and values.
+must hold every layer's keys and values. Where the states live (their slots,
+per device when partitioned) and the errors for states of the wrong shape
+are in decoding_states_test.py.
 """
 
 import numpy as np
@@ -14,8 +16,6 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 from gpipe import layers
 from gpipe import schedule as schedule_lib
-from gpipe import sharding
-from gpipe.xla import partitioning
 from lingvo import compat as tf
 from lingvo.core import base_layer
 from lingvo.core import py_utils
@@ -23,8 +23,8 @@ from tests import close
 
 NestedMap = py_utils.NestedMap
 
-_DIM = 4
-_SEQ = 5
+DIM = 4
+SEQ = 5
 
 
 class CachedAttentionBody(base_layer.BaseLayer):
@@ -39,8 +39,8 @@ class CachedAttentionBody(base_layer.BaseLayer):
   @classmethod
   def Params(cls):
     p = super().Params()
-    p.Define('dim', _DIM, 'Model dim.')
-    p.Define('max_len', _SEQ, 'Cache length.')
+    p.Define('dim', DIM, 'Model dim.')
+    p.Define('max_len', SEQ, 'Cache length.')
     return p
 
   def __init__(self, params):
@@ -96,7 +96,8 @@ def _NumpyLayer(w, x):
   return h + np.tanh(h @ w['w1']), k, v
 
 
-def _Params(num_stages, num_microbatches, circular_repeat, unroll='never'):
+def Params(num_stages, num_microbatches, circular_repeat, unroll='never'):
+  """The pipelined CachedAttentionBody decoder of these tests."""
   return layers.PipelinedLayer.Params().Set(
       name='pipe', num_stages=num_stages, num_microbatches=num_microbatches,
       circular_repeat=circular_repeat, unroll=unroll, random_seed=3,
@@ -172,7 +173,7 @@ def _Decode(params, x, mode, start=None, first_position=0):
   with tf.Graph().as_default():
     dec = _Decoder(params, batch, mode)
     states0 = dec.InitStates()
-    x_t = tf.compat.v1.placeholder(tf.float32, [batch, _DIM])
+    x_t = tf.compat.v1.placeholder(tf.float32, [batch, DIM])
     t = tf.compat.v1.placeholder(tf.int32, [])
     flat0 = tf.nest.flatten(states0)
     holders = [tf.compat.v1.placeholder(s.dtype, s.shape) for s in flat0]
@@ -199,7 +200,7 @@ def _Decode(params, x, mode, start=None, first_position=0):
         outs.append(y_i)
   final = tf.nest.pack_sequence_as(states0, flat)
   decoded = (np.stack(outs, axis=1) if outs else
-             np.zeros([batch, 0, _DIM], np.float32))
+             np.zeros([batch, 0, DIM], np.float32))
   return (decoded, final,
           _PerLayerWeights(dec.layer, values), dec.layer)
 
@@ -294,10 +295,10 @@ def CheckDecoding(num_stages, num_microbatches, circular_repeat, batch, mode,
   every layer's cache against the plain stack on the whole sequence
   (NumPy, on the decoder's weights); the caches are read out of their slots
   by the schedule's table, and the layer's UnpadStates must agree."""
-  params = _Params(num_stages, num_microbatches, circular_repeat).Set(
+  params = Params(num_stages, num_microbatches, circular_repeat).Set(
       **extra_params)
   x = np.random.RandomState(seed).uniform(
-      -1, 1, [batch, _SEQ, _DIM]).astype(np.float32)
+      -1, 1, [batch, SEQ, DIM]).astype(np.float32)
   decoded, final, weights, layer = _Decode(params, x, mode)
   expected, keys, vals = _FullSequenceReference(weights, x)
   close.AssertClose(decoded, expected, close.FLOAT32_AT_SCALE)
@@ -310,7 +311,7 @@ def CheckDecoding(num_stages, num_microbatches, circular_repeat, batch, mode,
   with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
     unpadded = sess.run(layer.UnpadStates(
         tf.nest.map_structure(tf.constant, final)))
-  assert unpadded.k.shape == (num_stages * circular_repeat, batch, _SEQ, _DIM)
+  assert unpadded.k.shape == (num_stages * circular_repeat, batch, SEQ, DIM)
   np.testing.assert_array_equal(unpadded.k, _UnpadByTable(final.k, sched))
   np.testing.assert_array_equal(unpadded.v, _UnpadByTable(final.v, sched))
 
@@ -333,8 +334,8 @@ def test_decoding_goes_on_from_each_layers_own_cache(
   the wrong slot (another stage's, another microbatch's, another repeat's)
   changes them."""
   rng = np.random.RandomState(num_stages + 10 * batch)
-  x = rng.uniform(-1, 1, [batch, _SEQ, _DIM]).astype(np.float32)
-  params = _Params(num_stages, num_microbatches, circular_repeat).Set(**extra)
+  x = rng.uniform(-1, 1, [batch, SEQ, DIM]).astype(np.float32)
+  params = Params(num_stages, num_microbatches, circular_repeat).Set(**extra)
   sched = schedule_lib.Schedule(num_stages, num_microbatches, circular_repeat)
 
   def Prefix(per_layer):
@@ -349,7 +350,7 @@ def test_decoding_goes_on_from_each_layers_own_cache(
   decoded, final, weights, _ = _Decode(params, x, mode, start=Start,
                                        first_position=_PREFIX)
   expected, keys, _ = _FullSequenceReference(weights, x)
-  assert decoded.shape == (batch, _SEQ - _PREFIX, _DIM)
+  assert decoded.shape == (batch, SEQ - _PREFIX, DIM)
   close.AssertClose(decoded, expected[:, _PREFIX:], close.FLOAT32_AT_SCALE)
   close.AssertClose(_UnpadByTable(final.k, sched), np.stack(keys),
                     close.FLOAT32_AT_SCALE)
@@ -364,10 +365,10 @@ def test_the_layers_state_padding_follows_the_table(num_stages,
   every repeat of stage s starts from stage s's state of its examples."""
   batch = 2 * num_microbatches
   per_stage = np.random.RandomState(num_stages).uniform(
-      -1, 1, [num_stages, batch, _SEQ, _DIM]).astype(np.float32)
+      -1, 1, [num_stages, batch, SEQ, DIM]).astype(np.float32)
   with tf.Graph().as_default():
-    layer = _Params(num_stages, num_microbatches,
-                    circular_repeat).Instantiate()
+    layer = Params(num_stages, num_microbatches,
+                   circular_repeat).Instantiate()
     padded = layer.PadMicrobatches(
         layer.MicrobatchStates(tf.constant(per_stage)))
     with tf.compat.v1.Session() as sess:
@@ -384,9 +385,9 @@ def test_the_layers_state_padding_follows_the_table(num_stages,
 @pytest.mark.parametrize('num_stages, circular_repeat', [(2, 1), (2, 2)])
 def test_unrolled_decoding_with_per_layer_state_lists(num_stages,
                                                       circular_repeat, mode):
-  x = np.random.RandomState(5).uniform(-1, 1, [4, _SEQ, _DIM]).astype(
+  x = np.random.RandomState(5).uniform(-1, 1, [4, SEQ, DIM]).astype(
       np.float32)
-  params = _Params(num_stages, 2, circular_repeat, unroll='always')
+  params = Params(num_stages, 2, circular_repeat, unroll='always')
   decoded, caches, weights, _ = _Decode(params, x, mode)
   expected, keys, _ = _FullSequenceReference(weights, x)
   close.AssertClose(decoded, expected, close.FLOAT32_AT_SCALE)
@@ -399,7 +400,7 @@ def test_the_test_body_extend_step_matches_its_fprop():
   # The body itself: FProp on the full sequence vs NumPy, so the references
   # above test the pipeline, not a broken body.
   rng = np.random.RandomState(0)
-  x = rng.uniform(-1, 1, [3, _SEQ, _DIM]).astype(np.float32)
+  x = rng.uniform(-1, 1, [3, SEQ, DIM]).astype(np.float32)
   with tf.Graph().as_default():
     body = CachedAttentionBody.Params().Set(name='b').Instantiate()
     y = body.FProp(body.theta, tf.constant(x))
@@ -407,107 +408,6 @@ def test_the_test_body_extend_step_matches_its_fprop():
       sess.run(tf.compat.v1.global_variables_initializer())
       y, w = sess.run([y, dict(body.theta)])
   np.testing.assert_allclose(y, _NumpyLayer(w, x)[0], rtol=1e-5, atol=1e-5)
-
-
-# -- Partitioned. --------------------------------------------------------------
-
-
-@pytest.mark.skipif(not partitioning.IsAvailable(), reason='needs jax')
-@pytest.mark.parametrize('circular_repeat', [1, 2])
-def test_a_partitioned_decode_step_keeps_states_on_their_stage(
-    circular_repeat):
-  # 4 stages on 4 virtual devices: the step's only communication in the loop
-  # is the buffer's collective-permute; the caches enter and leave split on
-  # the stage dim, each device holding its own stage's slots.
-  num_stages, num_mb, batch = 4, 4, 8
-  with tf.init_scope():
-    layer = _Params(num_stages, num_mb, circular_repeat).Set(
-        shard_stages_1d=True).Instantiate()
-  names = [n for n, _ in layer.theta.FlattenItems()]
-  weights = [tf.convert_to_tensor(v).numpy()
-             for _, v in layer.theta.FlattenItems()]
-  sched = layer.Schedule(num_mb)
-  rng = np.random.RandomState(1)
-  cache_shape = [sched.num_iterations, num_stages, batch // num_mb, _SEQ,
-                 _DIM]
-  k, v = (rng.uniform(-1, 1, cache_shape).astype(np.float32) for _ in 'kv')
-  x_t = rng.uniform(-1, 1, [batch, _DIM]).astype(np.float32)
-  args = weights + [x_t, k, v, np.int32(2)]
-
-  def Step(*flat):
-    theta = layer.theta.Pack(list(flat[:len(names)]))
-    x, k, v, t = flat[len(names):]
-    y, cache = layer.FPropFn(theta, 'ExtendStep', x,
-                             padded_per_stage_states=[NestedMap(k=k, v=v)],
-                             kwargs_no_batch={'time_step': t})
-    return [y, cache.k, cache.v]
-
-  def Partitioned(*flat):
-    with sharding.SpmdPartitioning():
-      return Step(*flat)
-
-  compiled = tf.function(Step, jit_compile=True, autograph=False)
-  expected = [t.numpy() for t in compiled(*[tf.constant(a) for a in args])]
-  run = partitioning.RunPartitioned(Partitioned, args, num_stages)
-  for got, want in zip(run.outputs, expected):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-  assert run.loops and run.LoopCounts(0) == {'collective-permute': 1}, (
-      run.LoopCounts(0))
-  assert not {'all-gather', 'all-to-all'} & set(run.Counts())
-  num_weights = len(names)
-  for shard in run.param_shard_shapes[:num_weights]:
-    assert shard[0] == 1  # one stage of every stage-stacked weight
-  for shard in (run.param_shard_shapes[num_weights + 1:num_weights + 3] +
-                run.output_shard_shapes[1:]):
-    assert shard[:2] == (sched.num_iterations, 1), shard
-
-
-# -- Layout. ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize('num_stages, num_microbatches, circular_repeat',
-                         [(3, 4, 1), (2, 3, 2), (2, 4, 3), (1, 2, 1)])
-def test_pad_microbatches_puts_each_state_where_its_stage_works(
-    num_stages, num_microbatches, circular_repeat):
-  # Slot [i, s] must hold the state of the microbatch stage s works on at
-  # iteration i (any repeat), per the schedule's table.
-  sched = schedule_lib.Schedule(num_stages, num_microbatches, circular_repeat)
-  with tf.Graph().as_default():
-    layer = _Params(num_stages, num_microbatches, circular_repeat).Instantiate()
-    # state of (microbatch m, stage s) = 10 * m + s
-    x = (10 * np.arange(num_microbatches)[:, None] +
-         np.arange(num_stages)[None]).astype(np.float32)
-    padded = layer.PadMicrobatches(tf.constant(x))
-    with tf.compat.v1.Session() as sess:
-      padded = sess.run(padded)
-  assert padded.shape == (sched.num_iterations, num_stages)
-  table = sched.Table()
-  for i in range(sched.num_iterations):
-    for s in range(num_stages):
-      if table[i][s] is not None:
-        assert padded[i, s] == 10 * table[i][s][0] + s, (i, s)
-
-
-def test_wrong_state_shape_names_the_fix():
-  with tf.Graph().as_default():
-    layer = _Params(2, 2, 1).Instantiate()
-    x = tf.zeros([4, _DIM])
-    bad = NestedMap(k=tf.zeros([2, 2, 2, _SEQ, _DIM]),
-                    v=tf.zeros([2, 2, 2, _SEQ, _DIM]))
-    with pytest.raises(ValueError, match='PadMicrobatches'):
-      layer.FPropFn(layer.theta, 'ExtendStep', x,
-                    padded_per_stage_states=[bad],
-                    kwargs_no_batch={'time_step': 0})
-
-
-def test_unrolled_states_must_be_per_layer_lists():
-  with tf.Graph().as_default():
-    layer = _Params(2, 2, 2, unroll='always').Instantiate()
-    cache = layer.body.InitStates(layer.layer_theta(layer.theta, 0, 0), 4)
-    with pytest.raises(ValueError, match='list of 4 per-layer states'):
-      layer.FPropFn(layer.theta, 'ExtendStep', tf.zeros([4, _DIM]),
-                    padded_per_stage_states=[[cache, cache]],
-                    kwargs_no_batch={'time_step': 0})
 
 
 if __name__ == '__main__':

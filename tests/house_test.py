@@ -7,6 +7,7 @@
   the schedule command and the SPMD worker aside, which the library runs)
   or the model zoo (`params`).
 - Sizes: a module at most 500 lines, a class 400, a function 80.
+- The tests mirror the tree and share one close-assertion helper.
 """
 
 import ast
@@ -16,7 +17,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GPIPE = ROOT / 'gpipe'
-_SIZED = ('gpipe', 'params', 'tools', 'benchmarks', 'examples')
+_SIZED = ('gpipe', 'params', 'tools', 'benchmarks', 'examples', 'tests')
 # Commands the library runs or draws with: allowed to be imported.
 _RUN_BY_THE_LIBRARY = ('gpipe.schedule', 'gpipe.xla.spmd_worker')
 
@@ -76,6 +77,32 @@ def test_library_code_imports_no_app_and_no_model_zoo():
       if name in apps or name == 'params' or name.startswith('params.'):
         wrong.append(f'{_Dotted(path)} imports {name}')
   assert not wrong, wrong
+
+
+def test_tests_mirror_the_tree():
+  """A directory of tests per subpackage it tests, and no other."""
+  packages = {p.parent.name for p in GPIPE.glob('*/__init__.py')}
+  test_dirs = {p.name for p in (ROOT / 'tests').iterdir()
+               if p.is_dir() and p.name != '__pycache__'}
+  assert test_dirs <= packages, test_dirs - packages
+
+
+def _ComparesItself(function):
+  """Whether a function calls np.testing.assert_allclose itself."""
+  return any(isinstance(node, ast.Attribute) and node.attr == 'assert_allclose'
+             for node in ast.walk(function))
+
+
+def test_one_close_assertion_helper():
+  """tests/close.py's AssertClose, with its named tolerances: no helper of a
+  test file compares floats with a tolerance of its own (a test may still
+  call assert_allclose once, inline)."""
+  own = [f'{path.relative_to(ROOT)}: {node.name}'
+         for path in _Modules('tests') if path.name != 'close.py'
+         for node in ast.walk(ast.parse(path.read_text()))
+         if isinstance(node, ast.FunctionDef) and
+         not node.name.startswith('test_') and _ComparesItself(node)]
+  assert not own, own
 
 
 def _Sizes(path):

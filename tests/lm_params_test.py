@@ -1,4 +1,11 @@
-"""The Lingvo model params in params/lm.py, the trainer and the demo."""
+"""The Lingvo model params in params/lm.py, the trainer and the demo.
+
+The copy task's data, the registered params, their checks, the pipelined
+model against the unrolled one (at init, causal, decoding step by step),
+training, checkpoints, events and held-out decoding (gpipe.apps.trainer),
+and the demo. TinyCfg is the small model the lm_*_test.py modules share;
+the pod configs' stage body is tested in lm_pod_body_test.py.
+"""
 
 import glob
 import os
@@ -27,10 +34,10 @@ flags_and_seeds.EnsureFlagsParsed()
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def _TinyCfg(*, num_stages=2, circular_repeat=1, num_microbatches=3,
-             batch_size=6, dropout_prob=0.0, copy_length=3, vocab_size=8,
-             learning_rate=3e-3, model_dim=16, max_steps=100,
-             shard_stages_1d=False, **body):
+def TinyCfg(*, num_stages=2, circular_repeat=1, num_microbatches=3,
+            batch_size=6, dropout_prob=0.0, copy_length=3, vocab_size=8,
+            learning_rate=3e-3, model_dim=16, max_steps=100,
+            shard_stages_1d=False, **body):
   """body: CopyLMParams' batch_major, fprop_dtype, stack_dtype, ..."""
   task = lm.CopyLMParams(
       vocab_size=vocab_size, model_dim=model_dim, num_heads=2, hidden_dim=32,
@@ -133,7 +140,7 @@ def test_pod_config_builds_its_graph_on_cpu_and_reports_bytes_per_device():
                                 pipeline_stage_mesh_dim=0), 'shard_stages_1d'),
 ])
 def test_bad_configs_fail_before_any_graph_is_built(change, message):
-  cfg = _TinyCfg()
+  cfg = TinyCfg()
   change(cfg)
   with tf.Graph().as_default() as graph:
     with pytest.raises(ValueError, match=message):
@@ -165,8 +172,8 @@ def test_demo_rejects_an_unknown_model_and_negative_steps(capsys):
     (2, 1, 3), (2, 2, 3)])
 def test_pipelined_lm_equals_unrolled_at_init(num_stages, circular_repeat,
                                               num_microbatches):
-  cfg = _TinyCfg(num_stages=num_stages, circular_repeat=circular_repeat,
-                 num_microbatches=num_microbatches, dropout_prob=0.1)
+  cfg = TinyCfg(num_stages=num_stages, circular_repeat=circular_repeat,
+                num_microbatches=num_microbatches, dropout_prob=0.1)
   comparison = trainer.CompareWithUnrolled(cfg)
   assert comparison.num_variables > 0
   assert comparison.Matches(), comparison.Describe()
@@ -179,7 +186,7 @@ def test_layer_by_layer_lm_equals_unrolled_at_init(monkeypatch):
   run = layer_by_layer.Run
   monkeypatch.setattr(layer_by_layer, 'Run',
                       lambda *a: ran.append(1) or run(*a))
-  cfg = _TinyCfg(num_stages=2, circular_repeat=2, num_microbatches=3)
+  cfg = TinyCfg(num_stages=2, circular_repeat=2, num_microbatches=3)
   cfg.task.stack.layer_by_layer = True
   comparison = trainer.CompareWithUnrolled(cfg)
   assert ran, 'the pipelined stack did not run layer by layer'
@@ -188,7 +195,7 @@ def test_layer_by_layer_lm_equals_unrolled_at_init(monkeypatch):
 
 
 def test_without_dropout_zeroes_every_dropout_param():
-  p = trainer.WithoutDropout(_TinyCfg(dropout_prob=0.3).task)
+  p = trainer.WithoutDropout(TinyCfg(dropout_prob=0.3).task)
   seen = []
 
   def Walk(params):
@@ -234,7 +241,7 @@ def _FullSequenceLogitsFn(graph, task, sess, shape):
 
 def test_the_lm_is_causal():
   """Logits at position i do not change when tokens after i do."""
-  graph, task, sess = _BuildTask(_TinyCfg(), 'never')
+  graph, task, sess = _BuildTask(TinyCfg(), 'never')
   logits_of = _FullSequenceLogitsFn(graph, task, sess, [6, 6])
   rng = np.random.RandomState(0)
   ids = rng.randint(2, 8, [6, 6]).astype(np.int32)
@@ -256,8 +263,8 @@ def test_decoding_through_the_pipeline_equals_the_unrolled_model(
   the pipeline) equal the unrolled model's full-sequence causal logits, and
   the task's greedy Decode equals greedy decoding by full-sequence FProps of
   the unrolled model, token by token. batch_major: the pod configs' body."""
-  cfg = _TinyCfg(num_stages=num_stages, circular_repeat=circular_repeat,
-                 num_microbatches=num_microbatches, batch_major=batch_major)
+  cfg = TinyCfg(num_stages=num_stages, circular_repeat=circular_repeat,
+                num_microbatches=num_microbatches, batch_major=batch_major)
   graph, task, sess = _BuildTask(cfg, 'never')
   rng = np.random.RandomState(1)
   ids_np = rng.randint(2, 8, [6, 6]).astype(np.int32)
@@ -293,83 +300,11 @@ def test_decoding_through_the_pipeline_equals_the_unrolled_model(
   np.testing.assert_array_equal(decoded, seq[:, 4:])
 
 
-# -- The pod configs' stage body (params/pod_blocks.py). ----------------------
-
-
-def test_pod_body_pipelined_lm_equals_unrolled_at_init():
-  """Circular, with the stages, embeddings and loss split as on a pod (the
-  sharding annotations run as identities on one CPU)."""
-  cfg = _TinyCfg(circular_repeat=2, dropout_prob=0.1, shard_stages_1d=True,
-                 batch_major=True)
-  comparison = trainer.CompareWithUnrolled(cfg)
-  assert comparison.num_variables > 0
-  assert comparison.Matches(), comparison.Describe()
-
-
-def test_pod_body_in_bfloat16_equals_unrolled_within_its_precision():
-  """bfloat16 activations, between the stages too: the pipelined model's
-  loss equals the unrolled one's, the weight gradients (float32, summed
-  over microbatches instead of once) to bfloat16's precision."""
-  cfg = _TinyCfg(batch_major=True, fprop_dtype=tf.bfloat16,
-                 stack_dtype=tf.bfloat16)
-  comparison = trainer.CompareWithUnrolled(cfg)
-  assert comparison.Matches(atol=1e-5, rtol=1e-2), comparison.Describe()
-
-
-def test_pod_stage_computes_in_bfloat16_on_float32_weights():
-  """The blocks' matmuls run in bfloat16; the stage's theta, the weight
-  gradients and what it returns (for float32 inputs) stay float32."""
-  block = pod_blocks.PodBlockParams(16, 2, 24, 0.0, tf.bfloat16)
-  with tf.Graph().as_default() as graph:
-    stage = pod_blocks.PodStageParams(2, block, tf.bfloat16).Set(
-        name='stage').Instantiate()
-    theta = stage.theta
-    y, _ = stage.FProp(theta, tf.ones([3, 5, 16]), tf.zeros([3, 5]))
-    grads = tf.gradients(tf.reduce_sum(y), theta.Flatten())
-    einsums = [op.outputs[0].dtype for op in graph.get_operations()
-               if op.type in ('Einsum', 'MatMul')]
-  assert y.dtype == tf.float32
-  assert {t.dtype for t in theta.Flatten()} == {tf.float32}
-  assert {g.dtype for g in grads} == {tf.float32}
-  assert einsums and set(einsums) == {tf.bfloat16}, einsums
-
-
-def _LargestGradientTensor(stage_params, batch, time, dim):
-  """Elements of the largest tensor the stage's weight gradients make."""
-  with tf.Graph().as_default() as graph:
-    stage = stage_params.Set(name='stage').Instantiate()
-    x = tf.ones([batch, time, dim])
-    y, _ = stage.FProp(stage.theta, x, tf.zeros([batch, time]))
-    variables = stage.vars.Flatten()
-    before = set(graph.get_operations())
-    tf.gradients(tf.reduce_sum(tf.square(y)), variables)
-    sizes = [t.shape.num_elements() or 0
-             for op in graph.get_operations() if op not in before
-             for t in op.outputs if t.shape.is_fully_defined()]
-  return max(sizes), max(v.shape.num_elements() for v in variables)
-
-
-def test_pod_body_weight_gradients_build_nothing_larger_than_activations():
-  """Einsum projections over [b, t, d]: each weight gradient contracts
-  batch and time at once. The demo's time-major layer projects with a
-  broadcasting matmul whose gradient makes a [t, d, d] product first."""
-  batch, time, dim, hidden = 3, 7, 16, 24
-  bound = batch * time * hidden  # the largest activation, [b, t, hidden]
-  block = pod_blocks.PodBlockParams(dim, 2, hidden, 0.0)
-  largest, weight = _LargestGradientTensor(
-      pod_blocks.PodStageParams(2, block), batch, time, dim)
-  assert largest <= max(bound, weight), (largest, bound, weight)
-  time_major = lm.StageBlocks.Params().Set(
-      num_blocks=1, block_tpl=lm.CausalBlockParams(dim, 2, hidden, 0.0))
-  largest, _ = _LargestGradientTensor(time_major, batch, time, dim)
-  assert largest >= time * dim * dim > bound
-
-
 # -- Training and checkpoints. ------------------------------------------------
 
 
 def test_training_lowers_the_loss():
-  cfg = _TinyCfg(learning_rate=1e-2, model_dim=32)
+  cfg = TinyCfg(learning_rate=1e-2, model_dim=32)
   history = trainer.Train(cfg, steps=80)
   first = np.mean([r.loss for r in history[:5]])
   last = np.mean([r.loss for r in history[-5:]])
@@ -377,7 +312,7 @@ def test_training_lowers_the_loss():
 
 
 def test_resuming_from_a_checkpoint_continues_as_if_never_stopped(tmp_path):
-  cfg = _TinyCfg(dropout_prob=0.1)
+  cfg = TinyCfg(dropout_prob=0.1)
   straight_dir, resumed_dir = str(tmp_path / 'a'), str(tmp_path / 'b')
   straight = trainer.Train(cfg, steps=6, logdir=straight_dir, save_every=3)
   # Resume from the step-3 checkpoint the uninterrupted run wrote.
@@ -413,7 +348,7 @@ def test_training_events_and_decoding_with_dropout(tmp_path):
   model trained with dropout decodes without it, incrementally and in the
   full-sequence check alike."""
   logdir = str(tmp_path / 'run')
-  cfg = _TinyCfg(dropout_prob=0.3)
+  cfg = TinyCfg(dropout_prob=0.3)
   history = trainer.Train(cfg, steps=3, logdir=logdir, summary_every=2)
   tags = _EventScalars(logdir)
   assert sorted(tags['loss']) == [1, 2, 3]  # first, every 2nd, last
@@ -426,7 +361,7 @@ def test_training_events_and_decoding_with_dropout(tmp_path):
   assert tags['pipeline_schedule'] == {0: 'image'}
   assert trainer.CheckpointStep(logdir) == 3
 
-  held_out = _TinyCfg(dropout_prob=0.3)
+  held_out = TinyCfg(dropout_prob=0.3)
   held_out.input.Set(data_seed=99, held_out_batches=2,
                      num_samples=2 * held_out.input.batch_size)
   decoding = trainer.DecodeHeldOut(held_out, logdir)
@@ -437,7 +372,7 @@ def test_training_events_and_decoding_with_dropout(tmp_path):
 
 def test_decoder_output_lines_and_metrics():
   with tf.Graph().as_default():
-    task = _TinyCfg().Instantiate().GetTask()
+    task = TinyCfg().Instantiate().GetTask()
   metrics = task.CreateDecoderMetrics()
   lines = task.PostProcessDecodeOut(
       dict(prompts=np.array([[2, 3, 4, 1], [5, 6, 7, 1]]),
@@ -450,7 +385,7 @@ def test_decoder_output_lines_and_metrics():
 
 def test_greedy_decoding_longer_than_the_positions_is_refused():
   with tf.Graph().as_default():
-    task = _TinyCfg().Instantiate().GetTask()  # max_seq_len 6
+    task = TinyCfg().Instantiate().GetTask()  # max_seq_len 6
     with pytest.raises(ValueError, match=r'GreedyDecode: a prompt of 4 '
                        r'tokens and 4 tokens to decode feed 7 positions, '
                        r"more than the model's max_seq_len=6"):

@@ -397,4 +397,4 @@ def CheckPartitionedEqualsOneDevice(**one_device_param):
   names = report.step.ResultNames()
   for name, got, want in zip(names, report.run.outputs, report.expected):
     assert np.abs(want).max() > 0, name
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+    close.AssertClose(got, want, close.FLOAT32, name)

@@ -11,7 +11,8 @@ code runs in the reference.
 
 The body (tests/reference_bodies.py TrainingBody) adds an aux loss and a
 summary, may apply dropout, and may multiply by x / x: 1 on real data, NaN
-on the zeros a careless pipeline would feed its bubbles.
+on the zeros a careless pipeline would feed its bubbles. A body's
+non-trainable state is checked in training_state_test.py.
 """
 
 import dataclasses
@@ -359,138 +360,6 @@ def test_dropout_masks_differ_across_layers_and_microbatches():
   assert len(offsets) == sched.num_layers * sched.num_microbatches
   # Far enough apart for the seeds a body draws per call.
   assert min(np.diff(sorted(offsets))) >= schedule_lib.STEP_SEEDS_PER_CALL
-
-
-# -- Non-trainable state. ---------------------------------------------------
-
-STATEFUL_SWEEP = [
-    (1, 2, 1, False, 'reverse'), (2, 3, 1, False, 'reverse'),
-    (3, 4, 2, False, 'reverse'), (2, 3, 3, False, 'reverse'),
-    (3, 2, 1, True, 'reverse'), (2, 5, 2, True, 'reverse'),
-    (3, 4, 2, False, '1f1b'), (2, 5, 2, True, '1f1b+stream_io'),
-]
-_STATEFUL = ([c + ('graph',) for c in STATEFUL_SWEEP] +
-             [c + ('jit',) for c in STATEFUL_SWEEP[2:]])
-
-
-@pytest.mark.parametrize(
-    'num_stages,num_microbatches,circular_repeat,per_stage_vars,schedule,mode',
-    _STATEFUL,
-    ids=[f'S{s}-M{m}-R{r}{"-per_stage_vars" if v else ""}-{b}-{mode}'
-         for s, m, r, v, b, mode in _STATEFUL])
-def test_non_trainable_state_updates_like_the_plain_stack(
-    num_stages, num_microbatches, circular_repeat, per_stage_vars, schedule,
-    mode):
-  p = layers.PipelinedLayer.Params().Set(
-      name='pipe', num_stages=num_stages, num_microbatches=num_microbatches,
-      circular_repeat=circular_repeat, per_stage_vars=per_stage_vars,
-      unroll='never', single_stage_body=reference_bodies.StatefulBody.Params(),
-      random_seed=5, backward_schedule=schedule.split('+')[0],
-      stream_io=schedule.endswith('stream_io'))
-  rng = np.random.RandomState(1)
-  rows = 2
-  x_np = rng.uniform(-1, 1, [rows * num_microbatches, 4]).astype(np.float32)
-  cot = rng.uniform(-1, 1, x_np.shape).astype(np.float32)
-
-  def Layout(vars_np, name, layer):
-    r, s = divmod(layer, num_stages)
-    if per_stage_vars:
-      v = vars_np['body_iter_%05d' % s][name]
-      return v[r] if circular_repeat > 1 else v
-    v = vars_np['body'][name]
-    return v[s][r] if circular_repeat > 1 else v[s]
-
-  def Reference(vars_np):
-    """NumPy, microbatch by microbatch: outputs and final state."""
-    layers_count = num_stages * circular_repeat
-    moving = [Layout(vars_np, 'moving', l).copy() for l in range(layers_count)]
-    outs = []
-    for m in range(num_microbatches):
-      h = x_np[m::num_microbatches]
-      for l in range(layers_count):
-        h, moving[l] = reference_bodies.StatefulFn(
-            reference_bodies.NP, Layout(vars_np, 'w', l),
-            Layout(vars_np, 'b', l), moving[l], h)
-      outs.append(h)
-    out = np.stack(outs, axis=1).reshape(x_np.shape)
-    return out, moving
-
-  def TfReference(theta_vars, initial, x):
-    """TF plain loop (same math) for the gradients."""
-    layers_count = num_stages * circular_repeat
-    moving = [Layout(initial, 'moving', l) for l in range(layers_count)]
-    outs = []
-    for m in range(num_microbatches):
-      h = x[m::num_microbatches]
-      for l in range(layers_count):
-        h, new_moving = reference_bodies.StatefulFn(
-            reference_bodies.TF, Layout(theta_vars, 'w', l),
-            Layout(theta_vars, 'b', l), moving[l], h)
-        # A variable update: read by later microbatches, never differentiated.
-        moving[l] = tf.stop_gradient(new_moving)
-      outs.append(h)
-    return tf.reshape(tf.stack(outs, axis=1), x_np.shape)
-
-  def Build(pipe, watch=None):
-    x = tf.constant(x_np)
-    if watch:
-      watch(x)
-    initial = {k: dict(v.FlattenItems()) for k, v in pipe.vars.items()}
-    initial = tf.nest.map_structure(lambda v: v.read_value(), initial)
-    with tf.control_dependencies(tf.nest.flatten(initial)):
-      out = pipe.FProp(pipe.theta, x)
-    trainable = [v for v in pipe.vars.Flatten() if v.trainable]
-    theta_vars = {k: dict(v.FlattenItems()) for k, v in pipe.theta.items()}
-    ref = TfReference(theta_vars, initial, x)
-    loss = tf.reduce_sum(out * cot)
-    ref_loss = tf.reduce_sum(ref * cot)
-    return dict(out=out, ref=ref, x=x, initial=initial, loss=loss,
-                ref_loss=ref_loss, trainable=trainable)
-
-  def Final(pipe):
-    return {k: {n: v.read_value() for n, v in child.FlattenItems()}
-            for k, child in pipe.vars.items()}
-
-  if mode == 'graph':
-    with tf.Graph().as_default():
-      pipe = p.Instantiate()
-      t = Build(pipe)
-      grads = tf.gradients(t['loss'], t['trainable'] + [t['x']])
-      ref_grads = tf.gradients(t['ref_loss'], t['trainable'] + [t['x']])
-      with tf.compat.v1.Session() as sess:
-        sess.run(tf.compat.v1.global_variables_initializer())
-        res = sess.run(dict(out=t['out'], ref=t['ref'], initial=t['initial'],
-                            grads=grads, ref_grads=ref_grads))
-        res['final'] = sess.run(Final(pipe))
-  else:
-    pipe = p.Instantiate()
-
-    @tf.function(jit_compile=True)
-    def Step():
-      with tf.GradientTape(persistent=True) as tape:
-        t = Build(pipe, tape.watch)
-      grads = tape.gradient(t['loss'], t['trainable'] + [t['x']])
-      ref_grads = tape.gradient(t['ref_loss'], t['trainable'] + [t['x']])
-      return dict(out=t['out'], ref=t['ref'], initial=t['initial'],
-                  grads=[tf.convert_to_tensor(g) for g in grads],
-                  ref_grads=[tf.convert_to_tensor(g) for g in ref_grads])
-
-    res = tf.nest.map_structure(lambda v: v.numpy(), Step())
-    res['final'] = tf.nest.map_structure(lambda v: v.numpy(), Final(pipe))
-
-  ref_out, ref_moving = Reference(res['initial'])
-  np.testing.assert_allclose(res['out'], ref_out, rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(res['out'], res['ref'], rtol=1e-5, atol=1e-5)
-  for g, r in zip(res['grads'], res['ref_grads']):
-    assert np.abs(r).max() > 0
-    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
-  for l, want in enumerate(ref_moving):
-    got = Layout(res['final'], 'moving', l)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
-                               err_msg=f'moving of layer {l}')
-    # Every layer saw every microbatch once: M updates, no bubble, no
-    # backward recompute counted.
-    assert Layout(res['final'], 'count', l) == num_microbatches
 
 
 if __name__ == '__main__':

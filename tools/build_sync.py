@@ -22,15 +22,12 @@ The files are those git tracks or would track (`git ls-files`, so
 .gitignore applies); outside a git work tree (a Bazel runfiles tree, a test's
 scratch tree), every .py file outside hidden and `_`-prefixed directories.
 
-Usage:
-  python tools/build_sync.py            # rewrite BUILD (only if it changed)
-  python tools/build_sync.py --check    # exit 1 and print a diff if stale
-  python tools/build_sync.py --root DIR # operate on another source tree
+Usage: python tools/build_sync.py [--check] [--root DIR]; it rewrites BUILD
+if it changed, or with --check exits 1 and prints a diff if BUILD is stale.
 """
 
 import argparse
 import ast
-import dataclasses
 import difflib
 import os
 import pathlib
@@ -47,47 +44,48 @@ _PIP_NAMES = {'_pytest': 'pytest', 'absl': 'absl-py', 'xdist': 'pytest-xdist',
 _STDLIB = frozenset(sys.stdlib_module_names) | {'__main__'}
 # Tests that read the source tree itself; under Bazel they need it as data.
 _TREE_READING_TESTS = ('tests/build_sync_test.py',)
-_RULE_ORDER = ('py_binary', 'py_library', 'py_test')
 
 
 class BuildSyncError(Exception):
   """The tree cannot be described by a valid BUILD file (parse error, cycle)."""
 
 
-@dataclasses.dataclass
-class Module:
-  """One source file: its path, import name and parsed code."""
-  path: str  # Relative to the root, '/'-separated.
-  tree: ast.Module
-
-  @property
-  def dotted(self):
-    parts = self.path[:-len('.py')].split('/')
-    return '.'.join(parts[:-1] if parts[-1] == '__init__' else parts)
-
-  @property
-  def directory(self):
-    return self.path.rpartition('/')[0]
-
-  @property
-  def basename(self):
-    return self.path.rpartition('/')[2]
+def _HasMainBlock(tree):
+  """True for a top-level `if __name__ == '__main__':` (any operand order)."""
+  for node in tree.body:
+    if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
+      operands = [node.test.left] + node.test.comparators
+      if ('__name__' in {getattr(o, 'id', None) for o in operands} and
+          '__main__' in {getattr(o, 'value', None) for o in operands}):
+        return True
+  return False
 
 
-@dataclasses.dataclass
 class Target:
-  """One rule call in the generated BUILD file."""
-  kind: str
-  name: str
-  src: str
-  deps: set = dataclasses.field(default_factory=set)  # Target names.
-  requirements: set = dataclasses.field(default_factory=set)
-  size: str = None
-  testonly: bool = False
-  data: list = None  # Rendered `data` attribute lines, or None.
+  """One source file and its rule call in the generated BUILD file."""
 
-
-# ---------------------------------------------------------------- Reading.
+  def __init__(self, root, src):
+    """Parses `src`, a '/'-separated path below `root`; derives names, rule."""
+    try:
+      self.tree = ast.parse((root / src).read_bytes())
+    except (SyntaxError, ValueError) as e:
+      raise BuildSyncError(f'cannot parse {src}: {e}') from e
+    self.src, self.data = src, None  # data: rendered attribute lines.
+    self.deps, self.requirements = set(), set()  # Target and pip names.
+    self.directory, _, self.basename = src.rpartition('/')
+    stem = src[:-len('.py')].removesuffix('/__init__')
+    self.dotted, self.name = stem.replace('/', '.'), stem.replace('/', '_')
+    self.kind, self.size, self.testonly = 'py_library', None, False
+    if self.basename.endswith('_test.py'):
+      self.kind = 'py_test'
+      self.size = 'large' if 'sweep' in self.basename else 'medium'
+      if src.startswith('tests/'):
+        self.name = self.basename[:-len('.py')]
+      return
+    self.testonly = src.startswith('tests/')
+    if (self.basename not in ('__init__.py', 'conftest.py') and
+        _HasMainBlock(self.tree)):
+      self.kind = 'py_binary'
 
 
 def FindSources(root):
@@ -108,111 +106,62 @@ def FindSources(root):
                 if not p.startswith('_') and (root / p).is_file())
 
 
-def LoadModules(root):
-  modules = []
-  for path in FindSources(root):
-    try:
-      modules.append(Module(path, ast.parse((root / path).read_bytes())))
-    except (SyntaxError, ValueError) as e:
-      raise BuildSyncError(f'cannot parse {path}: {e}') from e
-  return modules
-
-
-def _HasMainBlock(tree):
-  """True for a top-level `if __name__ == '__main__':` (any operand order)."""
-  for node in tree.body:
-    if isinstance(node, ast.If) and isinstance(node.test, ast.Compare):
-      operands = [node.test.left] + node.test.comparators
-      if ({'__name__'} <= {getattr(o, 'id', None) for o in operands} and
-          {'__main__'} <= {getattr(o, 'value', None) for o in operands}):
-        return True
-  return False
-
-
-def TargetName(path):
-  """gpipe/layers.py -> gpipe_layers; tests/plan/x_test.py -> x_test."""
-  if path.startswith('tests/') and path.endswith('_test.py'):
-    return path.rpartition('/')[2][:-len('.py')]
-  return path[:-len('.py')].removesuffix('/__init__').replace('/', '_')
-
-
-def _NewTarget(module):
-  if module.basename.endswith('_test.py'):
-    size = 'large' if 'sweep' in module.basename else 'medium'
-    return Target('py_test', TargetName(module.path), module.path, size=size)
-  kind = 'py_library'
-  if module.basename not in ('__init__.py', 'conftest.py') and _HasMainBlock(
-      module.tree):
-    kind = 'py_binary'
-  return Target(kind, TargetName(module.path), module.path,
-                testonly=module.path.startswith('tests/'))
-
-
-# ---------------------------------------------------------------- Imports.
-
-
-def _Imports(module):
+def _Imports(target):
   """(dotted module, imported names) for every import, at any depth."""
-  for node in ast.walk(module.tree):
+  for node in ast.walk(target.tree):
     if isinstance(node, ast.Import):
-      for alias in node.names:
-        yield alias.name, ()
+      yield from ((alias.name, ()) for alias in node.names)
     elif isinstance(node, ast.ImportFrom):
       if node.level:
-        raise BuildSyncError(f'{module.path}: relative import; the project '
+        raise BuildSyncError(f'{target.src}: relative import; the project '
                              'uses absolute imports only')
       yield node.module, tuple(a.name for a in node.names)
 
 
-def _LongestModulePrefix(dotted, by_dotted):
+def _ModulePrefixes(dotted, by_dotted):
+  """The prefixes of `dotted` that are project modules, longest first."""
   parts = dotted.split('.')
   prefixes = ('.'.join(parts[:i]) for i in range(len(parts), 0, -1))
-  return next((p for p in prefixes if p in by_dotted), None)
+  return [p for p in prefixes if p in by_dotted]
 
 
-def ResolveImports(module, by_dotted):
-  """(project modules, pip requirements) that `module` imports."""
+def ResolveImports(target, by_dotted):
+  """(project modules, pip requirements) that `target`'s file imports."""
   tops = {d.split('.')[0] for d in by_dotted}
-  here = module.directory
-  in_package = not here or here.replace('/', '.') in by_dotted
+  here = target.directory.replace('/', '.')
+  in_package = not here or here in by_dotted
   modules, requirements = set(), set()
-  for name, names in _Imports(module):
-    sibling = f"{here.replace('/', '.')}.{name}"
-    if not in_package and _LongestModulePrefix(sibling, by_dotted):
-      name = sibling
+  for name, names in _Imports(target):
+    if not in_package and _ModulePrefixes(f'{here}.{name}', by_dotted):
+      name = f'{here}.{name}'
     top = name.split('.')[0]
-    if top not in tops:
-      if top not in _STDLIB:
-        requirements.add(_PIP_NAMES.get(top, top))
-      continue
-    found = {f'{name}.{n}' for n in names} & set(by_dotted)
-    modules |= found
-    if len(found) < len(names) or not names:
-      modules.add(_LongestModulePrefix(name, by_dotted))
-  return modules - {None, module.dotted}, requirements
+    if top in tops:
+      found = {f'{name}.{n}' for n in names} & set(by_dotted)
+      modules |= found
+      if len(found) < len(names) or not names:
+        modules.update(_ModulePrefixes(name, by_dotted)[:1])
+    elif top not in _STDLIB:
+      requirements.add(_PIP_NAMES.get(top, top))
+  return modules - {target.dotted}, requirements
 
 
-def _Reaches(graph, start, goal):
+def _Reachable(graph, start):
+  """The names reachable from `start` (itself included) in `graph`."""
   stack, seen = [start], set()
   while stack:
     node = stack.pop()
-    if node == goal:
-      return True
     if node not in seen:
       seen.add(node)
       stack.extend(graph.get(node, ()))
-  return False
+  return seen
 
 
 def _CheckNoCycle(graph):
-  """Raises BuildSyncError naming one cycle of the dependency graph."""
+  """Raises BuildSyncError naming a cycle: each step, the first dep back."""
   for start in sorted(graph):
     path = [start]
-    while True:  # Follow the first dep that leads back to start.
-      nexts = [d for d in sorted(graph[path[-1]])
-               if d == start or (d not in path and _Reaches(graph, d, start))]
-      if not nexts:
-        break
+    while nexts := [d for d in sorted(graph[path[-1]]) if d == start or
+                    (d not in path and start in _Reachable(graph, d))]:
       if nexts[0] == start:
         raise BuildSyncError(
             'import cycle between targets (Bazel rejects cycles; merge or '
@@ -220,78 +169,71 @@ def _CheckNoCycle(graph):
       path.append(nexts[0])
 
 
-def _AddDeps(modules, targets):
-  by_dotted = {m.dotted: m for m in modules}
-  conftests = [m for m in modules if m.basename == 'conftest.py']
-  packages = []  # (importer, package target): only if acyclic.
-  for m in modules:
-    target = targets[m.path]
-    imported, target.requirements = ResolveImports(m, by_dotted)
-    for dotted in imported:
-      target.deps.add(TargetName(by_dotted[dotted].path))
-      parts = dotted.split('.')
-      packages += [(target.name, TargetName(by_dotted[p].path))
-                   for p in ('.'.join(parts[:i]) for i in range(1, len(parts)))
-                   if p in by_dotted]
+def _AddDeps(targets):
+  """Fills in the deps and requirements of `targets`."""
+  by_dotted = {t.dotted: t.name for t in targets}
+  conftests = [t for t in targets if t.basename == 'conftest.py']
+  packages = set()  # (importer, package target): only if acyclic.
+  for target in targets:
+    imported, target.requirements = ResolveImports(target, by_dotted)
+    target.deps |= {by_dotted[d] for d in imported}
+    packages |= {(target.name, by_dotted[p]) for d in imported
+                 for p in _ModulePrefixes(d, by_dotted)[1:]}
     if target.kind == 'py_test':
-      target.deps |= {TargetName(c.path) for c in conftests
-                      if (m.directory + '/').startswith(
-                          c.directory + '/' if c.directory else '')}
-  graph = {t.name: t.deps for t in targets.values()}
+      target.deps |= {c.name for c in conftests if (
+          f'{target.directory}/'.startswith(f'{c.directory}/'.lstrip('/')))}
+  graph = {t.name: t.deps for t in targets}
   _CheckNoCycle(graph)
-  for importer, package in sorted(set(packages)):
-    if importer != package and not _Reaches(graph, package, importer):
+  for importer, package in sorted(packages):
+    if importer != package and importer not in _Reachable(graph, package):
       graph[importer].add(package)
-
-
-def _TreeData(root, modules):
-  """`data` for a test that reads the source tree: BUILD plus every source."""
-  files = ['.gitignore'] if (root / '.gitignore').is_file() else []
-  dirs = sorted({m.path.split('/')[0] for m in modules if '/' in m.path})
-  patterns = [f'{d}/**/*.py' for d in dirs]
-  # legacy_create_init = 0: no empty __init__.py files that the real tree
-  # lacks may appear in the runfiles the test scans.
-  return (['    data = ['] + [f'        "{f}",' for f in files + ['BUILD']] +
-          ['    ] + glob(['] + [f'        "{p}",' for p in patterns] +
-          ['    ]),', '    legacy_create_init = 0,'])
 
 
 def BuildTargets(root):
   """The targets of the tree at `root`, sorted by source path."""
-  modules = LoadModules(root)
-  targets = {m.path: _NewTarget(m) for m in modules}
-  seen = {}
-  for t in targets.values():
-    if t.name in seen:
-      raise BuildSyncError(f'{seen[t.name]} and {t.src} would both be '
+  targets, names = [Target(root, p) for p in FindSources(root)], {}
+  for t in targets:
+    if names.setdefault(t.name, t.src) != t.src:
+      raise BuildSyncError(f'{names[t.name]} and {t.src} would both be '
                            f'target {t.name!r}; rename one of them')
-    seen[t.name] = t.src
-  _AddDeps(modules, targets)
-  for path in _TREE_READING_TESTS:
-    if path in targets:
-      targets[path].data = _TreeData(root, modules)
-  return [targets[p] for p in sorted(targets)]
+  _AddDeps(targets)
+  for t in targets:
+    if t.src in _TREE_READING_TESTS:
+      t.data = _TreeData(root, targets)
+  return targets
 
 
-# -------------------------------------------------------------- Rendering.
+def _Items(items):
+  """The lines of a multi-line list's items."""
+  return [f'        {i},' for i in items]
 
 
 def _ListAttr(attr, items):
-  if not items:
-    return []
-  if len(items) == 1:
-    return [f'    {attr} = [{items[0]}],']
-  return [f'    {attr} = ['] + [f'        {i},' for i in items] + ['    ],']
+  """`attr = [...]`: nothing if empty, on one line if a single item."""
+  if len(items) <= 1:
+    return [f'    {attr} = [{i}],' for i in items]
+  return [f'    {attr} = [', *_Items(items), '    ],']
+
+
+def _TreeData(root, targets):
+  """`data` for a test that reads the source tree: BUILD plus every source."""
+  files = ['.gitignore'] if (root / '.gitignore').is_file() else []
+  dirs = sorted({t.src.split('/')[0] for t in targets if '/' in t.src})
+  # legacy_create_init = 0: no empty __init__.py files that the real tree
+  # lacks may appear in the runfiles the test scans.
+  return (['    data = [', *_Items(f'"{f}"' for f in files + ['BUILD']),
+          '    ] + glob([', *_Items(f'"{d}/**/*.py"' for d in dirs),
+          '    ]),', '    legacy_create_init = 0,'])
 
 
 def RenderTarget(target):
+  """The rule call of `target`, without a trailing newline."""
   lines = [f'{target.kind}(', f'    name = "{target.name}",']
   if target.size:
     lines.append(f'    size = "{target.size}",')
   if target.testonly:
     lines.append('    testonly = True,')
-  lines += _ListAttr('srcs', [f'"{target.src}"'])
-  lines += target.data or []
+  lines += _ListAttr('srcs', [f'"{target.src}"']) + (target.data or [])
   if target.kind != 'py_library':
     lines.append(f'    main = "{target.src}",')
   deps = [f'":{d}"' for d in sorted(target.deps)]
@@ -302,7 +244,7 @@ def RenderTarget(target):
 def Generate(root):
   """The complete BUILD file text for the tree at `root`."""
   targets = BuildTargets(pathlib.Path(root))
-  kinds = sorted({t.kind for t in targets}, key=_RULE_ORDER.index)
+  kinds = sorted({t.kind for t in targets})  # py_binary, py_library, py_test
   loads = []
   if any(t.requirements for t in targets):
     loads.append('load("@pip//:requirements.bzl", "requirement")')
@@ -317,15 +259,14 @@ def Generate(root):
 
 
 def Diff(current, generated):
-  return ''.join(
-      difflib.unified_diff(
-          current.splitlines(keepends=True),
-          generated.splitlines(keepends=True),
-          fromfile='BUILD (committed)',
-          tofile='BUILD (generated)'))
+  """A unified diff from the committed BUILD text to the generated one."""
+  return ''.join(difflib.unified_diff(
+      current.splitlines(keepends=True), generated.splitlines(keepends=True),
+      fromfile='BUILD (committed)', tofile='BUILD (generated)'))
 
 
 def main(argv=None):
+  """Writes or checks BUILD; returns the exit status (0, 1 stale, 2 error)."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--check', action='store_true',
                       help='do not write; exit 1 with a diff if BUILD is stale')
@@ -343,15 +284,14 @@ def main(argv=None):
     return 2
   build = root / 'BUILD'
   current = build.read_text() if build.is_file() else ''
+  if current == text:
+    return 0
   if args.check:
-    if current == text:
-      return 0
     sys.stdout.write(Diff(current, text))
     print(f'{build} is out of date; run: {FIX_COMMAND} --root {root}')
     return 1
-  if current != text:
-    build.write_text(text)
-    print(f'build_sync: wrote {build}')
+  build.write_text(text)
+  print(f'build_sync: wrote {build}')
   return 0
 
 

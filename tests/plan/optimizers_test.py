@@ -31,6 +31,7 @@ from gpipe import plan
 from gpipe.plan import optimizers
 from gpipe.plan import roofline
 from gpipe.plan import train_step
+from tests import close
 from gpipe import sharding
 from gpipe.xla import partitioning
 from lingvo.core import hyperparams
@@ -42,6 +43,7 @@ from tests import reference_bodies
 SHAPES = [(6, 5), (3, 8, 6), (7, 3, 5), (5,), ()]
 LEARNING_RATES = [0.1, 0.05, 0.02, 0.01]
 RTOL = 1e-6
+_OF_LARGEST = close.Tolerance(rtol=RTOL, atol=0.0, atol_of_largest=RTOL)
 
 
 def _Values(seed, num_steps=len(LEARNING_RATES)):
@@ -130,9 +132,8 @@ def _Compare(opt_params, seed=0, grads=None, scales=None):
       assert got.shape == want.shape, (shape, name, got.shape, want.shape)
       # Relative to the tensor's largest value: an element that the update
       # moved near zero has no relative precision of its own.
+      close.AssertClose(got, want, _OF_LARGEST, f'{shape} {name}')
       scale = max(np.abs(want).max(), 1e-30)
-      np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale,
-                                 err_msg=f'{shape} {name}')
       largest = max(largest, np.abs(got - want).max() / scale)
   return largest
 

@@ -1,30 +1,20 @@
 """Tests for gpipe/schedule/__init__.py against an independent event simulator.
 
-gpipe/schedule/__init__.py is loaded straight from its file under a private module name:
-`import gpipe` would run gpipe/__init__.py, which imports TensorFlow, and the
-schedule arithmetic must neither need nor build a graph.
-
-The reference is `_Simulate`, which pushes microbatches through a rotating
-buffer of S stages one iteration at a time, using only the rules stated in the
-schedule's docstring:
-
-  * a microbatch enters stage 0 and moves one stage per iteration;
-  * after stage S - 1 it goes back to stage 0 on the next iteration for its
-    next repeat, until it has run all R * S logical layers (R == 1: it leaves);
-  * stage 0 reads fresh input only in the first S iterations of every R * S
-    block (R == 1: every iteration), taking microbatches in order;
-  * circular (R > 1): the last segment of S is padded with phantom
-    microbatches, which occupy slots but do no useful work.
-
-Nothing in the simulator uses the closed-form formulas of gpipe/schedule/__init__.py.
+The reference is schedule_reference.py's simulator, which pushes
+microbatches through a rotating buffer of S stages one iteration at a time
+by the rules the schedule's docstring states (nothing in it uses the
+schedule's closed forms). Checked here: the module is TF free; the
+simulator reproduces the hand-worked examples; Schedule's table, per-slot,
+per-stage and per-microbatch functions against the simulator over a sweep
+of S, M and R, on ints, NumPy grids and values that reject anything a
+tensor would not do; the closed forms the docstring states; its diagrams;
+parameter validation. The forward loop's phases, the 1f1b gradient loop
+and stream_io's slots are in schedule_loops_test.py.
 """
 
 import ast
-import functools
-import importlib.util
 import itertools
 import math
-import pathlib
 import re
 import subprocess
 import sys
@@ -32,19 +22,14 @@ import sys
 import numpy as np
 import pytest
 
-_SCHEDULE_PATH = (pathlib.Path(__file__).resolve().parents[2] / 'gpipe' /
-                  'schedule' / '__init__.py')
-
-_TF_LOADED_BEFORE = 'tensorflow' in sys.modules
-_spec = importlib.util.spec_from_file_location('_gpipe_schedule_under_test',
-                                               _SCHEDULE_PATH)
-schedule = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(schedule)
-_TF_LOADED_AFTER = 'tensorflow' in sys.modules
-
-Schedule = schedule.Schedule
+# Loads gpipe/schedule/__init__.py without TensorFlow: before gpipe.
+from tests.schedule import schedule_reference  # pylint: disable=g-bad-import-order
 # The diagrams (drawn from whichever Schedule they are given); no TF either.
-from gpipe.schedule import text as schedule_text  # pylint: disable=g-import-not-at-top,g-bad-import-order
+from gpipe.schedule import text as schedule_text  # pylint: disable=g-bad-import-order
+
+schedule = schedule_reference.schedule
+Schedule = schedule.Schedule
+_Simulate = schedule_reference.Simulate
 
 _SWEEP = list(
     itertools.product(range(1, 6), range(1, 13), range(1, 4)))  # S, M, R.
@@ -61,109 +46,6 @@ _CIRCULAR_DOC_DIAGRAM = """\
 iteration     0    1    2    3    4    5    6    7    8
 stage 0     0/0  1/0  0/1  1/1  2/0    .  2/1    .    .
 stage 1       .  0/0  1/0  0/1  1/1  2/0    .  2/1    ."""
-
-
-class _SimResult:
-  """What the simulator observed for one (S, M, R).
-
-  Attributes:
-    table: [T][S] of (microbatch, repeat) or None, like Schedule.Table().
-    input_iteration: per real microbatch, iteration it entered stage 0.
-    output_iteration: per real microbatch, iteration it left the last layer.
-    input_index: per iteration, the real microbatch stage 0 read, else M.
-    reads_input: per iteration, whether stage 0 took fresh input.
-    useful_slots: number of (iteration, stage) slots doing real work.
-    slots: {(microbatch, layer): (iteration, stage)} of the real work.
-  """
-
-  def __init__(self, table, input_iteration, output_iteration, input_index,
-               reads_input, useful_slots, slots):
-    self.slots = slots
-    self.table = table
-    self.input_iteration = input_iteration
-    self.output_iteration = output_iteration
-    self.input_index = input_index
-    self.reads_input = reads_input
-    self.useful_slots = useful_slots
-
-  @property
-  def num_iterations(self):
-    return len(self.table)
-
-
-@functools.lru_cache(maxsize=None)
-def _Simulate(num_stages, num_microbatches, circular_repeat):
-  """Runs the pipeline iteration by iteration and checks its consistency."""
-  s, m, r = num_stages, num_microbatches, circular_repeat
-  num_layers = s * r
-  num_fed = m
-  if r > 1:  # Pad the last segment of S with phantom microbatches (id >= M).
-    while num_fed % s:
-      num_fed += 1
-  feed = list(range(num_fed))
-  buffer = [None] * s  # buffer[stage] = (microbatch, layer) just processed.
-  done = {}  # (microbatch, layer) -> (iteration, stage).
-  table, input_index, reads_input = [], [], []
-  iteration = 0
-  limit = 10 * (num_fed * r + s) + 10
-  while True:
-    assert iteration < limit, 'simulator did not terminate'
-    new = [None] * s
-    for stage in range(1, s):  # Shift the buffer by one stage.
-      if buffer[stage - 1] is not None:
-        mb, layer = buffer[stage - 1]
-        new[stage] = (mb, layer + 1)
-    returning = None  # What the last stage hands back to stage 0.
-    if buffer[s - 1] is not None:
-      mb, layer = buffer[s - 1]
-      if layer + 1 < num_layers:
-        returning = (mb, layer + 1)
-    fresh = iteration % (r * s) < s
-    if fresh:
-      # Stage 0 must never overwrite a microbatch that still needs repeats.
-      assert returning is None, (
-          f'collision at stage 0, iteration {iteration}: {returning}')
-      if feed:
-        new[0] = (feed.pop(0), 0)
-    else:
-      new[0] = returning
-    if not feed and all(x is None for x in new):
-      break
-    row = []
-    for stage, item in enumerate(new):
-      if item is None or item[0] >= m:
-        row.append(None)
-        continue
-      mb, layer = item
-      assert layer % s == stage, (item, stage)
-      assert 0 <= layer < num_layers, item
-      assert item not in done, f'{item} processed twice'
-      done[item] = (iteration, stage)
-      row.append((mb, layer // s))
-    table.append(row)
-    reads_input.append(fresh)
-    if fresh and new[0] is not None and new[0][0] < m:
-      input_index.append(new[0][0])
-    else:
-      input_index.append(m)
-    buffer = new
-    iteration += 1
-
-  # Every real (microbatch, layer) ran exactly once, layers in order on
-  # consecutive iterations.
-  assert set(done) == {(mb, l) for mb in range(m) for l in range(num_layers)}
-  for mb in range(m):
-    for l in range(1, num_layers):
-      assert done[(mb, l)][0] == done[(mb, l - 1)][0] + 1, (mb, l)
-  # No stage ever holds two things: each row has S cells, and every
-  # (iteration, stage) slot was claimed at most once.
-  slots = list(done.values())
-  assert len(slots) == len(set(slots))
-  input_iteration = [done[(mb, 0)][0] for mb in range(m)]
-  assert input_iteration == sorted(input_iteration)  # Enter in order.
-  output_iteration = [done[(mb, num_layers - 1)][0] for mb in range(m)]
-  return _SimResult(table, input_iteration, output_iteration, input_index,
-                    reads_input, len(done), dict(done))
 
 
 class _StrictInt:
@@ -289,12 +171,12 @@ def _Words(text):
 
 
 def test_loading_schedule_does_not_import_tensorflow():
-  if not _TF_LOADED_BEFORE:
-    assert not _TF_LOADED_AFTER
+  if not schedule_reference.TF_LOADED_BEFORE:
+    assert not schedule_reference.TF_LOADED_AFTER
   code = (
       'import importlib.util, sys\n'
       'spec = importlib.util.spec_from_file_location(\n'
-      f'    "s", {str(_SCHEDULE_PATH)!r})\n'
+      f'    "s", {str(schedule_reference.SCHEDULE_PATH)!r})\n'
       'mod = importlib.util.module_from_spec(spec)\n'
       'spec.loader.exec_module(mod)\n'
       'mod.OneFOneB(mod.Schedule(3, 5, 2)).BackwardTables()\n'
@@ -309,7 +191,7 @@ def test_schedule_imports_only_the_standard_library_at_module_level():
   # The arithmetic must be importable (and testable) without TF or NumPy; the
   # only non-standard import is the plotting helper, loaded lazily inside the
   # command when --out is given.
-  tree = ast.parse(_SCHEDULE_PATH.read_text())
+  tree = ast.parse(schedule_reference.SCHEDULE_PATH.read_text())
   top_level = set()
   for node in tree.body:
     if isinstance(node, ast.Import):
@@ -592,202 +474,3 @@ def test_positional_args_and_default_repeat():
 if __name__ == '__main__':
   import sys  # pylint: disable=g-import-not-at-top
   sys.exit(pytest.main([__file__]))
-
-
-_PHASE_SWEEP = [(s, m, r) for s in range(1, 7) for m in (1, 2, 3, 5, 8, 13)
-                for r in (1, 2, 3)]
-
-
-@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
-def test_phases_tile_the_loop_and_hold_every_useful_slot(s, m, r):
-  """Phases: consecutive runs covering [0, T); each computes a range of
-  ceil(S/2) or S stages holding every valid slot of its iterations; at
-  most three, the narrow ones first and last."""
-  sched = Schedule(s, m, r)
-  table = _Simulate(s, m, r).table
-  phases = sched.Phases()
-  assert 1 <= len(phases) <= 3
-  assert phases[0].begin == 0 and phases[-1].end == sched.num_iterations
-  for before, after in zip(phases, phases[1:]):
-    assert before.end == after.begin
-  half = -(-s // 2)
-  for k, p in enumerate(phases):
-    assert p.end > p.begin
-    assert p.num_stages in (half, s)
-    assert 0 <= p.first_stage and p.first_stage + p.num_stages <= s
-    if p.num_stages < s:
-      assert k in (0, len(phases) - 1)
-    for i in range(p.begin, p.end):
-      for stage in range(s):
-        if i < len(table) and table[i][stage] is not None:
-          assert p.first_stage <= stage < p.first_stage + p.num_stages, (
-              i, stage, p)
-
-
-def test_phases_hand_worked():
-  """The docstring's S=4, M=4 and a short circular one (S=2, M=3, R=2:
-  iteration 0 holds stage 0 only; 7 and 8 stage 1 or nothing)."""
-  P = schedule.Phase
-  assert Schedule(4, 4).Phases() == [P(0, 2, 0, 2), P(2, 5, 0, 4),
-                                     P(5, 7, 2, 2)]
-  assert Schedule(2, 3, 2).Phases() == [P(0, 1, 0, 1), P(1, 7, 0, 2),
-                                        P(7, 9, 1, 1)]
-  assert Schedule(1, 5).Phases() == [P(0, 5, 0, 1)]
-  assert Schedule(3, 1).Phases() == [P(0, 2, 0, 2), P(2, 3, 1, 2)]
-
-
-# -- The 1f1b gradient loop (OneFOneB) and stream_io's slots (Streams). -------
-
-_ONE_F_ONE_B_DOC_DIAGRAM = """\
-j            0   1   2   3   4   5   6   7
-stage 0    0,. 1,. 2,. 3,. .,0 .,1 .,2 .,3
-stage 1    .,. 0,. 1,. 2,0 3,1 .,2 .,3 .,.
-stage 2    .,. .,. 0,0 1,1 2,2 3,3 .,. .,."""
-
-
-def _ExpectedBackward(s, m, r):
-  """{(microbatch, layer): gradient-loop iteration} from the rule the
-  OneFOneB docstring states, over the simulator's forward slots: the last
-  layer's backward in the iteration that runs its forward, each earlier
-  layer's one iteration after the layer above it."""
-  done = _Simulate(s, m, r).slots
-  num_layers = s * r
-  return {(mb, l): done[(mb, num_layers - 1)][0] + (num_layers - 1 - l)
-          for (mb, l) in done}
-
-
-@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
-def test_backward_wave_runs_every_call_once_by_the_rule(s, m, r):
-  """Every real (microbatch, layer) call is differentiated exactly once, at
-  the stage that ran it, at the iteration the rule gives, reading the
-  input its forward wrote at the same forward iteration; its input waits
-  in the ring fewer than ring_size iterations; bubbles read nothing."""
-  sched = Schedule(s, m, r)
-  waves = schedule.OneFOneB(sched)
-  done = _Simulate(s, m, r).slots
-  expected = _ExpectedBackward(s, m, r)
-  tables = waves.BackwardTables()
-  seen = {}
-  for k in range(sched.num_iterations):
-    for stage in range(s):
-      if not tables['valid'][k][stage]:
-        continue
-      mb = tables['microbatch'][k][stage]
-      layer = tables['repeat'][k][stage] * s + stage
-      assert (mb, layer) not in seen, (mb, layer)
-      j = k + waves.delay
-      seen[(mb, layer)] = j
-      forward_iteration, forward_stage = done[(mb, layer)]
-      assert forward_stage == stage
-      assert tables['iteration'][k][stage] == forward_iteration
-      assert 0 <= j - forward_iteration < waves.ring_size
-      assert tables['ring_slot'][k][stage] == (forward_iteration %
-                                               waves.ring_size)
-      assert tables['last_layer'][k][stage] == (layer == s * r - 1)
-      assert tables['first_layer'][k][stage] == (layer == 0)
-      assert tables['seed_offset'][k][stage] == sched.StepSeedOffset(layer, mb)
-  assert seen == expected
-  assert waves.ring_size == 2 * s * r - 1
-
-
-@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
-def test_gradient_phases_hold_both_waves(s, m, r):
-  """The phases tile the gradient loop; the forward wave runs exactly in
-  [0, T), the backward wave in [delay, delay + T)."""
-  sched = Schedule(s, m, r)
-  waves = schedule.OneFOneB(sched)
-  phases = waves.Phases()
-  assert phases[0].begin == 0 and phases[-1].end == waves.num_iterations
-  for before, after in zip(phases, phases[1:]):
-    assert before.end == after.begin
-  forward = {j for p in phases if p.forward for j in range(p.begin, p.end)}
-  backward = {j for p in phases if p.backward for j in range(p.begin, p.end)}
-  assert forward == set(range(sched.num_iterations))
-  assert backward == set(range(waves.delay, waves.num_iterations))
-  assert waves.num_iterations == sched.num_iterations + s * r - 1
-
-
-def test_one_f_one_b_docstring_diagram():
-  assert _ONE_F_ONE_B_DOC_DIAGRAM in _Unindented(schedule.OneFOneB.__doc__)
-  assert (schedule_text.RenderGradientLoop(Schedule(3, 4, 1)) ==
-          _ONE_F_ONE_B_DOC_DIAGRAM)
-
-
-def _Unindented(text):
-  """text with each line's common indent removed."""
-  lines = text.splitlines()
-  return '\n'.join(line.strip() and line[6:] for line in lines)
-
-
-def _Rotate(column):
-  """One stage towards stage 0: [c0, c1, ..., cS-1] -> [c1, ..., cS-1, c0]."""
-  return column[1:] + column[:1]
-
-
-@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
-def test_streams_deliver_in_order_and_end_home(s, m, r):
-  """Simulated with Python lists, by the rules gpipe.streams documents:
-  stage 0 reads a slot's entry at stage 0, then the slot's column rotates;
-  the last stage's output goes to a slot's last entry after its column
-  rotates; output gradients are read at the last stage after a rotation;
-  input gradients are written at stage 0, then the column rotates. Reads
-  come in microbatch order; written streams, after FixupShifts more
-  rotations, hold microbatch s K + k at [s][k]."""
-  sched = Schedule(s, m, r)
-  streams = schedule.Streams(sched)
-  k_slots = streams.num_slots
-  assert streams.padded_microbatches == s * k_slots >= m > s * (k_slots - 1)
-  home = [[st * k_slots + k for k in range(k_slots)] for st in range(s)]
-
-  def Column(stream, k):
-    return [stream[st][k] for st in range(s)]
-
-  def SetColumn(stream, k, column):
-    for st in range(s):
-      stream[st][k] = column[st]
-
-  def Home(stream):
-    for k, shift in enumerate(streams.FixupShifts()):
-      column = Column(stream, k)
-      for _ in range(shift):
-        column = _Rotate(column)
-      SetColumn(stream, k, column)
-    return [[x if x is not None and x < m else None for x in row]
-            for row in stream]
-
-  expected = [[x if x < m else None for x in row] for row in home]
-  # Inputs, read at stage 0 in the forward schedule's order.
-  stream = [list(row) for row in home]
-  reads = []
-  for k in streams.ReadSlots():
-    if k >= 0:
-      reads.append(stream[0][k])
-      SetColumn(stream, k, _Rotate(Column(stream, k)))
-  assert reads == list(range(m))
-  # Outputs, written at the last stage.
-  stream = [[None] * k_slots for _ in range(s)]
-  for i, k in enumerate(streams.WriteSlots()):
-    if k >= 0:
-      column = _Rotate(Column(stream, k))
-      column[-1] = sched.OutputIndexPerIteration()[i]
-      SetColumn(stream, k, column)
-  assert Home(stream) == expected
-  # Backward wave: output gradients read at the last stage, input
-  # gradients written at stage 0.
-  tables = schedule.OneFOneB(sched).BackwardTables()
-  d_out = [list(row) for row in home]
-  d_in = [[None] * k_slots for _ in range(s)]
-  read_order, write_order = [], []
-  for step in range(sched.num_iterations):
-    if tables['last_layer'][step][s - 1]:
-      k = streams.Slot(tables['microbatch'][step][s - 1])
-      SetColumn(d_out, k, _Rotate(Column(d_out, k)))
-      read_order.append(d_out[s - 1][k])
-    if tables['first_layer'][step][0]:
-      mb = tables['microbatch'][step][0]
-      write_order.append(mb)
-      k = streams.Slot(mb)
-      d_in[0][k] = mb
-      SetColumn(d_in, k, _Rotate(Column(d_in, k)))
-  assert read_order == list(range(m)) == write_order
-  assert Home(d_in) == expected

@@ -1,0 +1,221 @@
+"""The loops gpipe.schedule plans besides the forward table, against its rules.
+
+The forward loop's phases (which stages each run of iterations computes:
+skip_bubbles), the 1f1b gradient loop (OneFOneB: its backward wave, by the
+rule its docstring states over the simulator's forward slots, its phases
+and diagram) and stream_io's slots (Streams, simulated with Python lists by
+the rules gpipe.streams documents). The simulator is schedule_reference.py's.
+"""
+
+import pytest
+
+from gpipe.schedule import text as schedule_text
+from tests.schedule import schedule_reference
+
+schedule = schedule_reference.schedule
+Schedule = schedule.Schedule
+_Simulate = schedule_reference.Simulate
+
+
+_PHASE_SWEEP = [(s, m, r) for s in range(1, 7) for m in (1, 2, 3, 5, 8, 13)
+                for r in (1, 2, 3)]
+
+
+@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
+def test_phases_tile_the_loop_and_hold_every_useful_slot(s, m, r):
+  """Phases: consecutive runs covering [0, T); each computes a range of
+  ceil(S/2) or S stages holding every valid slot of its iterations; at
+  most three, the narrow ones first and last."""
+  sched = Schedule(s, m, r)
+  table = _Simulate(s, m, r).table
+  phases = sched.Phases()
+  assert 1 <= len(phases) <= 3
+  assert phases[0].begin == 0 and phases[-1].end == sched.num_iterations
+  for before, after in zip(phases, phases[1:]):
+    assert before.end == after.begin
+  half = -(-s // 2)
+  for k, p in enumerate(phases):
+    assert p.end > p.begin
+    assert p.num_stages in (half, s)
+    assert 0 <= p.first_stage and p.first_stage + p.num_stages <= s
+    if p.num_stages < s:
+      assert k in (0, len(phases) - 1)
+    for i in range(p.begin, p.end):
+      for stage in range(s):
+        if i < len(table) and table[i][stage] is not None:
+          assert p.first_stage <= stage < p.first_stage + p.num_stages, (
+              i, stage, p)
+
+
+def test_phases_hand_worked():
+  """The docstring's S=4, M=4 and a short circular one (S=2, M=3, R=2:
+  iteration 0 holds stage 0 only; 7 and 8 stage 1 or nothing)."""
+  P = schedule.Phase
+  assert Schedule(4, 4).Phases() == [P(0, 2, 0, 2), P(2, 5, 0, 4),
+                                     P(5, 7, 2, 2)]
+  assert Schedule(2, 3, 2).Phases() == [P(0, 1, 0, 1), P(1, 7, 0, 2),
+                                        P(7, 9, 1, 1)]
+  assert Schedule(1, 5).Phases() == [P(0, 5, 0, 1)]
+  assert Schedule(3, 1).Phases() == [P(0, 2, 0, 2), P(2, 3, 1, 2)]
+
+
+# -- The 1f1b gradient loop (OneFOneB) and stream_io's slots (Streams). -------
+
+_ONE_F_ONE_B_DOC_DIAGRAM = """\
+j            0   1   2   3   4   5   6   7
+stage 0    0,. 1,. 2,. 3,. .,0 .,1 .,2 .,3
+stage 1    .,. 0,. 1,. 2,0 3,1 .,2 .,3 .,.
+stage 2    .,. .,. 0,0 1,1 2,2 3,3 .,. .,."""
+
+
+def _ExpectedBackward(s, m, r):
+  """{(microbatch, layer): gradient-loop iteration} from the rule the
+  OneFOneB docstring states, over the simulator's forward slots: the last
+  layer's backward in the iteration that runs its forward, each earlier
+  layer's one iteration after the layer above it."""
+  done = _Simulate(s, m, r).slots
+  num_layers = s * r
+  return {(mb, l): done[(mb, num_layers - 1)][0] + (num_layers - 1 - l)
+          for (mb, l) in done}
+
+
+@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
+def test_backward_wave_runs_every_call_once_by_the_rule(s, m, r):
+  """Every real (microbatch, layer) call is differentiated exactly once, at
+  the stage that ran it, at the iteration the rule gives, reading the
+  input its forward wrote at the same forward iteration; its input waits
+  in the ring fewer than ring_size iterations; bubbles read nothing."""
+  sched = Schedule(s, m, r)
+  waves = schedule.OneFOneB(sched)
+  done = _Simulate(s, m, r).slots
+  expected = _ExpectedBackward(s, m, r)
+  tables = waves.BackwardTables()
+  seen = {}
+  for k in range(sched.num_iterations):
+    for stage in range(s):
+      if not tables['valid'][k][stage]:
+        continue
+      mb = tables['microbatch'][k][stage]
+      layer = tables['repeat'][k][stage] * s + stage
+      assert (mb, layer) not in seen, (mb, layer)
+      j = k + waves.delay
+      seen[(mb, layer)] = j
+      forward_iteration, forward_stage = done[(mb, layer)]
+      assert forward_stage == stage
+      assert tables['iteration'][k][stage] == forward_iteration
+      assert 0 <= j - forward_iteration < waves.ring_size
+      assert tables['ring_slot'][k][stage] == (forward_iteration %
+                                               waves.ring_size)
+      assert tables['last_layer'][k][stage] == (layer == s * r - 1)
+      assert tables['first_layer'][k][stage] == (layer == 0)
+      assert tables['seed_offset'][k][stage] == sched.StepSeedOffset(layer, mb)
+  assert seen == expected
+  assert waves.ring_size == 2 * s * r - 1
+
+
+@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
+def test_gradient_phases_hold_both_waves(s, m, r):
+  """The phases tile the gradient loop; the forward wave runs exactly in
+  [0, T), the backward wave in [delay, delay + T)."""
+  sched = Schedule(s, m, r)
+  waves = schedule.OneFOneB(sched)
+  phases = waves.Phases()
+  assert phases[0].begin == 0 and phases[-1].end == waves.num_iterations
+  for before, after in zip(phases, phases[1:]):
+    assert before.end == after.begin
+  forward = {j for p in phases if p.forward for j in range(p.begin, p.end)}
+  backward = {j for p in phases if p.backward for j in range(p.begin, p.end)}
+  assert forward == set(range(sched.num_iterations))
+  assert backward == set(range(waves.delay, waves.num_iterations))
+  assert waves.num_iterations == sched.num_iterations + s * r - 1
+
+
+def test_one_f_one_b_docstring_diagram():
+  assert _ONE_F_ONE_B_DOC_DIAGRAM in _Unindented(schedule.OneFOneB.__doc__)
+  assert (schedule_text.RenderGradientLoop(Schedule(3, 4, 1)) ==
+          _ONE_F_ONE_B_DOC_DIAGRAM)
+
+
+def _Unindented(text):
+  """text with each line's common indent removed."""
+  lines = text.splitlines()
+  return '\n'.join(line.strip() and line[6:] for line in lines)
+
+
+def _Rotate(column):
+  """One stage towards stage 0: [c0, c1, ..., cS-1] -> [c1, ..., cS-1, c0]."""
+  return column[1:] + column[:1]
+
+
+@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
+def test_streams_deliver_in_order_and_end_home(s, m, r):
+  """Simulated with Python lists, by the rules gpipe.streams documents:
+  stage 0 reads a slot's entry at stage 0, then the slot's column rotates;
+  the last stage's output goes to a slot's last entry after its column
+  rotates; output gradients are read at the last stage after a rotation;
+  input gradients are written at stage 0, then the column rotates. Reads
+  come in microbatch order; written streams, after FixupShifts more
+  rotations, hold microbatch s K + k at [s][k]."""
+  sched = Schedule(s, m, r)
+  streams = schedule.Streams(sched)
+  k_slots = streams.num_slots
+  assert streams.padded_microbatches == s * k_slots >= m > s * (k_slots - 1)
+  home = [[st * k_slots + k for k in range(k_slots)] for st in range(s)]
+
+  def Column(stream, k):
+    return [stream[st][k] for st in range(s)]
+
+  def SetColumn(stream, k, column):
+    for st in range(s):
+      stream[st][k] = column[st]
+
+  def Home(stream):
+    for k, shift in enumerate(streams.FixupShifts()):
+      column = Column(stream, k)
+      for _ in range(shift):
+        column = _Rotate(column)
+      SetColumn(stream, k, column)
+    return [[x if x is not None and x < m else None for x in row]
+            for row in stream]
+
+  expected = [[x if x < m else None for x in row] for row in home]
+  # Inputs, read at stage 0 in the forward schedule's order.
+  stream = [list(row) for row in home]
+  reads = []
+  for k in streams.ReadSlots():
+    if k >= 0:
+      reads.append(stream[0][k])
+      SetColumn(stream, k, _Rotate(Column(stream, k)))
+  assert reads == list(range(m))
+  # Outputs, written at the last stage.
+  stream = [[None] * k_slots for _ in range(s)]
+  for i, k in enumerate(streams.WriteSlots()):
+    if k >= 0:
+      column = _Rotate(Column(stream, k))
+      column[-1] = sched.OutputIndexPerIteration()[i]
+      SetColumn(stream, k, column)
+  assert Home(stream) == expected
+  # Backward wave: output gradients read at the last stage, input
+  # gradients written at stage 0.
+  tables = schedule.OneFOneB(sched).BackwardTables()
+  d_out = [list(row) for row in home]
+  d_in = [[None] * k_slots for _ in range(s)]
+  read_order, write_order = [], []
+  for step in range(sched.num_iterations):
+    if tables['last_layer'][step][s - 1]:
+      k = streams.Slot(tables['microbatch'][step][s - 1])
+      SetColumn(d_out, k, _Rotate(Column(d_out, k)))
+      read_order.append(d_out[s - 1][k])
+    if tables['first_layer'][step][0]:
+      mb = tables['microbatch'][step][0]
+      write_order.append(mb)
+      k = streams.Slot(mb)
+      d_in[0][k] = mb
+      SetColumn(d_in, k, _Rotate(Column(d_in, k)))
+  assert read_order == list(range(m)) == write_order
+  assert Home(d_in) == expected
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))

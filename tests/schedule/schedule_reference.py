@@ -1,0 +1,141 @@
+"""The independent reference of gpipe.schedule's tests: an event simulator.
+
+gpipe/schedule/__init__.py is loaded straight from its file under a private
+module name (`schedule` here): `import gpipe` would run gpipe/__init__.py,
+which imports TensorFlow, and the schedule arithmetic must neither need nor
+build a graph (TF_LOADED_BEFORE and TF_LOADED_AFTER say whether TensorFlow
+was loaded before and after the load).
+
+The reference is `Simulate`, which pushes microbatches through a rotating
+buffer of S stages one iteration at a time, using only the rules stated in the
+schedule's docstring:
+
+  * a microbatch enters stage 0 and moves one stage per iteration;
+  * after stage S - 1 it goes back to stage 0 on the next iteration for its
+    next repeat, until it has run all R * S logical layers (R == 1: it leaves);
+  * stage 0 reads fresh input only in the first S iterations of every R * S
+    block (R == 1: every iteration), taking microbatches in order;
+  * circular (R > 1): the last segment of S is padded with phantom
+    microbatches, which occupy slots but do no useful work.
+
+Nothing in the simulator uses the closed-form formulas of
+gpipe/schedule/__init__.py.
+"""
+
+import functools
+import importlib.util
+import pathlib
+import sys
+
+SCHEDULE_PATH = (pathlib.Path(__file__).resolve().parents[2] / 'gpipe' /
+                 'schedule' / '__init__.py')
+
+TF_LOADED_BEFORE = 'tensorflow' in sys.modules
+_spec = importlib.util.spec_from_file_location('_gpipe_schedule_under_test',
+                                               SCHEDULE_PATH)
+schedule = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(schedule)
+TF_LOADED_AFTER = 'tensorflow' in sys.modules
+
+
+class SimResult:
+  """What the simulator observed for one (S, M, R).
+
+  Attributes:
+    table: [T][S] of (microbatch, repeat) or None, like Schedule.Table().
+    input_iteration: per real microbatch, iteration it entered stage 0.
+    output_iteration: per real microbatch, iteration it left the last layer.
+    input_index: per iteration, the real microbatch stage 0 read, else M.
+    reads_input: per iteration, whether stage 0 took fresh input.
+    useful_slots: number of (iteration, stage) slots doing real work.
+    slots: {(microbatch, layer): (iteration, stage)} of the real work.
+  """
+
+  def __init__(self, table, input_iteration, output_iteration, input_index,
+               reads_input, useful_slots, slots):
+    self.slots = slots
+    self.table = table
+    self.input_iteration = input_iteration
+    self.output_iteration = output_iteration
+    self.input_index = input_index
+    self.reads_input = reads_input
+    self.useful_slots = useful_slots
+
+  @property
+  def num_iterations(self):
+    return len(self.table)
+
+
+@functools.lru_cache(maxsize=None)
+def Simulate(num_stages, num_microbatches, circular_repeat):
+  """Runs the pipeline iteration by iteration and checks its consistency."""
+  s, m, r = num_stages, num_microbatches, circular_repeat
+  num_layers = s * r
+  num_fed = m
+  if r > 1:  # Pad the last segment of S with phantom microbatches (id >= M).
+    while num_fed % s:
+      num_fed += 1
+  feed = list(range(num_fed))
+  buffer = [None] * s  # buffer[stage] = (microbatch, layer) just processed.
+  done = {}  # (microbatch, layer) -> (iteration, stage).
+  table, input_index, reads_input = [], [], []
+  iteration = 0
+  limit = 10 * (num_fed * r + s) + 10
+  while True:
+    assert iteration < limit, 'simulator did not terminate'
+    new = [None] * s
+    for stage in range(1, s):  # Shift the buffer by one stage.
+      if buffer[stage - 1] is not None:
+        mb, layer = buffer[stage - 1]
+        new[stage] = (mb, layer + 1)
+    returning = None  # What the last stage hands back to stage 0.
+    if buffer[s - 1] is not None:
+      mb, layer = buffer[s - 1]
+      if layer + 1 < num_layers:
+        returning = (mb, layer + 1)
+    fresh = iteration % (r * s) < s
+    if fresh:
+      # Stage 0 must never overwrite a microbatch that still needs repeats.
+      assert returning is None, (
+          f'collision at stage 0, iteration {iteration}: {returning}')
+      if feed:
+        new[0] = (feed.pop(0), 0)
+    else:
+      new[0] = returning
+    if not feed and all(x is None for x in new):
+      break
+    row = []
+    for stage, item in enumerate(new):
+      if item is None or item[0] >= m:
+        row.append(None)
+        continue
+      mb, layer = item
+      assert layer % s == stage, (item, stage)
+      assert 0 <= layer < num_layers, item
+      assert item not in done, f'{item} processed twice'
+      done[item] = (iteration, stage)
+      row.append((mb, layer // s))
+    table.append(row)
+    reads_input.append(fresh)
+    if fresh and new[0] is not None and new[0][0] < m:
+      input_index.append(new[0][0])
+    else:
+      input_index.append(m)
+    buffer = new
+    iteration += 1
+
+  # Every real (microbatch, layer) ran exactly once, layers in order on
+  # consecutive iterations.
+  assert set(done) == {(mb, l) for mb in range(m) for l in range(num_layers)}
+  for mb in range(m):
+    for l in range(1, num_layers):
+      assert done[(mb, l)][0] == done[(mb, l - 1)][0] + 1, (mb, l)
+  # No stage ever holds two things: each row has S cells, and every
+  # (iteration, stage) slot was claimed at most once.
+  slots = list(done.values())
+  assert len(slots) == len(set(slots))
+  input_iteration = [done[(mb, 0)][0] for mb in range(m)]
+  assert input_iteration == sorted(input_iteration)  # Enter in order.
+  output_iteration = [done[(mb, num_layers - 1)][0] for mb in range(m)]
+  return SimResult(table, input_iteration, output_iteration, input_index,
+                   reads_input, len(done), dict(done))

@@ -1,0 +1,180 @@
+"""Non-trainable state inside the loop: updated as the plain stack updates it.
+
+The body (tests/reference_bodies.py StatefulBody) reads and updates moving
+statistics, the way batch norm keeps them, and a step counter. The
+pipelined layer's outputs, gradients and final state are compared with the
+plain stack run microbatch by microbatch (rows m, m + M, ... of the batch),
+each layer's weights and state picked from the variables by their
+documented layout: in NumPy for the outputs and the final state, and in a
+TensorFlow plain loop (the updates read by later microbatches, never
+differentiated) for the gradients. Over S, M, R, per-stage variables and
+the backward schedules, in graph mode and under jit.
+"""
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe import layers
+from tests import reference_bodies
+
+STATEFUL_SWEEP = [
+    (1, 2, 1, False, 'reverse'), (2, 3, 1, False, 'reverse'),
+    (3, 4, 2, False, 'reverse'), (2, 3, 3, False, 'reverse'),
+    (3, 2, 1, True, 'reverse'), (2, 5, 2, True, 'reverse'),
+    (3, 4, 2, False, '1f1b'), (2, 5, 2, True, '1f1b+stream_io'),
+]
+_STATEFUL = ([c + ('graph',) for c in STATEFUL_SWEEP] +
+             [c + ('jit',) for c in STATEFUL_SWEEP[2:]])
+
+
+class _StatefulStack:
+  """A PipelinedLayer of StatefulBody, its inputs and its references."""
+
+  def __init__(self, num_stages, num_microbatches, circular_repeat,
+               per_stage_vars, schedule):
+    self.num_stages = num_stages
+    self.num_microbatches = num_microbatches
+    self.circular_repeat = circular_repeat
+    self.per_stage_vars = per_stage_vars
+    self.params = layers.PipelinedLayer.Params().Set(
+        name='pipe', num_stages=num_stages, num_microbatches=num_microbatches,
+        circular_repeat=circular_repeat, per_stage_vars=per_stage_vars,
+        unroll='never',
+        single_stage_body=reference_bodies.StatefulBody.Params(),
+        random_seed=5, backward_schedule=schedule.split('+')[0],
+        stream_io=schedule.endswith('stream_io'))
+    rng = np.random.RandomState(1)
+    rows = 2
+    self.x_np = rng.uniform(-1, 1, [rows * num_microbatches, 4]).astype(
+        np.float32)
+    self.cot = rng.uniform(-1, 1, self.x_np.shape).astype(np.float32)
+
+  def Layout(self, vars_np, name, layer):
+    """Layer `layer`'s variable `name`, by the documented layout."""
+    r, s = divmod(layer, self.num_stages)
+    if self.per_stage_vars:
+      v = vars_np['body_iter_%05d' % s][name]
+      return v[r] if self.circular_repeat > 1 else v
+    v = vars_np['body'][name]
+    return v[s][r] if self.circular_repeat > 1 else v[s]
+
+  def Reference(self, vars_np):
+    """NumPy, microbatch by microbatch: outputs and final state."""
+    num_microbatches, x_np = self.num_microbatches, self.x_np
+    layers_count = self.num_stages * self.circular_repeat
+    moving = [self.Layout(vars_np, 'moving', l).copy()
+              for l in range(layers_count)]
+    outs = []
+    for m in range(num_microbatches):
+      h = x_np[m::num_microbatches]
+      for l in range(layers_count):
+        h, moving[l] = reference_bodies.StatefulFn(
+            reference_bodies.NP, self.Layout(vars_np, 'w', l),
+            self.Layout(vars_np, 'b', l), moving[l], h)
+      outs.append(h)
+    out = np.stack(outs, axis=1).reshape(x_np.shape)
+    return out, moving
+
+  def TfReference(self, theta_vars, initial, x):
+    """TF plain loop (same math) for the gradients."""
+    num_microbatches = self.num_microbatches
+    layers_count = self.num_stages * self.circular_repeat
+    moving = [self.Layout(initial, 'moving', l) for l in range(layers_count)]
+    outs = []
+    for m in range(num_microbatches):
+      h = x[m::num_microbatches]
+      for l in range(layers_count):
+        h, new_moving = reference_bodies.StatefulFn(
+            reference_bodies.TF, self.Layout(theta_vars, 'w', l),
+            self.Layout(theta_vars, 'b', l), moving[l], h)
+        # A variable update: read by later microbatches, never differentiated.
+        moving[l] = tf.stop_gradient(new_moving)
+      outs.append(h)
+    return tf.reshape(tf.stack(outs, axis=1), self.x_np.shape)
+
+  def Build(self, pipe, watch=None):
+    """The layer and the TF reference on the inputs, as a dict of tensors."""
+    x = tf.constant(self.x_np)
+    if watch:
+      watch(x)
+    initial = {k: dict(v.FlattenItems()) for k, v in pipe.vars.items()}
+    initial = tf.nest.map_structure(lambda v: v.read_value(), initial)
+    with tf.control_dependencies(tf.nest.flatten(initial)):
+      out = pipe.FProp(pipe.theta, x)
+    trainable = [v for v in pipe.vars.Flatten() if v.trainable]
+    theta_vars = {k: dict(v.FlattenItems()) for k, v in pipe.theta.items()}
+    ref = self.TfReference(theta_vars, initial, x)
+    loss = tf.reduce_sum(out * self.cot)
+    ref_loss = tf.reduce_sum(ref * self.cot)
+    return dict(out=out, ref=ref, x=x, initial=initial, loss=loss,
+                ref_loss=ref_loss, trainable=trainable)
+
+  @staticmethod
+  def Final(pipe):
+    """The values of the layer's variables."""
+    return {k: {n: v.read_value() for n, v in child.FlattenItems()}
+            for k, child in pipe.vars.items()}
+
+  def Run(self, mode):
+    """One step in `mode`: {out, ref, initial, grads, ref_grads, final}."""
+    if mode == 'graph':
+      with tf.Graph().as_default():
+        pipe = self.params.Instantiate()
+        t = self.Build(pipe)
+        grads = tf.gradients(t['loss'], t['trainable'] + [t['x']])
+        ref_grads = tf.gradients(t['ref_loss'], t['trainable'] + [t['x']])
+        with tf.compat.v1.Session() as sess:
+          sess.run(tf.compat.v1.global_variables_initializer())
+          res = sess.run(dict(out=t['out'], ref=t['ref'],
+                              initial=t['initial'], grads=grads,
+                              ref_grads=ref_grads))
+          res['final'] = sess.run(self.Final(pipe))
+      return res
+    pipe = self.params.Instantiate()
+
+    @tf.function(jit_compile=True)
+    def Step():
+      with tf.GradientTape(persistent=True) as tape:
+        t = self.Build(pipe, tape.watch)
+      grads = tape.gradient(t['loss'], t['trainable'] + [t['x']])
+      ref_grads = tape.gradient(t['ref_loss'], t['trainable'] + [t['x']])
+      return dict(out=t['out'], ref=t['ref'], initial=t['initial'],
+                  grads=[tf.convert_to_tensor(g) for g in grads],
+                  ref_grads=[tf.convert_to_tensor(g) for g in ref_grads])
+
+    res = tf.nest.map_structure(lambda v: v.numpy(), Step())
+    res['final'] = tf.nest.map_structure(lambda v: v.numpy(), self.Final(pipe))
+    return res
+
+
+@pytest.mark.parametrize(
+    'num_stages,num_microbatches,circular_repeat,per_stage_vars,schedule,mode',
+    _STATEFUL,
+    ids=[f'S{s}-M{m}-R{r}{"-per_stage_vars" if v else ""}-{b}-{mode}'
+         for s, m, r, v, b, mode in _STATEFUL])
+def test_non_trainable_state_updates_like_the_plain_stack(
+    num_stages, num_microbatches, circular_repeat, per_stage_vars, schedule,
+    mode):
+  stack = _StatefulStack(num_stages, num_microbatches, circular_repeat,
+                         per_stage_vars, schedule)
+  res = stack.Run(mode)
+  ref_out, ref_moving = stack.Reference(res['initial'])
+  np.testing.assert_allclose(res['out'], ref_out, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(res['out'], res['ref'], rtol=1e-5, atol=1e-5)
+  for g, r in zip(res['grads'], res['ref_grads']):
+    assert np.abs(r).max() > 0
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+  for l, want in enumerate(ref_moving):
+    got = stack.Layout(res['final'], 'moving', l)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                               err_msg=f'moving of layer {l}')
+    # Every layer saw every microbatch once: M updates, no bubble, no
+    # backward recompute counted.
+    assert stack.Layout(res['final'], 'count', l) == num_microbatches
+
+
+if __name__ == '__main__':
+  import sys  # pylint: disable=g-import-not-at-top
+  sys.exit(pytest.main([__file__]))
