@@ -5,6 +5,24 @@ lingvo's custom-op library needs (see gpipe.lingvo_support.lingvo_ops): the
 first import of lingvo after `import gpipe` runs `lingvo_ops.EnsureLingvoOps()`
 first. Import gpipe before lingvo. Importing gpipe alone loads neither
 TensorFlow nor lingvo (the schedule command is pure arithmetic).
+
+The package, by job (the public surface is each public module's __all__,
+docs/api.md; each subpackage's docstring maps its modules):
+
+    layers            PipelinedLayer (Lingvo's LayerwiseShardablePipelined-
+                      Layer), ValidateParams
+    sharding          XLA sharding annotations; SpmdPartitioning
+    lingvo_compat     UseGpipeInLingvo: Lingvo's own models on gpipe
+    schedule          the schedule's arithmetic (and the schedule command)
+    microbatch        the batch in microbatches and back
+    recurrent         the loop whose gradient recomputes each iteration
+    quiet             the commands' quiet logs
+    check_partitioning, demo, lingvo_trainer, plan (a package): the commands
+    pipeline          the layer's data path, in the order a call runs it
+    loops             the loops' machinery under recurrent
+    xla               XLA's SPMD partitioner on virtual CPU devices
+    lingvo_support    what gpipe needs of Lingvo around the layer
+    apps              the commands' own code
 """
 
 import sys
