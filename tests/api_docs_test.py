@@ -14,7 +14,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / 'tools'))
+if str(ROOT / 'tools') not in sys.path:
+  sys.path.insert(0, str(ROOT / 'tools'))
 import api_docs  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 

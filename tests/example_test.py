@@ -21,6 +21,7 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import check_partitioning
 from gpipe import layers
+from lingvo.core import py_utils
 from tests import docs_test
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -111,7 +112,7 @@ def test_my_task_equals_its_layers_run_in_turn():
   with tf.Graph().as_default():
     tf.random.set_seed(2)
     task = my_task.MyRegression().Task().Instantiate()
-    batch = my_task.py_utils.NestedMap(x=tf.constant(x), y=tf.constant(y))
+    batch = py_utils.NestedMap(x=tf.constant(x), y=tf.constant(y))
     metrics, _ = task.FPropDefaultTheta(batch)
     theta, stack = task.theta, task.stack
     h = task.proj_in.FProp(theta.proj_in, batch.x)

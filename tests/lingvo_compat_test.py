@@ -15,7 +15,6 @@ from gpipe import layers
 from gpipe import lingvo_compat
 from lingvo.core import batch_major_attention
 from lingvo.core import gshard_layers
-from lingvo.core import py_utils
 from tests import close
 from tests import reference_bodies
 

@@ -176,8 +176,8 @@ def test_a_model_module_by_path_registers_its_models(tmp_path):
   module = tmp_path / 'my_path_lm.py'
   module.write_text(_USER_MODULE.replace('MyCopyLM', 'MyPathCopyLM'))
   registered_models.ImportModules([str(module)])
-  params = registered_models.GetParams('my_path_lm.MyPathCopyLM')
-  assert params.task.stack.num_stages == 4  # lm.CopyLMSmall's
+  cfg = registered_models.GetParams('my_path_lm.MyPathCopyLM')
+  assert cfg.task.stack.num_stages == 4  # lm.CopyLMSmall's
   with pytest.raises(LookupError, match=(
       r'--model_module .*/nowhere\.py cannot be imported \(no such file\)')):
     registered_models.ImportModules([str(tmp_path / 'nowhere.py')])

@@ -79,7 +79,8 @@ def _Entry(module_name, name, obj):
 
 def Render():
   """docs/api.md's text, from the code as it is."""
-  sys.path.insert(0, str(ROOT))
+  if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
   lines = [_HEADER]
   for module_name in PUBLIC_MODULES:
     module = importlib.import_module(module_name)

@@ -26,7 +26,6 @@ from gpipe.loops import while_loops
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_slots
 from gpipe.pipeline import stage_step
-from gpipe import recurrent
 from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
 

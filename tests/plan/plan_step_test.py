@@ -280,3 +280,15 @@ def test_a_loop_of_unknown_trip_count_leaves_memory_and_says_why_no_cost():
 if __name__ == '__main__':
   import sys  # pylint: disable=g-import-not-at-top
   sys.exit(pytest.main([__file__]))
+
+
+def test_input_specs_of_a_generator_that_reads_the_global_step():
+  """examples/my_task.py's input is a function of the global step, as
+  Lingvo's programs have one: the planner's scratch graph has it too, and
+  the specs are the batch's static shapes."""
+  from examples import my_task  # pylint: disable=g-import-not-at-top
+  specs = train_step.InputSpecs(my_task.MyRegression().Train())
+  assert sorted(specs.keys()) == ['x', 'y']
+  for spec in (specs.x, specs.y):
+    assert spec.shape.as_list() == [32, my_task.DIM]
+    assert spec.dtype == tf.float32
