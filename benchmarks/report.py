@@ -7,6 +7,7 @@ import platform
 import statistics
 
 import tensorflow as tf
+from benchmarks import one_device
 
 # Team targets the tables are reported against.
 TARGET_OVERHEAD = {  # measured / ideal, per (body, mode)
@@ -100,7 +101,7 @@ class RematRow:
 
 
 def Markdown(cfg, overhead, failures, memory, remat_rows, compile_rows,
-             partitioned, seconds):
+             partitioned, one_device_rows, seconds):
   lines = ['# Benchmarks', '']
   lines += [
       f'Measured {datetime.date.today()} on {platform.machine()}, '
@@ -115,14 +116,40 @@ def Markdown(cfg, overhead, failures, memory, remat_rows, compile_rows,
       'per round). Bodies: a '
       'residual MLP block; sections 1-2: ' + '; '.join(
           f'{b.name}, width {b.dim}, hidden {b.hidden}, batch {b.batch}'
-          for b in cfg.bodies) + '; sections 3-5 say their own.', '']
+          for b in cfg.bodies) + '; sections 3-6 say their own.', '']
   lines += _OverheadTable(overhead)
   lines += _LingvoTable(overhead, failures)
   lines += _MemoryTable(cfg, memory)
   lines += _RematTable(cfg, remat_rows)
   lines += _CompileTable(cfg, compile_rows)
   lines += _PartitionedTable(partitioned)
+  lines += _OneDeviceSection(one_device_rows)
   return '\n'.join(lines) + '\n'
+
+
+def _OneDeviceSection(rows):
+  return [
+      '## 6. One device, any body', '',
+      'Training step, graph mode (a Session) and jit, each row\'s four steps '
+      'timed in rotation: the plain stack on the whole batch, our layer '
+      'with default Params (the schedule a pod runs; in graph mode its loops '
+      'compiled by XLA: `compile_loops`), our layer with '
+      '`layer_by_layer=True`, and Lingvo\'s LayerwiseShardablePipelinedLayer '
+      'with the same Params. Lingvo\'s layer runs a circular schedule only '
+      'partitioned (it asserts so), so its R = 2 rows are its unrolled '
+      'stack, i.e. the plain stack: there the pipeline\'s bubbles and '
+      'recomputed forward are the gap. Bodies: x + 0.5 act(x w1) w2 for '
+      'gelu (width 128, hidden 512, batch 2048), tanh (64, 256, 128), relu '
+      '(32, 64, 32: microbatches of 1-4 rows) and softmax (64, 256, 128); '
+      'layernorm: x + 0.5 relu(LN(x) w1) w2; attention: x + einsum '
+      'softmax attention over rows read as sequences of 8, w2 (64, 64, '
+      '256); transformer: attention and a gelu MLP, each after a layer norm '
+      'with a residual (64, 256, 256). Targets per body and mode: default / '
+      f'Lingvo median <= {one_device.DEFAULT_VS_LINGVO[0]}, every row <= '
+      f'{one_device.DEFAULT_VS_LINGVO[1]}; layers / plain median <= '
+      f'{one_device.LAYERS_VS_PLAIN[0]}, every row <= '
+      f'{one_device.LAYERS_VS_PLAIN[1]} (the recomputed forward included).',
+      '', one_device.Markdown(rows), '']
 
 
 def _OverheadTable(rows):

@@ -25,6 +25,9 @@ times are medians of several repetitions after warm-up. Sections:
    the pipeline and for unroll='always'.
 5. Partitioned: XLA's SPMD partitioner on virtual CPU devices: weight bytes
    per device and collective-permute bytes per iteration vs the buffer.
+6. One device, any body: default Params against Lingvo's layer and
+   layer_by_layer against the plain stack, for bodies of several activations
+   and ops (benchmarks.one_device).
 """
 
 import argparse
@@ -38,6 +41,7 @@ import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 import tensorflow as tf
 from benchmarks import bodies
 from benchmarks import measure
+from benchmarks import one_device
 from benchmarks import report
 from gpipe import check_partitioning
 from gpipe import layers
@@ -302,6 +306,8 @@ class Config:
   compile_stages: tuple = (2, 4, 8)
   compile_microbatches: tuple = (4, 16, 64)
   partition_cases: tuple = ((2, 1), (4, 1), (4, 2), (8, 1))
+  one_device_bodies: tuple = tuple(b.kind for b in one_device.BODIES)
+  one_device_shapes: tuple = one_device.SHAPES
 
 
 def QuickConfig():
@@ -311,7 +317,8 @@ def QuickConfig():
                 remat_dim=64, remat_hidden=128, remat_rows=16,
                 remat_microbatches=(4,), remat_hiddens=(), remat_repeats=(2,),
                 compile_stages=(2,), compile_microbatches=(4, 16),
-                partition_cases=((2, 1),))
+                partition_cases=((2, 1),), one_device_bodies=('relu',),
+                one_device_shapes=((2, 8, 1),))
 
 
 def main(argv=None):
@@ -334,8 +341,12 @@ def main(argv=None):
   compile_rows = CompileTimes(cfg)
   print('5. partitioned', flush=True)
   partitioned = Partitioned(cfg)
+  print('6. one device, any body', flush=True)
+  one_device_rows = one_device.Measure(
+      cfg.one_device_bodies, cfg.modes, cfg.one_device_shapes, cfg.reps,
+      cfg.warmup, log=lambda line: print(line, flush=True))
   text = report.Markdown(cfg, overhead, failures, memory, remat_rows,
-                         compile_rows, partitioned,
+                         compile_rows, partitioned, one_device_rows,
                          time.perf_counter() - began)
   with open(args.out, 'w') as f:
     f.write(text)

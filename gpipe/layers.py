@@ -49,6 +49,7 @@ import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe.lingvo_support import flags_and_seeds
+from gpipe.loops import compiled_loops
 from gpipe import microbatch
 from gpipe.pipeline import layer_by_layer
 from gpipe.pipeline import layer_params
@@ -111,8 +112,8 @@ class PipelinedLayer(base_layer.BaseLayer):
     self._said_microbatched = False
     self._vectorizing = vectorized_stages.Vectorizing(p.vectorize_stages,
                                                       p.name)
-    self._layer_by_layer = layer_by_layer.LayerByLayer(p.layer_by_layer,
-                                                       p.name)
+    self._layer_by_layer = layer_by_layer.LayerByLayer(
+        layer_by_layer.Resolve(p.layer_by_layer), p.name)
     self._layout = layouts.For(p, repeats.For(p.circular_repeat))
     self._placement = sharding.StagePlacement(
         p.num_stages, p.shard_stages_1d, p.device_mesh,
@@ -375,7 +376,8 @@ class PipelinedLayer(base_layer.BaseLayer):
     var_names = spec.var_names
     var_values = self._layout.NonTrainableValues(theta, var_names)
     loop_theta = self._LoopTheta(theta)
-    with tf.name_scope(p.name):
+    with tf.name_scope(p.name), compiled_loops.Allowed(
+        p.compile_loops == 'auto'):
       try:
         result = self._layer_by_layer.Run(spec, loop_theta,
                                           inputs.args.leaves, state_leaves,

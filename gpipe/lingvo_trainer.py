@@ -10,13 +10,15 @@
     python -m gpipe.lingvo_trainer --model_module=path/to/my_task.py \\
         --model=my_task.MyModel --run_locally=cpu --mode=sync --logdir=...
 
-Every flag but two is Lingvo's (`lingvo.trainer`): jobs, cluster, TPU and
+Every flag but three is Lingvo's (`lingvo.trainer`): jobs, cluster, TPU and
 logdir flags work as they do there. What this adds: Lingvo made importable
 on this system (gpipe's import hook), the models in `params/` registered,
 so `--model=lm.<Name>` finds them, `--model_module` (repeatable): a module
 of your own, by dotted name or as a path to its .py file, imported first,
 so that its models are found from any directory (a file's models are
-`<file name>.<Class>`), and quiet logs: where the events go, Lingvo's
+`<file name>.<Class>`), `--layer_by_layer` (with `--run_locally`, on by
+default: pipelined layers run layer by layer, the fast path on one device,
+unless their `layer_by_layer` Param says otherwise), and quiet logs: where the events go, Lingvo's
 progress lines (steps, checkpoints, jobs done) and errors, nothing else
 unless `--verbose`. The trainer stops at the model's
 `train.max_steps`; the evaler and decoder jobs evaluate each new checkpoint
@@ -59,6 +61,11 @@ def main(argv=None):
     tf.flags.DEFINE_bool(
         'verbose', False, 'Show every log line of TensorFlow, XLA and Lingvo '
         '(by default: the steps, checkpoints and where the events go).')
+    tf.flags.DEFINE_bool(
+        'layer_by_layer', True, 'With --run_locally (one CPU or GPU): run '
+        'the pipelined layers whose layer_by_layer Param is unset layer by '
+        'layer, the fast way to train on one device; --nolayer_by_layer '
+        'runs the schedule a pod runs.')
   if wants_help:
     print(Help(flags, everything='--helpfull' in wants_help))
     return 0
@@ -91,6 +98,7 @@ def main(argv=None):
     return 2
   if flags.run_locally:
     _SkipFixedStartUpWait()
+  _ChooseOneDeviceRuns(flags)
   if _Trains(flags.job) and flags.logdir:
     _WriteScheduleImage(flags.model, flags.logdir)
   if flags.logdir:
@@ -187,6 +195,16 @@ def Help(flags, everything=False):
     lines += ['', '\n\n'.join(flags.module_help(m).strip()
                                 for _, m in modules)]
   return '\n'.join(lines)
+
+
+def _ChooseOneDeviceRuns(flags):
+  """On one local device, pipelined layers run layer by layer unless
+  --nolayer_by_layer (or their own Param) says otherwise: a user training
+  on a CPU gets the fast path without asking, while a test, which builds
+  its layers itself, checks the schedule a pod runs."""
+  if flags.run_locally:
+    from gpipe.pipeline import layer_by_layer  # pylint: disable=g-import-not-at-top
+    layer_by_layer.SetProgramDefault(flags.layer_by_layer)
 
 
 def _SetUpAsLingvosTrainerDoes(flags):

@@ -39,6 +39,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import tensorflow as tf
 
 from gpipe.loops import cell_graph
+from gpipe.loops import compiled_loops
 from gpipe.loops import remat
 from gpipe.loops import tensor_lists
 from gpipe.loops import while_loops
@@ -407,6 +408,7 @@ class _Loops:
     cell = self._cell
     diff_caps = cell.differentiable['captures']
     end = sum(self._sizes)
+    compiles = compiled_loops.IsAllowed()  # for the backward loop too
 
     @tf.custom_gradient
     def _RecurrentWithStoredActivations(*flat):
@@ -424,9 +426,10 @@ class _Loops:
         CheckNoTrainableVariables(self._read_variables)
         d_states, d_final, d_extras = _IncomingGradients(
             dys, outputs, s0, cell.extras_spec)
-        grads = _BackwardLoop(cell, th, s0, inp, caps, self._num_iterations,
-                              states, stored, d_states, d_final, d_extras,
-                              self._rows, final, self._undo)
+        with compiled_loops.Allowed(compiles):
+          grads = _BackwardLoop(
+              cell, th, s0, inp, caps, self._num_iterations, states, stored,
+              d_states, d_final, d_extras, self._rows, final, self._undo)
         grads = grads[:end] + [grads[end + i] for i in diff_caps]
         if variables is None:
           return grads

@@ -86,7 +86,11 @@ def test_variable_shapes(circular_repeat):
 
 
 def _OpTypes(graph):
-  return {op.type for op in graph.get_operations()}
+  """Op types in the graph and in its functions (a compiled loop's)."""
+  types = {op.type for op in graph.get_operations()}
+  for function in graph.as_graph_def().library.function:
+    types.update(node.op for node in function.node_def)
+  return types
 
 
 def test_unroll_eval_only_unrolls_in_eval_and_pipelines_in_training():

@@ -78,7 +78,8 @@ def FProp(p, batch=4, **kwargs):
     (dict(skip_bubbles='auto'),
      r"skip_bubbles must be True or False, got 'auto' \(str\)"),
     (dict(layer_by_layer=1),
-     r"layer_by_layer must be True or False, got 1 \(int\)"),
+     r"layer_by_layer must be True, False or None \(the program.s default\), "
+     r"got 1 \(int\)"),
     (dict(remat_policy='dots'),
      r"remat_policy must be one of \('recompute', 'save_dots', 'save_all'\), "
      r"got 'dots'"),

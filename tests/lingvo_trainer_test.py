@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import threading
+import types
 
 import pytest
 
@@ -21,6 +22,7 @@ import tensorflow as tf
 from gpipe.apps import trainer
 from gpipe.lingvo_support import flags_and_seeds
 from gpipe import lingvo_trainer
+from gpipe.pipeline import layer_by_layer
 from lingvo import model_registry
 from lingvo.core import base_model
 from lingvo.core import base_model_params
@@ -273,3 +275,23 @@ def test_the_trainer_answers_an_unknown_model_in_one_line(tmp_path):
   assert lines[0].startswith(said), lines
   registered = lines[0][len(said):].rstrip('.').split(', ')
   assert 'lm.CopyLMSmall' in registered and 'lm.CopyLMPod8x2' in registered
+
+
+@pytest.mark.parametrize('run_locally,flag,expected', [
+    ('cpu', True, True), ('cpu', False, False), ('', True, False)])
+def test_local_runs_train_layer_by_layer_unless_told_not_to(
+    run_locally, flag, expected):
+  """A layer whose layer_by_layer Param is unset runs layer by layer when
+  the trainer runs locally with --layer_by_layer (its default); one whose
+  Param says False runs the pipeline schedule whatever the flag."""
+  flags = types.SimpleNamespace(run_locally=run_locally, layer_by_layer=flag)
+  try:
+    lingvo_trainer._ChooseOneDeviceRuns(flags)  # pylint: disable=protected-access
+    with tf.Graph().as_default():
+      unset = params.lm.CopyLMSmall().Task().stack.Set(name='unset').Instantiate()
+      off = params.lm.CopyLMSmall().Task().stack.Set(
+          name='off', layer_by_layer=False).Instantiate()
+  finally:
+    layer_by_layer.SetProgramDefault(False)
+  assert unset.layer_by_layer.enabled == expected
+  assert not off.layer_by_layer.enabled

@@ -59,6 +59,7 @@ class Case:
   vectorize_stages: str = 'auto'  # on one device: all stages at once
   skip_bubbles: bool = False  # on one device: fill/drain on half the stages
   layer_by_layer: bool = False  # on one device: no schedule, no bubbles
+  compile_loops: str = 'auto'  # graph mode: each loop one XLA computation
   backward_schedule: str = 'reverse'  # or '1f1b'
   stream_io: bool = False  # inputs and outputs split over the stages
   seed: int = 0
@@ -96,6 +97,7 @@ class Case:
         vectorize_stages=self.vectorize_stages,
         skip_bubbles=self.skip_bubbles,
         layer_by_layer=self.layer_by_layer,
+        compile_loops=self.compile_loops,
         backward_schedule=self.backward_schedule,
         stream_io=self.stream_io,
         random_seed=1234 + self.seed,

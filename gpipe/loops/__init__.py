@@ -3,7 +3,9 @@ knows about stages or microbatches.
 
     cell_graph     one iteration and its gradient, traced once and imported
                    into the loops
+    graph_import   importing what a loop needs of the cell, values fed
     remat          what the backward pass stores and what it recomputes
     while_loops    while loops of exactly n iterations, XLA-friendly
+    compiled_loops a loop a Session runs as one XLA computation
     tensor_lists   the [T, ...] results a loop fills row by row
 """

@@ -23,11 +23,11 @@ neither loop holds ops it does not run.
 
 import tensorflow as tf
 
+from gpipe.loops import graph_import
 from gpipe.loops import remat
 
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.framework import func_graph as func_graph_lib
-from tensorflow.python.framework import importer
 # pylint: enable=g-direct-tensorflow-import
 
 
@@ -102,6 +102,7 @@ class CellGraph:
     captured = _WithVariablesReadOutside(graph.captures)
     self.captures = [ext for ext, _ in captured]
     flat_caps = [internal for _, internal in captured]
+    self._read_outside = _ReadOutsideIndex(flat_caps)
     groups = dict(theta=flat_theta, state=flat_state, inputs=flat_inputs,
                   captures=flat_caps)
     self.differentiable = {
@@ -234,7 +235,7 @@ class CellGraph:
     names = ([t.name for t in self._flat_new + extras_wanted] +
              (list(self.stored) if with_stored else []))
     input_map = self._InputMap(theta, state, inputs_t, captures)
-    values = _Import(self._GraphDef(), input_map, names, 'cell', self._SpecOf)
+    values = graph_import.Import(self._GraphDef(), input_map, names, 'cell', self._SpecOf)
     n_state, n_extras = len(self._flat_new), len(extras_wanted)
     new_state = tf.nest.pack_sequence_as(self._structure[1],
                                          values[:n_state])
@@ -265,6 +266,8 @@ class CellGraph:
     _CheckNoStatefulRandomOps(self.forward_ops)
     self._BuildGradient()
     input_map = self._InputMap(theta, state, inputs_t, captures)
+    for name, value in self._GradientReads(captures).items():
+      input_map.setdefault(name, value)
     input_map.update(
         (ph.name, g) for ph, g in zip(self._d_state + self._d_extras,
                                       list(d_state) + list(d_extras)))
@@ -274,8 +277,20 @@ class CellGraph:
     input_map.update((name, new_state[i])
                      for name, i in self._new_state_views.items()
                      if name not in input_map)
-    return _Import(self._GraphDef(), input_map, [g.name for g in self._grads],
+    return graph_import.Import(self._GraphDef(), input_map, [g.name for g in self._grads],
                    'cell_grad', self._SpecOf)
+
+  def _GradientReads(self, captures):
+    """Values for the reads of a variable read outside that only the
+    gradient part makes (a recomputing gradient reads the global step
+    again, say): the value the forward's reads are fed. Unfed, they would
+    read the handle's stand-in."""
+    fed = {}
+    for handle, i in self._read_outside.items():
+      for op in self._graph.get_tensor_by_name(handle).consumers():
+        if op.type == 'ReadVariableOp':
+          fed.setdefault(op.outputs[0].name, captures[i])
+    return fed
 
   def _SpecOf(self, name):
     t = self._graph.get_tensor_by_name(name)
@@ -361,6 +376,15 @@ def _WithVariablesReadOutside(captures):
   return pairs
 
 
+def _ReadOutsideIndex(flat_caps):
+  """{variable handle in the cell: index of the capture its value is}."""
+  index = {}
+  for i, t in enumerate(flat_caps):
+    if t.op.type == 'ReadVariableOp':
+      index.setdefault(t.op.inputs[0].name, i)
+  return index
+
+
 def _CheckStaticShapes(flat_extras):
   for e in flat_extras:
     if not e.shape.is_fully_defined():
@@ -402,97 +426,3 @@ def _ActivationsOf(sources, ops):
     if any(t.name in reached for t in op.inputs):
       reached.update(t.name for t in op.outputs)
   return reached
-
-
-def _TensorName(ref):
-  """A GraphDef input reference ('op', 'op:1', '^op') as (op, tensor)."""
-  if ref.startswith('^'):
-    return ref[1:], None
-  op, _, index = ref.partition(':')
-  return op, f'{op}:{index or 0}'
-
-
-def _Prune(graph_def, output_names, cut_names, spec_of):
-  """The nodes `output_names` need, not looking past `cut_names` tensors.
-
-  Every cut tensor reached becomes a placeholder of its own (its consumers
-  read that), so nothing upstream of it is kept; control edges to a node
-  with a cut output are dropped (its values come from outside).
-
-  Returns:
-    (pruned GraphDef, {placeholder tensor name: cut tensor name}).
-  """
-  nodes = {n.name: n for n in graph_def.node}
-  cut_ops = {_TensorName(n)[0] for n in cut_names}
-  keep = set()
-  stack = [_TensorName(n)[0] for n in output_names if n not in cut_names]
-  while stack:
-    op = stack.pop()
-    if op in keep:
-      continue
-    keep.add(op)
-    for ref in nodes[op].input:
-      src, tensor = _TensorName(ref)
-      if tensor in cut_names or (tensor is None and src in cut_ops):
-        continue
-      if src not in keep:
-        stack.append(src)
-  pruned = tf.compat.v1.GraphDef()
-  pruned.versions.CopyFrom(graph_def.versions)
-  pruned.library.CopyFrom(graph_def.library)
-  fed = {}  # cut tensor name -> placeholder node name
-  for node in graph_def.node:
-    if node.name not in keep:
-      continue
-    copy = pruned.node.add()
-    copy.CopyFrom(node)
-    if '_class' in copy.attr:
-      del copy.attr['_class']
-    del copy.input[:]
-    for ref in node.input:
-      src, tensor = _TensorName(ref)
-      if tensor is None and src in cut_ops:
-        continue
-      if tensor in cut_names:
-        if tensor not in fed:
-          fed[tensor] = f'gpipe_fed_{len(fed)}'
-        ref = fed[tensor]
-      copy.input.append(ref)
-  for tensor, name in fed.items():
-    _AddStandIn(pruned, name, *spec_of(tensor))
-  return pruned, {f'{name}:0': tensor for tensor, name in fed.items()}
-
-
-def _AddStandIn(graph_def, name, dtype, shape):
-  """A node whose output the import replaces: an empty constant.
-
-  It stays behind, unused, in the importing graph, where XLA compiles it
-  (it would refuse a Placeholder). Dtypes a constant cannot have (resource
-  handles, variants) get a Placeholder.
-  """
-  node = graph_def.node.add()
-  node.name = name
-  node.attr['dtype'].type = dtype.as_datatype_enum
-  if dtype in (tf.resource, tf.variant):
-    node.op = 'Placeholder'
-    node.attr['shape'].shape.CopyFrom(shape.as_proto())
-  else:
-    node.op = 'Const'
-    node.attr['value'].tensor.CopyFrom(
-        tf.make_tensor_proto([], dtype=dtype, shape=[0]))
-
-
-def _Import(graph_def, input_map, output_names, name, spec_of):
-  """Imports what `output_names` need, `input_map` tensors substituted.
-
-  An output that is itself substituted is its substitute. Values from other
-  graphs (outer graphs of a loop body) are captured by an identity.
-  """
-  pruned, fed = _Prune(graph_def, output_names, set(input_map), spec_of)
-  feeds = {ph: tf.identity(input_map[t]) for ph, t in fed.items()}
-  wanted = [n for n in output_names if n not in input_map]
-  imported = importer.import_graph_def(
-      pruned, input_map=feeds, return_elements=wanted, name=name)
-  by_name = dict(zip(wanted, imported))
-  return [tf.identity(input_map[n]) if n in input_map else by_name[n]
-          for n in output_names]

@@ -24,7 +24,15 @@ def SetRow(tensor_list, row, value):
 
 
 def Stack(tensor_list, like, num_rows):
-  """The [num_rows, ...] tensor of the list's rows."""
+  """The [num_rows, ...] tensor of the list's rows.
+
+  A list made from a [num_rows, ...] tensor (a compiled loop returns its
+  lists so: gpipe.loops.compiled_loops) is that tensor, not a copy.
+  """
+  if tensor_list.op.type == 'TensorListFromTensor':
+    stacked = tensor_list.op.inputs[0]
+    if stacked.shape[:1] == [num_rows] and stacked.dtype == like.dtype:
+      return stacked
   return list_ops.tensor_list_stack(tensor_list, like.dtype,
                                     num_elements=num_rows,
                                     element_shape=like.shape)

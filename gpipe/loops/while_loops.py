@@ -9,6 +9,8 @@ for compile-time constants.
 import contextlib
 
 import tensorflow as tf
+
+from gpipe.loops import compiled_loops
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.ops import control_flow_util_v2
 from tensorflow.python.ops import while_v2
@@ -51,11 +53,19 @@ def WhileLoop(body, loop_vars, num_iterations):
   `maximum_iterations`: XLA then finds the trip count (cost analysis counts
   the body that often), which it cannot once a second counter is tested.
   The counter also sizes TensorLists built inside the body under XLA.
+
+  In a Session's graph the loop may be one XLA computation
+  (gpipe.loops.compiled_loops).
   """
-  with _WithoutConstantPropagation(tf.compat.v1.get_default_graph()):
-    return while_v2.while_loop(
-        lambda *unused: tf.constant(True), body, loop_vars,
-        maximum_iterations=num_iterations, return_same_structure=True)
+
+  def Build(initial):
+    with _WithoutConstantPropagation(tf.compat.v1.get_default_graph()):
+      return while_v2.while_loop(
+          lambda *unused: tf.constant(True), body, initial,
+          maximum_iterations=num_iterations, return_same_structure=True)
+
+  compiled = compiled_loops.Compiled(Build, loop_vars)
+  return Build(loop_vars) if compiled is None else compiled
 
 
 def ZerosAfter(like, incoming):

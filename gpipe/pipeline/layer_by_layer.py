@@ -42,6 +42,24 @@ from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
 
+# What layer_by_layer=None (the Param's default) means in this program:
+# False (the pod's schedule) unless a program that trains on one device
+# says otherwise (gpipe.lingvo_trainer with --run_locally).
+_program_default = False
+
+
+def SetProgramDefault(enabled: bool) -> None:
+  """Makes layers whose layer_by_layer Param is None run layer by layer
+  (True) or the pipeline schedule (False) on one device; layers built
+  before keep what they chose."""
+  global _program_default
+  _program_default = bool(enabled)
+
+
+def Resolve(param) -> bool:
+  """The Param's value, or the program's default for None."""
+  return _program_default if param is None else bool(param)
+
 
 class LayerByLayer:
   """A layer's runs on one device: layer by layer where it can, else the

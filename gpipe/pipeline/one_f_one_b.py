@@ -41,6 +41,7 @@ from tensorflow.python.eager import record
 # pylint: enable=g-direct-tensorflow-import
 
 from gpipe.loops import cell_graph
+from gpipe.loops import compiled_loops
 from gpipe.loops import remat
 from gpipe.loops import tensor_lists
 from gpipe.loops import while_loops
@@ -169,6 +170,8 @@ def _Pipelined(cell, io, theta, native, state_leaves, var_values):
       caps[i] = c
     return parts + [caps]
 
+  compiles = compiled_loops.IsAllowed()  # for the gradient's loops too
+
   @tf.custom_gradient
   def Pipelined(*flat):
     th, nat, states, var_vals, caps = Unflatten(flat)
@@ -183,8 +186,9 @@ def _Pipelined(cell, io, theta, native, state_leaves, var_values):
       d = tf.nest.pack_sequence_as(result, [
           recurrent.ZeroIfNone(g, x) if g is None else tf.convert_to_tensor(g)
           for g, x in zip(dys, tf.nest.flatten(result))])
-      grads = gradient_waves.GradientLoop(
-          cell, io, th, nat, states, var_vals, caps).Run(d)
+      with compiled_loops.Allowed(compiles):
+        grads = gradient_waves.GradientLoop(
+            cell, io, th, nat, states, var_vals, caps).Run(d)
       if variables is None:
         return grads
       return grads, [None] * len(variables)

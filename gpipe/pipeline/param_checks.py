@@ -11,13 +11,17 @@ from gpipe.loops import remat
 from gpipe import microbatch
 from gpipe import schedule as schedule_lib
 
-_UNROLL_VALUES = ('never', 'eval_only', 'always')
-_VECTORIZE_VALUES = ('auto', 'always', 'never')
-_AUX_LOSS_ACCUMULATIONS = ('mean', 'sum')
-_BACKWARD_SCHEDULES = ('reverse', '1f1b')
+# Params that take one of a few strings.
+_CHOICES = {
+    'unroll': ('never', 'eval_only', 'always'),
+    'vectorize_stages': ('auto', 'always', 'never'),
+    'compile_loops': ('auto', 'never'),
+    'remat_policy': tuple(remat.POLICIES),
+    'backward_schedule': ('reverse', '1f1b'),
+    'aux_loss_microbatch_accumulation': ('mean', 'sum'),
+}
 _BOOL_PARAMS = ('shard_stages_1d', 'per_stage_vars',
-                'store_body_intermediates', 'skip_bubbles',
-                'layer_by_layer', 'stream_io')
+                'store_body_intermediates', 'skip_bubbles', 'stream_io')
 _INT_PARAMS = ('num_stages', 'circular_repeat', 'num_microbatches',
                'microbatch_size', 'pipeline_stage_mesh_dim')
 
@@ -34,30 +38,27 @@ def Check(p):
     if not isinstance(value, (bool, np.bool_)):
       raise ValueError(f'{name} must be True or False, got {value!r} '
                        f'({type(value).__name__}).')
+  if not isinstance(p.layer_by_layer, (bool, np.bool_, type(None))):
+    raise ValueError(
+        'layer_by_layer must be True, False or None (the program\'s '
+        f'default), got {p.layer_by_layer!r} '
+        f'({type(p.layer_by_layer).__name__}).')
   if p.pipeline_stage_mesh_dim is not None and not schedule_lib.IsInteger(
       p.pipeline_stage_mesh_dim):
     raise ValueError(
         'pipeline_stage_mesh_dim must be None or an integer, got '
         f'{p.pipeline_stage_mesh_dim!r} '
         f'({type(p.pipeline_stage_mesh_dim).__name__}).')
-  if p.unroll not in _UNROLL_VALUES:
-    raise ValueError(f'unroll must be one of {_UNROLL_VALUES}, got '
-                     f'{p.unroll!r}.')
-  if p.vectorize_stages not in _VECTORIZE_VALUES:
-    raise ValueError(f'vectorize_stages must be one of {_VECTORIZE_VALUES}, '
-                     f'got {p.vectorize_stages!r}.')
-  if p.remat_policy not in remat.POLICIES:
-    raise ValueError(f'remat_policy must be one of {tuple(remat.POLICIES)}, '
-                     f'got {p.remat_policy!r}.')
+  for name, choices in _CHOICES.items():
+    if p.Get(name) not in choices:
+      raise ValueError(f'{name} must be one of {choices}, got '
+                       f'{p.Get(name)!r}.')
   if p.store_body_intermediates and p.remat_policy not in ('recompute',
                                                           'save_all'):
     raise ValueError(
         'store_body_intermediates=True means remat_policy=\'save_all\'; it '
         f'contradicts remat_policy={p.remat_policy!r}. Set only '
         'remat_policy.')
-  if p.backward_schedule not in _BACKWARD_SCHEDULES:
-    raise ValueError(f'backward_schedule must be one of {_BACKWARD_SCHEDULES}, '
-                     f'got {p.backward_schedule!r}.')
   if p.backward_schedule == '1f1b' and p.skip_bubbles:
     raise ValueError(
         "skip_bubbles=True and backward_schedule='1f1b' do not combine: "
@@ -65,11 +66,6 @@ def Check(p):
         "while the 1f1b gradient loop runs every stage in each of its "
         "phases. Set skip_bubbles=False (1f1b's phases already leave out "
         "the waves no stage needs) or backward_schedule='reverse'.")
-  if p.aux_loss_microbatch_accumulation not in _AUX_LOSS_ACCUMULATIONS:
-    raise ValueError(
-        'aux_loss_microbatch_accumulation must be one of '
-        f'{_AUX_LOSS_ACCUMULATIONS}, got '
-        f'{p.aux_loss_microbatch_accumulation!r}.')
   if (p.single_stage_body is None) == (p.stage_parallel_body is None):
     raise ValueError(
         'Set exactly one of single_stage_body and stage_parallel_body; got '

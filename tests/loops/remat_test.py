@@ -153,11 +153,12 @@ def test_a_circular_pipeline_stores_no_weights_per_iteration(policy,
   stored activations: none has a weight's shape. save_dots and save_all
   store each stage's tanh input or output ([2, 3, 5] a stage: 60 elements
   for the two stages, as two stacks stage by stage or one [2, 2, 3, 5]
-  vectorized), recompute nothing more.
+  vectorized), recompute nothing more. (Compiled, the loop makes the same
+  stacks inside its XLA computation: gpipe.loops.compiled_loops.)
   """
   case = harness.Case(num_stages=2, num_microbatches=4, circular_repeat=2,
                       batch=8, example_shape=(3, D), remat_policy=policy,
-                      vectorize_stages=vectorize)
+                      vectorize_stages=vectorize, compile_loops='never')
   with tf.Graph().as_default() as graph:
     layer = case.Params().Instantiate()
     x = tf.ones([8, 3, D])
@@ -184,7 +185,8 @@ def _BaselineShapes(vectorize):
   if vectorize not in _BASELINE:
     case = harness.Case(num_stages=2, num_microbatches=4, circular_repeat=2,
                         batch=8, example_shape=(3, D),
-                        vectorize_stages=vectorize)
+                        vectorize_stages=vectorize,
+                        compile_loops='never')
     with tf.Graph().as_default() as graph:
       layer = case.Params().Instantiate()
       y = layer.FProp(layer.theta, tf.ones([8, 3, D]))

@@ -184,9 +184,11 @@ def test_the_fill_and_drain_compute_only_the_stages_with_work(s, m, r):
 
 
 def _Loops(skip_bubbles):
-  """While loops in a graph-mode training step of S=4, M=4."""
+  """While loops in a graph-mode training step of S=4, M=4 (run op by op:
+  compiled, each is inside its XLA computation's function)."""
   params = harness.Case(num_stages=4, num_microbatches=4, batch=8,
-                        skip_bubbles=skip_bubbles).Params()
+                        skip_bubbles=skip_bubbles,
+                        compile_loops='never').Params()
   with tf.Graph().as_default() as graph:
     layer = params.Instantiate()
     x = tf.ones([8, 3, 4])
