@@ -33,6 +33,7 @@ import tensorflow as tf
 from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 # pylint: enable=g-direct-tensorflow-import
 
+from gpipe.loops import compiled_loops
 from gpipe import microbatch
 from gpipe.pipeline import nest
 from gpipe.pipeline import pipeline_loop
@@ -145,10 +146,14 @@ def Run(spec, theta, mb_leaves, state_leaves) -> pipeline_loop.LoopResult:
       weights=nest.MapTensors(lambda w: _PerLayer(w, sched), theta),
       seeds=spec.base_seed + tf.constant(offsets, spec.base_seed.dtype),
       states=[microbatch.ReadStatesByLayer(x, sched) for x in state_leaves])
-  _, final, extras = recurrent.Recurrent(
-      NestedMap(), NestedMap(x=list(mb_leaves)), inputs,
-      lambda th, st, inp: _Layer(spec, st, inp),
-      remat_policy=spec.remat_policy, return_states=False)
+  # S x R iterations of whole-batch calls: little loop overhead for XLA to
+  # save in a Session, and on small bodies its launches cost more than that
+  # (BENCHMARKS.md, section 6), so these loops run op by op.
+  with compiled_loops.Allowed(False):
+    _, final, extras = recurrent.Recurrent(
+        NestedMap(), NestedMap(x=list(mb_leaves)), inputs,
+        lambda th, st, inp: _Layer(spec, st, inp),
+        remat_policy=spec.remat_policy, return_states=False)
   per_stage = lambda x: tf.reshape(x, [sched.circular_repeat,
                                        sched.num_stages])
   return pipeline_loop.LoopResult(
