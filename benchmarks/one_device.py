@@ -74,21 +74,22 @@ class ActivationBody(base_layer.BaseLayer):
     super().__init__(params)
     p = self.params
     init = py_utils.WeightInit.Gaussian(1.0 / np.sqrt(p.dim))
-    self.CreateVariable('w1', py_utils.WeightParams([p.dim, p.hidden], init))
-    self.CreateVariable('w2', py_utils.WeightParams([p.hidden, p.dim], init))
+    shapes = dict(w2=[p.hidden, p.dim])
+    if p.kind != 'attention':
+      shapes['w1'] = [p.dim, p.hidden]
     if p.kind in ('attention', 'transformer'):
-      for name in ('wq', 'wk', 'wv'):
-        self.CreateVariable(name, py_utils.WeightParams([p.dim, p.hidden],
-                                                        init))
+      shapes.update(wq=[p.dim, p.hidden], wk=[p.dim, p.hidden],
+                    wv=[p.dim, p.hidden])
     if p.kind == 'transformer':
-      self.CreateVariable('wo', py_utils.WeightParams([p.hidden, p.dim],
-                                                      init))
+      shapes['wo'] = [p.hidden, p.dim]
+    for name, shape in sorted(shapes.items()):
+      self.CreateVariable(name, py_utils.WeightParams(shape, init))
 
   def FProp(self, theta, x):
     kind = self.params.kind
-    if kind in ACTIVATIONS:
-      return x + 0.5 * tf.matmul(ACTIVATIONS[kind](tf.matmul(x, theta.w1)),
-                                 theta.w2)
+    if kind in ACTIVATIONS:  # einsums, as Lingvo's and GShard's layers
+      return x + 0.5 * tf.einsum('bh,hd->bd', ACTIVATIONS[kind](
+          tf.einsum('bd,dh->bh', x, theta.w1)), theta.w2)
     if kind == 'layernorm':
       return x + 0.5 * tf.matmul(tf.nn.relu(tf.matmul(_LayerNorm(x),
                                                       theta.w1)), theta.w2)
