@@ -18,9 +18,9 @@ of your own, by dotted name or as a path to its .py file, imported first,
 so that its models are found from any directory (a file's models are
 `<file name>.<Class>`), `--layer_by_layer` (with `--run_locally`, on by
 default: pipelined layers run layer by layer, the fast path on one device,
-unless their `layer_by_layer` Param says otherwise), and quiet logs: where the events go, Lingvo's
-progress lines (steps, checkpoints, jobs done) and errors, nothing else
-unless `--verbose`. The trainer stops at the model's
+unless their `layer_by_layer` Param says otherwise), and quiet logs: where
+the events go, Lingvo's progress lines (steps, checkpoints, jobs done) and
+errors, nothing else unless `--verbose`. The trainer stops at the model's
 `train.max_steps`; the evaler and decoder jobs evaluate each new checkpoint
 and stop after the one at `train.max_steps`. With `--run_locally`, the
 trainer starts at once: Lingvo's runners otherwise sleep a fixed 30 s

@@ -235,7 +235,8 @@ class CellGraph:
     names = ([t.name for t in self._flat_new + extras_wanted] +
              (list(self.stored) if with_stored else []))
     input_map = self._InputMap(theta, state, inputs_t, captures)
-    values = graph_import.Import(self._GraphDef(), input_map, names, 'cell', self._SpecOf)
+    values = graph_import.Import(self._GraphDef(), input_map, names, 'cell',
+                                 self._SpecOf)
     n_state, n_extras = len(self._flat_new), len(extras_wanted)
     new_state = tf.nest.pack_sequence_as(self._structure[1],
                                          values[:n_state])
@@ -277,8 +278,9 @@ class CellGraph:
     input_map.update((name, new_state[i])
                      for name, i in self._new_state_views.items()
                      if name not in input_map)
-    return graph_import.Import(self._GraphDef(), input_map, [g.name for g in self._grads],
-                   'cell_grad', self._SpecOf)
+    return graph_import.Import(self._GraphDef(), input_map,
+                               [g.name for g in self._grads], 'cell_grad',
+                               self._SpecOf)
 
   def _GradientReads(self, captures):
     """Values for the reads of a variable read outside that only the

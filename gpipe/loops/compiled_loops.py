@@ -63,6 +63,8 @@ def Allowed(allowed):
 
 
 def IsAllowed():
+  """Whether loops built now may be compiled (off unless a layer allows
+  it: loops built outside a pipelined layer run as they always have)."""
   return getattr(_state, 'allowed', False)
 
 
