@@ -59,7 +59,11 @@ class Case:
   vectorize_stages: str = 'auto'  # on one device: all stages at once
   skip_bubbles: bool = False  # on one device: fill/drain on half the stages
   layer_by_layer: bool = False  # on one device: no schedule, no bubbles
-  compile_loops: str = 'auto'  # graph mode: each loop one XLA computation
+  # Graph mode: the sweeps run the loops op by op. Compiled (the Param's
+  # default), each case's loops would cost XLA about half a second to
+  # compile; tests/loops/compiled_loops_test.py checks the compiled loops of
+  # every schedule against the same references.
+  compile_loops: str = 'never'
   backward_schedule: str = 'reverse'  # or '1f1b'
   stream_io: bool = False  # inputs and outputs split over the stages
   seed: int = 0

@@ -58,7 +58,7 @@ _CASES = {
 
 @pytest.mark.parametrize('name', sorted(_CASES))
 def test_compiled_loops_equal_the_plain_stack(name):
-  case = harness.Case(**_CASES[name])
+  case = harness.Case(compile_loops='auto', **_CASES[name])
   assert _TrainingGraphCalls(case) >= 2, 'the loops were not compiled'
   harness.CheckCase(case, 'graph')
 
@@ -66,7 +66,7 @@ def test_compiled_loops_equal_the_plain_stack(name):
 def test_layer_by_layer_loops_run_op_by_op():
   """S x R whole-batch iterations: little to save, XLA's launch to pay."""
   case = harness.Case(num_stages=2, num_microbatches=4, circular_repeat=2,
-                      layer_by_layer=True)
+                      layer_by_layer=True, compile_loops='auto')
   assert _TrainingGraphCalls(case) == 0
   res = harness.CheckCase(case, 'graph')
   assert res['layer'].layer_by_layer.ran
@@ -74,7 +74,8 @@ def test_layer_by_layer_loops_run_op_by_op():
 
 @pytest.mark.parametrize('name', ['S2-M3-R2', 'S2-M4-1f1b'])
 def test_compiled_equals_op_by_op(name):
-  compiled = harness.RunCase(harness.Case(**_CASES[name]), 'graph')
+  compiled = harness.RunCase(
+      harness.Case(compile_loops='auto', **_CASES[name]), 'graph')
   never = harness.Case(compile_loops='never', **_CASES[name])
   assert _TrainingGraphCalls(never) == 0
   op_by_op = harness.RunCase(never, 'graph')
@@ -88,8 +89,8 @@ def test_under_tf_function_the_loops_are_left_to_it():
   (Built in a graph: an eagerly built layer's variables would outlive the
   test in Lingvo's variable store.)"""
   with tf.Graph().as_default():
-    layer = harness.Case(num_stages=2,
-                         num_microbatches=2).Params().Instantiate()
+    layer = harness.Case(num_stages=2, num_microbatches=2,
+                         compile_loops='auto').Params().Instantiate()
 
     def Step(x):
       return tf.reduce_sum(layer.FProp(layer.theta, x))
