@@ -6,9 +6,9 @@ the body, which is most of a small body's time (4 stages of a 32-wide MLP,
 2-row microbatches: 4 ms a training step, 1.1 for Lingvo's layer, whose
 loops stay functional While ops). Kept functional, a loop runs its body
 through the function runtime instead, without oneDNN's graph rewrites:
-vectorized stages' batched matmuls then run up to 2x slower. Compiled by
-XLA, the loop costs neither (0.6 ms; the compute-heavy bodies of
-BENCHMARKS.md's one-device section 1.5-2.5x faster than either).
+vectorized stages' batched matmuls then run 1.6-2.3x slower. Compiled by
+XLA, the loop costs neither (0.6 ms; a compute-heavy body's step 1.1-1.4x
+faster than op by op: BENCHMARKS.md, section 6).
 
 `Compiled(build, loop_vars)` builds a loop as one call of a
 tf.function(jit_compile=True) when
@@ -16,11 +16,14 @@ tf.function(jit_compile=True) when
   - the graph is a Session's, outside an XLA context (a tf.function's
     loops are compiled or not with it; a TPU's are XLA's anyway),
   - the loops are allowed to be (`Allowed`; a layer's `compile_loops`),
-  - every op of the loop has an XLA kernel, none is pinned to a device of
-    its own, none draws stateful random numbers (XLA draws others), and
-    none computes in a 16-bit float (XLA rounds those once per fused
-    computation, TensorFlow's kernels once per op: the loop would not give
-    what the same body gives outside it),
+  - every op of the loop has an XLA kernel for its dtypes and no v1
+    control flow, none is pinned to a device of its own, none draws random
+    numbers (XLA's generators, stateless ones too, draw other numbers than
+    TensorFlow's kernels), none computes in a 16-bit float (XLA rounds
+    those once per fused computation, TensorFlow's kernels once per op),
+    every float tensor has a static shape and no resource or TensorList
+    handle comes in from outside: the loop then gives what the same body
+    gives op by op, up to float32 rounding,
 
 and returns None otherwise: the caller builds the loop as it is. The
 TensorLists the loop fills cannot cross XLA's boundary: an empty list made
