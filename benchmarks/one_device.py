@@ -12,7 +12,6 @@ only way it runs a circular schedule on one device).
 
 import argparse
 import dataclasses
-import statistics
 import sys
 
 import numpy as np
@@ -21,6 +20,7 @@ import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 import tensorflow as tf
 from benchmarks import bodies
 from benchmarks import measure
+from benchmarks import report
 from gpipe.lingvo_support import flags_and_seeds
 from lingvo.core import base_layer
 from lingvo.core import gshard_layers
@@ -169,47 +169,6 @@ def MeasureRow(body, mode, s, m, r, warmup=3, reps=15):
   return Row(body.kind, mode, s, m, r, *ms)
 
 
-# The targets: ours / Lingvo's layer with default Params, and layer by
-# layer / the plain stack, per body and mode over the S/M/R shapes.
-DEFAULT_VS_LINGVO = (0.95, 1.1)  # median, every row
-LAYERS_VS_PLAIN = (1.25, 1.4)
-
-
-def Markdown(rows):
-  """The section's table and, per body and mode, its two verdicts."""
-  lines = [
-      '| body | mode | S | M | R | plain ms | default ms | layers ms | '
-      'Lingvo ms | default / Lingvo | layers / plain |',
-      '|---|---|---|---|---|---|---|---|---|---|---|',
-  ]
-  for w in rows:
-    lines.append(
-        f'| {w.kind} | {w.mode} | {w.stages} | {w.microbatches} | '
-        f'{w.repeats} | {w.plain_ms:.2f} | {w.default_ms:.2f} | '
-        f'{w.by_layer_ms:.2f} | {w.lingvo_ms:.2f} | '
-        f'{w.default_vs_lingvo:.2f} | {w.by_layer_vs_plain:.2f} |')
-  lines.append('')
-  for kind, mode in dict.fromkeys((w.kind, w.mode) for w in rows):
-    mine = [w for w in rows if (w.kind, w.mode) == (kind, mode)]
-    lines.append(
-        f'- {kind}, {mode}: default / Lingvo ' + _Verdict(
-            [w.default_vs_lingvo for w in mine], *DEFAULT_VS_LINGVO) +
-        '; layers / plain ' + _Verdict(
-            [w.by_layer_vs_plain for w in mine], *LAYERS_VS_PLAIN))
-  return '\n'.join(lines)
-
-
-def _Verdict(values, median_target, each_target):
-  median, worst = statistics.median(values), max(values)
-  misses = []
-  if median > median_target:
-    misses.append(f'median > {median_target}')
-  if worst > each_target:
-    misses.append(f'max > {each_target}')
-  verdict = f'MISSED: {", ".join(misses)}' if misses else 'met'
-  return f'median {median:.2f}, max {worst:.2f} ({verdict})'
-
-
 def Measure(kinds, modes, shapes, reps=15, warmup=3, log=print):
   """Rows for the bodies named in `kinds`, in BODIES' order."""
   rows = []
@@ -241,7 +200,7 @@ def main(argv=None):
               for t in args.shapes.split(',')]
   rows = Measure(args.bodies.split(','), args.modes.split(','), shapes,
                  reps=args.reps, log=lambda line: print(line, flush=True))
-  print(Markdown(rows))
+  print(report.OneDeviceTable(rows))
   return 0
 
 

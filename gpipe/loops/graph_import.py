@@ -4,7 +4,7 @@ gpipe.loops.cell_graph traces a loop's cell once; each loop imports the
 part of it that its results need (`Import`), with the loop's values
 substituted for the cell's placeholders and, in the backward loop, for the
 activations the forward loop stored: the ops that computed those are cut
-off (`Prune`), so the import neither holds nor runs them.
+off (`_Prune`), so the import neither holds nor runs them.
 """
 
 import tensorflow as tf
@@ -22,7 +22,7 @@ def _TensorName(ref):
   return op, f'{op}:{index or 0}'
 
 
-def Prune(graph_def, output_names, cut_names, spec_of):
+def _Prune(graph_def, output_names, cut_names, spec_of):
   """The nodes `output_names` need, not looking past `cut_names` tensors.
 
   Every cut tensor reached becomes a placeholder of its own (its consumers
@@ -103,7 +103,7 @@ def Import(graph_def, input_map, output_names, name, spec_of):
   An output that is itself substituted is its substitute. Values from other
   graphs (outer graphs of a loop body) are captured by an identity.
   """
-  pruned, fed = Prune(graph_def, output_names, set(input_map), spec_of)
+  pruned, fed = _Prune(graph_def, output_names, set(input_map), spec_of)
   feeds = {ph: tf.identity(input_map[t]) for ph, t in fed.items()}
   wanted = [n for n in output_names if n not in input_map]
   imported = importer.import_graph_def(
