@@ -342,6 +342,8 @@ class Unplaced:
 
   # (device_mesh, stage mesh axis) of the manual region, or None.
   mesh = None
+  # Whether the stage dim is split over devices (rotating_buffer's choice).
+  splits_stage_dim = False
 
   def __init__(self, num_stages):
     self.num_stages = num_stages
@@ -391,6 +393,8 @@ class Unplaced:
 class OverStageDevices(Unplaced):
   """shard_stages_1d: the stage dim over num_stages devices."""
 
+  splits_stage_dim = True
+
   @property
   def mesh(self):
     return StageMesh(self.num_stages)
@@ -415,6 +419,8 @@ class OverMeshAxis(Unplaced):
   or the model dims, which a full replicate would undo, so every
   annotation leaves the other dims to the partitioner.
   """
+
+  splits_stage_dim = True
 
   def __init__(self, num_stages, device_mesh, mesh_dim):
     super().__init__(num_stages)

@@ -160,7 +160,8 @@ class GradientLoop:
     place, io = self._place, self._io
     rows = Row(self._cell.tables, j, place)
     fresh, reading = io.Read(self._native, carry.reading, j)
-    stage_in = [place.SplitStages(rotating_buffer.StageInputs(rows.reads, b, f))
+    stage_in = [place.SplitStages(rotating_buffer.StageInputs(
+        rows.reads, b, f, place.splits_stage_dim))
                 for b, f in zip(carry.buffer, fresh)]
     new, _, stored = self._cell.Forward(
         self._theta, stage_in, carry.vars, rows,
@@ -171,7 +172,8 @@ class GradientLoop:
     out = carry.copy()
     out.rings = tf.nest.map_structure(lambda r, ring, e: r.Write(ring, slot, e),
                                       self._rings, carry.rings, entries)
-    out.buffer = [place.SplitStages(rotating_buffer.RotateStages(o))
+    out.buffer = [place.SplitStages(rotating_buffer.RotateStages(
+        o, split=place.splits_stage_dim))
                   for o in new.buffer]
     out.vars = new.vars
     out.reading = reading
@@ -188,7 +190,8 @@ class GradientLoop:
     d_out, d_reading = self._io.ReadGradient(carry.d_reading, rows)
     last = per_stage(rows.last_layer)
     dy = [per_stage(tf.where(_Mask(last, o), o,
-                             rotating_buffer.RotateStages(b, -1)))
+                             rotating_buffer.RotateStages(
+                                 b, -1, place.splits_stage_dim)))
           for o, b in zip(d_out, carry.d_buffer)]
     at = per_stage(rows.iteration)
     grads = self._Differentiate(rows, at, entries, dy, consts)

@@ -221,7 +221,8 @@ class StreamedIo:
   def _RotateSlots(self, columns, shift):
     """[k, S, ...] columns, each rotated by `shift` stages."""
     perm = [1, 0] + list(range(2, columns.shape.rank))
-    rotated = rotating_buffer.RotateStages(tf.transpose(columns, perm), shift)
+    rotated = rotating_buffer.RotateStages(
+        tf.transpose(columns, perm), shift, self._place.splits_stage_dim)
     return tf.transpose(rotated, perm)
 
   # -- Column ops: slot `slot`'s [S, ...] entries.
@@ -235,10 +236,12 @@ class StreamedIo:
         tf.tensor_scatter_nd_update(stream, index, column[None]))
 
   def _Toward0(self, column):
-    return self._place.SplitStages(rotating_buffer.RotateStages(column, -1))
+    return self._place.SplitStages(rotating_buffer.RotateStages(
+        column, -1, self._place.splits_stage_dim))
 
   def _Away0(self, column):
-    return self._place.SplitStages(rotating_buffer.RotateStages(column, 1))
+    return self._place.SplitStages(rotating_buffer.RotateStages(
+        column, 1, self._place.splits_stage_dim))
 
   def _At(self, table, iteration):
     return tf.gather(_Constant(table), iteration)

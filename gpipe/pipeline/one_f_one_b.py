@@ -221,12 +221,14 @@ def _ForwardLoop(cell, io, theta, native, state_leaves, var_values, caps):
   def Body(i, carry):
     rows = gradient_waves.Row(cell.tables, i, place)
     fresh, reading = io.Read(native, carry.reading, i)
-    stage_in = [place.SplitStages(rotating_buffer.StageInputs(rows.reads, b, f))
+    stage_in = [place.SplitStages(rotating_buffer.StageInputs(
+        rows.reads, b, f, place.splits_stage_dim))
                 for b, f in zip(carry.buffer, fresh)]
     new, extras, _ = cell.Forward(theta, stage_in, carry.vars, rows,
                                   [x[i] for x in states], caps)
     return i + 1, NestedMap(
-        buffer=[place.SplitStages(rotating_buffer.RotateStages(o))
+        buffer=[place.SplitStages(rotating_buffer.RotateStages(
+            o, split=place.splits_stage_dim))
                 for o in new.buffer],
         vars=new.vars, reading=reading,
         writing=io.Write(carry.writing, i, new.buffer),

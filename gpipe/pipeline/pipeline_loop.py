@@ -236,15 +236,16 @@ def _Iteration(spec: LoopSpec, io, phase, loop_theta, state, inp):
   it = place.ReplicateBookkeeping(inp.iteration)
   rows = inp.rows.Transform(place.ReplicateBookkeeping)
   fresh, reading = io.Read(loop_theta.microbatches, state.reading, it)
-  stage_in = [per_stage(rotating_buffer.StageInputs(rows.reads, per_stage(b),
-                                                    f))
+  stage_in = [per_stage(rotating_buffer.StageInputs(
+      rows.reads, per_stage(b), f, place.splits_stage_dim))
               for b, f in zip(state.buffer, fresh)]
   step = stage_step.Step(spec, stage_step.StageRange.Of(phase,
                                                         sched.num_stages),
                          loop_theta.weights, rows, stage_in, inp.states,
                          state.vars)
   new_state = NestedMap(
-      buffer=[per_stage(rotating_buffer.RotateStages(o))
+      buffer=[per_stage(rotating_buffer.RotateStages(
+          o, split=place.splits_stage_dim))
               for o in step.outputs],
       vars=step.vars, reading=reading,
       writing=io.Write(state.writing, it, step.outputs))

@@ -91,17 +91,20 @@ def test_loop_runs_every_layer_on_every_microbatch_in_order(s, m, r, store):
   np.testing.assert_array_equal(got['weight'].sum(axis=0), [m * r] * s)
 
 
-def test_rotate_stages_is_a_roll_and_its_gradient_the_opposite_roll():
+@pytest.mark.parametrize('split', [True, False])
+@pytest.mark.parametrize('shift', [1, -1, 2])
+def test_rotate_stages_is_a_roll_and_its_gradient_the_opposite_roll(
+    split, shift):
   x_np = np.arange(12.0, dtype=np.float32).reshape(4, 3)
   cot = np.random.RandomState(1).normal(size=[4, 3]).astype(np.float32)
   with tf.Graph().as_default():
     x = tf.constant(x_np)
-    y = rotating_buffer.RotateStages(x)
+    y = rotating_buffer.RotateStages(x, shift, split)
     (g,) = tf.gradients(y, [x], grad_ys=[cot])
     with tf.compat.v1.Session() as sess:
       y_v, g_v = sess.run((y, g))
-  np.testing.assert_array_equal(y_v, np.roll(x_np, 1, axis=0))
-  np.testing.assert_array_equal(g_v, np.roll(cot, -1, axis=0))
+  np.testing.assert_array_equal(y_v, np.roll(x_np, shift, axis=0))
+  np.testing.assert_array_equal(g_v, np.roll(cot, -shift, axis=0))
 
 
 def test_mask_bubbles_passes_the_input_through_without_gradient():
@@ -118,20 +121,35 @@ def test_mask_bubbles_passes_the_input_through_without_gradient():
   assert g_in is None
 
 
+@pytest.mark.parametrize('split', [True, False])
 @pytest.mark.parametrize('s,m,r', [(3, 4, 1), (2, 3, 2)])
-def test_stage_inputs_follow_the_schedule(s, m, r):
+def test_stage_inputs_follow_the_schedule(s, m, r, split):
+  """Stage 0 reads the fresh input where the schedule says; the gradient
+  goes to the fresh input from the slots that read it, to the buffer from
+  the others (both forms: split over devices or whole)."""
   sched = schedule_lib.Schedule(s, m, r)
+  cot = np.random.RandomState(2).normal(size=[s, 2]).astype(np.float32)
   with tf.Graph().as_default():
-    rotated = tf.constant(np.arange(s, dtype=np.float32)[:, None])
-    fresh = tf.constant([-1.0])
+    rotated = tf.constant(np.arange(2 * s, dtype=np.float32).reshape(s, 2))
+    fresh = tf.constant([-1.0, -2.0])
     # Iteration i's row of the loop's tables says where stage 0 reads.
-    got = [rotating_buffer.StageInputs(
-        stage_step.RowsAt(sched, tf.constant(i)).reads, rotated, fresh)
-           for i in range(sched.num_iterations)]
+    got = []
+    for i in range(sched.num_iterations):
+      y = rotating_buffer.StageInputs(
+          stage_step.RowsAt(sched, tf.constant(i)).reads, rotated, fresh,
+          split)
+      got.append((y,) + tuple(tf.gradients(y, [fresh, rotated],
+                                           grad_ys=[cot])))
     with tf.compat.v1.Session() as sess:
       got = sess.run(got)
-  for i, value in enumerate(got):
-    want = np.arange(s, dtype=np.float32)
+  for i, (value, d_fresh, d_rotated) in enumerate(got):
+    want = np.arange(2 * s, dtype=np.float32).reshape(s, 2)
+    want_d_rotated = cot.copy()
+    want_d_fresh = np.zeros(2, np.float32)
     if sched.StageZeroReadsInput(i):
-      want[0] = -1.0
-    np.testing.assert_array_equal(value[:, 0], want, err_msg=str(i))
+      want[0] = [-1.0, -2.0]
+      want_d_rotated[0] = 0.0
+      want_d_fresh = cot[0]
+    np.testing.assert_array_equal(value, want, err_msg=str(i))
+    np.testing.assert_array_equal(d_rotated, want_d_rotated, err_msg=str(i))
+    np.testing.assert_array_equal(d_fresh, want_d_fresh, err_msg=str(i))
