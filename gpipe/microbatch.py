@@ -123,7 +123,8 @@ def ToBatch(x: tf.Tensor) -> tf.Tensor:
   return tf.reshape(transposed, [batch] + rest)
 
 
-def StageZeroInput(x, schedule: schedule_lib.Schedule, iteration):
+def StageZeroInput(x, schedule: schedule_lib.Schedule, iteration,
+                   split=True):
   """[M, ...] -> [...]: what stage 0 reads at `iteration` (a scalar tensor).
 
   Read inside the loop, so that no [T, ...] copy of the inputs is ever
@@ -132,25 +133,30 @@ def StageZeroInput(x, schedule: schedule_lib.Schedule, iteration):
   from the gradient: bubbles compute on real data and their results are
   dropped, so a body that is only finite on real data stays finite (not
   zeros, on which a body dividing by its input would make Inf and NaN
-  gradients).
+  gradients). `split`: whether the pipeline's stage dim is split over
+  devices (the placement's splits_stage_dim; see _ReadRow).
   """
   if not nest.IsTensor(x):
     return x
   index = schedule.InputIndexPerIteration()
   row = tf.gather(tf.constant(index, tf.int32), iteration)
   is_filler = tf.equal(row, schedule.num_microbatches)
-  return _ReadRow(x, tf.where(is_filler, 0, row), tf.where(is_filler, -1, row))
+  return _ReadRow(x, tf.where(is_filler, 0, row), tf.where(is_filler, -1, row),
+                  split)
 
 
-def _ReadRow(x, row, grad_row):
+def _ReadRow(x, row, grad_row, split):
   """x[row]; its gradient goes to row `grad_row` of x (none if -1).
 
-  The gradient is built as a product with a one-hot mask, not TensorFlow's
-  scatter into zeros: XLA's lowering merges equal constants of a loop body,
-  and zeros shaped like a microbatch would be shared with the stage body's
-  own zeros inside its manual-sharding region, a mix the SPMD partitioner
-  aborts on (e.g. a circular body's [R, d] bias gradient with 2-row
-  microbatches of width d and R = 2).
+  Split over devices, the gradient is built as a product with a one-hot
+  mask, not TensorFlow's scatter into zeros: XLA's lowering merges equal
+  constants of a loop body, and zeros shaped like a microbatch would be
+  shared with the stage body's own zeros inside its manual-sharding region,
+  a mix the SPMD partitioner aborts on (e.g. a circular body's [R, d] bias
+  gradient with 2-row microbatches of width d and R = 2). Unsplit there is
+  no such region, and a scatter-add into zeros lets XLA add the row into
+  the loop's gradient sum in place, where the product writes all M rows
+  every iteration.
   """
 
   @tf.custom_gradient
@@ -158,6 +164,11 @@ def _ReadRow(x, row, grad_row):
 
     def Grad(dy):
       num_rows = _Shape(x)[0]
+      if not split:
+        real = tf.cast(grad_row >= 0, dy.dtype)
+        return tf.tensor_scatter_nd_add(
+            tf.zeros(_Shape(x), dy.dtype),
+            tf.reshape(tf.maximum(grad_row, 0), [1, 1]), (dy * real)[None])
       mask = tf.cast(tf.equal(tf.range(num_rows), grad_row), dy.dtype)
       return tf.reshape(mask, [num_rows] + [1] * dy.shape.rank) * dy[None]
 

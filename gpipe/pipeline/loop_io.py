@@ -81,8 +81,13 @@ class WholeIo:
     return native, NestedMap(reading=[], writing=[]), None
 
   def KeptRows(self, outputs):
-    """What an iteration keeps as extras for the outputs."""
-    return outputs
+    """What an iteration keeps as extras for the outputs: its [S, ...]
+    stage outputs split over devices (each keeps its own slot, the last
+    stage's taken out by an all-reduce: LastStageOutputs), the last slot
+    alone [1, ...] on a whole stage dim."""
+    if self._place.splits_stage_dim:
+      return outputs
+    return [o[-1:] for o in outputs]
 
   def ReverseNativeOutputs(self, kept_rows, writing):
     del writing
@@ -98,7 +103,9 @@ class WholeIo:
     """(stage 0's fresh input per leaf, reading) at `iteration`."""
     sched = self._spec.schedule
     return [self._place.ReplicateOverStages(
-        microbatch.StageZeroInput(x, sched, iteration)) for x in native], reading
+        microbatch.StageZeroInput(x, sched, iteration,
+                                  self._place.splits_stage_dim))
+            for x in native], reading
 
   def StartWriting(self, like):
     """Kept rows [M + 1, S, ...] per leaf (row M: iterations that finish
