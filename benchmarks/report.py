@@ -177,10 +177,16 @@ def OneDeviceTable(rows):
     vs_lingvo = [w.default_vs_lingvo for w in mine]
     vs_plain = [w.by_layer_vs_plain for w in mine]
     lines.append(
-        f'- {kind}, {mode}: default / Lingvo {_Spread(vs_lingvo)} '
-        f'{_Verdict(vs_lingvo, *DEFAULT_VS_LINGVO)}; layers / plain '
-        f'{_Spread(vs_plain)} {_Verdict(vs_plain, *LAYERS_VS_PLAIN)}')
+        f'- {kind}, {mode}: default / Lingvo '
+        f'{_Targeted(vs_lingvo, *DEFAULT_VS_LINGVO)}; layers / plain '
+        f'{_Targeted(vs_plain, *LAYERS_VS_PLAIN)}')
   return '\n'.join(lines)
+
+
+def _Targeted(values, median_target, each_target):
+  """'median m (range lo-hi), target <= t, each <= e (verdict)'."""
+  return (f'{_Spread(values)}, target <= {median_target}, each <= '
+          f'{each_target} {_Verdict(values, median_target, each_target)}')
 
 
 def _OverheadTable(rows):
