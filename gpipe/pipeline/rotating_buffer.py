@@ -82,8 +82,9 @@ def RotateStages(x, shift=1, split=True):
   dim whole (one device) it is a gather of the slots in their new order:
   XLA:CPU fuses a concat of slices with the elementwise ops that make its
   input into one loop that picks an operand per element (63 us an
-  iteration for a [4, 128, 128] buffer, a sixth of a gelu MLP stack's
-  forward step), where a gather stays a copy of whole slots.
+  iteration for a [4, 128, 128] buffer; a gelu MLP stack's forward step
+  is 18% faster with the gather), where a gather stays a copy of whole
+  slots.
   """
   num_stages = x.shape.as_list()[0]
   shift %= num_stages
