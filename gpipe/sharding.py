@@ -342,11 +342,17 @@ class Unplaced:
 
   # (device_mesh, stage mesh axis) of the manual region, or None.
   mesh = None
-  # Whether the stage dim is split over devices (rotating_buffer's choice).
-  splits_stage_dim = False
 
   def __init__(self, num_stages):
     self.num_stages = num_stages
+
+  @property
+  def splits_stage_dim(self):
+    """Whether the stage dim is split over devices: placed, in a graph built
+    for the SPMD partitioner (elsewhere the annotations do nothing and the
+    pipeline runs on one device). Some ops take a cheaper form on a whole
+    stage dim (gpipe.pipeline.rotating_buffer)."""
+    return self.mesh is not None and IsSpmdPartitioning()
 
   def _SplitOne(self, x, stage_dim):
     del stage_dim
@@ -393,8 +399,6 @@ class Unplaced:
 class OverStageDevices(Unplaced):
   """shard_stages_1d: the stage dim over num_stages devices."""
 
-  splits_stage_dim = True
-
   @property
   def mesh(self):
     return StageMesh(self.num_stages)
@@ -419,8 +423,6 @@ class OverMeshAxis(Unplaced):
   or the model dims, which a full replicate would undo, so every
   annotation leaves the other dims to the partitioner.
   """
-
-  splits_stage_dim = True
 
   def __init__(self, num_stages, device_mesh, mesh_dim):
     super().__init__(num_stages)

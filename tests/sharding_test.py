@@ -171,6 +171,21 @@ def test_over_stage_devices_splits_and_replicates(graph):
   assert axis == 0
 
 
+@pytest.mark.parametrize('params,placed', [
+    (dict(), False),
+    (dict(shard_stages_1d=True), True),
+    (dict(device_mesh=np.arange(8).reshape(4, 2), mesh_dim=0), True),
+])
+def test_the_stage_dim_is_split_only_placed_and_partitioned(params, placed):
+  """Placed stages outside a graph for the partitioner run on one device:
+  the rotation's cheaper whole-dim forms apply there too."""
+  place = sharding.StagePlacement(4, **params)
+  with sharding.SpmdPartitioning(False):
+    assert not place.splits_stage_dim
+  with sharding.SpmdPartitioning():
+    assert place.splits_stage_dim == placed
+
+
 def test_over_mesh_axis_decides_only_the_stage_axis_and_rows(graph):
   """The stage dim split; a [M, rows, ...] tensor's loop dim and rows whole
   and stage 0's read of one microbatch whole in its rows (its gradient
