@@ -66,9 +66,21 @@ class WholeIo:
             for x in native]
 
   def Outputs(self, native):
-    """[M, S, ...] finished stage outputs -> [M, ...] leaves."""
+    """[M, S, ...] finished stage outputs ([M, 1, ...] on a whole stage
+    dim: _LastSlot) -> [M, ...] leaves."""
     return [self._place.ReplicateLoopDim(
         rotating_buffer.LastStageOutputs(x, self._place)) for x in native]
+
+  def _LastSlot(self, x):
+    """What is kept of an [S, ...] output: every slot split over devices
+    (each device keeps its own, the last stage's taken out by an all-reduce:
+    LastStageOutputs), the last slot alone [1, ...] on a whole stage dim."""
+    return x if self._place.splits_stage_dim else x[-1:]
+
+  def _FirstSlot(self, x):
+    """What is kept of an [S, ...] input gradient: as _LastSlot, stage
+    0's slot alone on a whole stage dim."""
+    return x if self._place.splits_stage_dim else x[:1]
 
   # -- The reverse schedule's loop (gpipe.pipeline.pipeline_loop, via
   # recurrent).
@@ -81,13 +93,8 @@ class WholeIo:
     return native, NestedMap(reading=[], writing=[]), None
 
   def KeptRows(self, outputs):
-    """What an iteration keeps as extras for the outputs: its [S, ...]
-    stage outputs split over devices (each keeps its own slot, the last
-    stage's taken out by an all-reduce: LastStageOutputs), the last slot
-    alone [1, ...] on a whole stage dim."""
-    if self._place.splits_stage_dim:
-      return outputs
-    return [o[-1:] for o in outputs]
+    """What an iteration keeps as extras for the outputs."""
+    return [self._LastSlot(o) for o in outputs]
 
   def ReverseNativeOutputs(self, kept_rows, writing):
     del writing
@@ -109,8 +116,9 @@ class WholeIo:
 
   def StartWriting(self, like):
     """Kept rows [M + 1, S, ...] per leaf (row M: iterations that finish
-    none), as TensorLists."""
-    return [tensor_lists.Reserve(x, self._spec.schedule.num_microbatches + 1)
+    none; [M + 1, 1, ...] on a whole stage dim), as TensorLists."""
+    return [tensor_lists.Reserve(self._LastSlot(x),
+                                 self._spec.schedule.num_microbatches + 1)
             for x in like]
 
   def Write(self, writing, iteration, outputs):
@@ -118,12 +126,14 @@ class WholeIo:
     num_mb = self._spec.schedule.num_microbatches
     row = tf.gather(_Constant([num_mb if r < 0 else r for r in rows]),
                     iteration)
-    return [tensor_lists.SetRow(l, row, o) for l, o in zip(writing, outputs)]
+    return [tensor_lists.SetRow(l, row, self._LastSlot(o))
+            for l, o in zip(writing, outputs)]
 
   def FinishWriting(self, writing, like):
     num_mb = self._spec.schedule.num_microbatches
     return [self._place.SplitStages(
-                tensor_lists.Stack(l, x, num_mb + 1)[:num_mb], 1)
+                tensor_lists.Stack(l, self._LastSlot(x), num_mb + 1)[:num_mb],
+                1)
             for l, x in zip(writing, like)]
 
   # -- The 1f1b backward wave.
@@ -132,21 +142,23 @@ class WholeIo:
     return [self._place.SplitStages(d, 1) for d in d_native]
 
   def ReadGradient(self, reading, rows):
-    """(d outputs per leaf [S, ...], reading): the last stage's entry is
-    the output gradient of the microbatch it differentiates, if its layer
-    is the last."""
+    """(d outputs per leaf [S, ...] or, on a whole stage dim, [1, ...],
+    reading): the last stage's entry is the output gradient of the
+    microbatch it differentiates, if its layer is the last."""
     m = rows.microbatch[-1]
     return [self._place.SplitStages(tf.gather(d, m)) for d in reading], reading
 
   def StartWritingGradients(self, like):
-    return [tensor_lists.Reserve(x, self._spec.schedule.num_microbatches + 1)
+    return [tensor_lists.Reserve(self._FirstSlot(x),
+                                 self._spec.schedule.num_microbatches + 1)
             for x in like]
 
   def WriteGradient(self, writing, rows, d_inputs):
     """Stage 0's input gradient, where its layer is the first."""
     num_mb = self._spec.schedule.num_microbatches
     row = tf.where(rows.first_layer[0], rows.microbatch[0], num_mb)
-    return [tensor_lists.SetRow(l, row, d) for l, d in zip(writing, d_inputs)]
+    return [tensor_lists.SetRow(l, row, self._FirstSlot(d))
+            for l, d in zip(writing, d_inputs)]
 
   def FinishWritingGradients(self, writing, like):
     """The [M, ...] input gradients (stage 0's slot, on every device)."""
@@ -154,7 +166,8 @@ class WholeIo:
     return [
         self._place.ReplicateLoopDim(
             self._place.SplitStages(
-                tensor_lists.Stack(l, x, num_mb + 1), 1)[:num_mb, 0])
+                tensor_lists.Stack(l, self._FirstSlot(x), num_mb + 1),
+                1)[:num_mb, 0])
         for l, x in zip(writing, like)
     ]
 
