@@ -163,12 +163,12 @@ def _ReadRow(x, row, grad_row, split):
   def Read(x):
 
     def Grad(dy):
-      num_rows = _Shape(x)[0]
       if not split:
         real = tf.cast(grad_row >= 0, dy.dtype)
         return tf.tensor_scatter_nd_add(
             tf.zeros(_Shape(x), dy.dtype),
             tf.reshape(tf.maximum(grad_row, 0), [1, 1]), (dy * real)[None])
+      num_rows = _Shape(x)[0]
       mask = tf.cast(tf.equal(tf.range(num_rows), grad_row), dy.dtype)
       return tf.reshape(mask, [num_rows] + [1] * dy.shape.rank) * dy[None]
 
