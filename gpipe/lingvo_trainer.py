@@ -26,7 +26,9 @@ and stop after the one at `train.max_steps`. With `--run_locally`, the
 trainer starts at once: Lingvo's runners otherwise sleep a fixed 30 s
 before their first step, which is there for separate controller and trainer
 jobs; in one local process Lingvo's retry on the global step covers the
-start-up race.
+start-up race. It also ends at once: the controller, which writes the last
+checkpoint, otherwise notices that training finished at its next 10-second
+tick.
 """
 
 import logging
@@ -97,7 +99,7 @@ def main(argv=None):
           file=sys.stderr)
     return 2
   if flags.run_locally:
-    _SkipFixedStartUpWait()
+    _SkipFixedWaits()
   _ChooseOneDeviceRuns(flags)
   if _Trains(flags.job) and flags.logdir:
     _WriteScheduleImage(flags.model, flags.logdir)
@@ -221,38 +223,74 @@ def _SetUpAsLingvosTrainerDoes(flags):
     tf.data.experimental.enable_debug_mode()
 
 
-class _ClockWithoutStartUpWait:
-  """Stands in for the `time` module in lingvo.base_runner: its sleeps
-  are skipped in the thread of a runner waiting for the model to be
-  initialized, and only there (other runners' polling sleeps stay)."""
+class _LocalRunnersClock:
+  """Stands in for the `time` module in lingvo.base_runner and
+  lingvo.runners when one process runs the jobs side by side.
+
+  A sleep in the thread of a runner waiting for the model to be initialized
+  is skipped. Every other sleep (the controller's 10-second cadence, an
+  evaler polling for checkpoints) ends early when some runner's loop ends,
+  so that the controller sees at once that training finished and writes
+  the last checkpoint, instead of at its next tick::
+
+      trainer     |--- steps ---| done
+      controller  |tick| sleep 10 s ....... |tick: finished, save|  (Lingvo)
+      controller  |tick| sleep .. |woken: finished, save|           (here)
+  """
 
   def __init__(self):
     self.waiting = threading.local()
+    self._loop_ended = threading.Condition()
+    self._loops_ended = 0
 
   def __getattr__(self, name):
     return getattr(time, name)
 
+  def LoopEnded(self):
+    """Wakes every sleeping runner."""
+    with self._loop_ended:
+      self._loops_ended += 1
+      self._loop_ended.notify_all()
+
   def sleep(self, seconds):
-    if not getattr(self.waiting, 'active', False):
-      time.sleep(seconds)
+    if getattr(self.waiting, 'active', False):
+      return
+    deadline = time.monotonic() + seconds
+    with self._loop_ended:
+      seen = self._loops_ended
+      while self._loops_ended == seen:
+        left = deadline - time.monotonic()
+        if left <= 0:
+          return
+        self._loop_ended.wait(left)
 
 
-def _SkipFixedStartUpWait():
-  """BaseRunner._WaitUntilInit without its fixed sleep (see the module
-  docstring); its retry loop on the global step is unchanged."""
+def _SkipFixedWaits():
+  """Lingvo's runners in one local process without their fixed sleeps
+  (see the module docstring and _LocalRunnersClock): the retry loop on
+  the global step and the controller's checks are unchanged."""
   from lingvo import base_runner  # pylint: disable=g-import-not-at-top
-  clock = _ClockWithoutStartUpWait()
-  base_runner.time = clock
-  wait_until_init = base_runner.BaseRunner._WaitUntilInit  # pylint: disable=protected-access
+  from lingvo import runners  # pylint: disable=g-import-not-at-top
+  clock = _LocalRunnersClock()
+  base_runner.time = runners.time = clock
+  runner = base_runner.BaseRunner
+  wait_until_init, run_loop = runner._WaitUntilInit, runner._RunLoop  # pylint: disable=protected-access
 
-  def WaitUntilInit(runner, *args, **kwargs):
+  def WaitUntilInit(self, *args, **kwargs):
     clock.waiting.active = True
     try:
-      return wait_until_init(runner, *args, **kwargs)
+      return wait_until_init(self, *args, **kwargs)
     finally:
       clock.waiting.active = False
 
-  base_runner.BaseRunner._WaitUntilInit = WaitUntilInit  # pylint: disable=protected-access
+  def RunLoop(self, *args, **kwargs):
+    try:
+      return run_loop(self, *args, **kwargs)
+    finally:
+      clock.LoopEnded()
+
+  runner._WaitUntilInit = WaitUntilInit  # pylint: disable=protected-access
+  runner._RunLoop = RunLoop  # pylint: disable=protected-access
 
 
 def _Trains(job):

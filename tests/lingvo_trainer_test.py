@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -154,23 +155,50 @@ def test_trainer_evaler_and_decoder_jobs(tmp_path):
   # in lm_params_test.)
 
 
-def test_local_runs_skip_only_the_waiting_runners_sleep(monkeypatch):
+def _Slept(clock, seconds):
+  start = time.monotonic()
+  clock.sleep(seconds)
+  return time.monotonic() - start
+
+
+def test_local_runs_skip_only_the_waiting_runners_sleep():
   """The clock lingvo.base_runner gets with --run_locally: a runner waiting
   for the model to be initialized does not sleep; every other sleep, in
   other threads (the evaler's checkpoint polling), still happens."""
-  slept = []
-  monkeypatch.setattr(lingvo_trainer.time, 'sleep', slept.append)
-  clock = lingvo_trainer._ClockWithoutStartUpWait()  # pylint: disable=protected-access
-  clock.sleep(10)
+  clock = lingvo_trainer._LocalRunnersClock()  # pylint: disable=protected-access
+  assert _Slept(clock, 0.05) >= 0.05
   clock.waiting.active = True
-  clock.sleep(30)
-  other = threading.Thread(target=clock.sleep, args=(7,))
-  other.start()
-  other.join()
+  assert _Slept(clock, 30) < 1
+  other = []
+  thread = threading.Thread(target=lambda: other.append(_Slept(clock, 0.05)))
+  thread.start()
+  thread.join()
+  assert other[0] >= 0.05
   clock.waiting.active = False
-  clock.sleep(5)
-  assert slept == [10, 7, 5]
+  assert _Slept(clock, 0.05) >= 0.05
   assert clock.time is lingvo_trainer.time.time  # the rest is `time`'s
+
+
+def test_local_runs_wake_a_sleeping_runner_when_a_loop_ends():
+  """The controller's 10-second sleep ends when the trainer's loop does
+  (then it writes the last checkpoint); a loop that ended before a sleep
+  began does not cut that sleep short."""
+  clock = lingvo_trainer._LocalRunnersClock()  # pylint: disable=protected-access
+  asleep, woke = threading.Event(), []
+
+  def Controller():
+    asleep.set()
+    woke.append(_Slept(clock, 30))
+
+  thread = threading.Thread(target=Controller)
+  thread.start()
+  asleep.wait()
+  time.sleep(0.2)
+  assert not woke  # still asleep
+  clock.LoopEnded()
+  thread.join(timeout=10)
+  assert woke and 0.2 <= woke[0] < 10, woke
+  assert _Slept(clock, 0.05) >= 0.05
 
 
 def test_a_model_module_by_path_registers_its_models(tmp_path):
