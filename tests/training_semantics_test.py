@@ -266,6 +266,17 @@ def test_dropout_streams_equal_the_reference(case, mode):
   assert (res['pipe']['out'] == 0).any()
 
 
+def _AssertBubblesAndDropout(case, mode):
+  """Everything equals the reference, first with a body that multiplies by
+  x / x: NaN if a bubble computes on zeros, exactly 1 on real data (in the
+  value and, cut from the gradient, in the gradient), so the same numbers
+  as the plain body's; then with dropout, which really ran."""
+  _AssertMatches(Run(dataclasses.replace(case, divide_by_input=True), mode))
+  res = Run(dataclasses.replace(case, keep_prob=0.5), mode)
+  _AssertMatches(res)
+  assert (res['pipe']['out'] == 0).any()
+
+
 # The same cases under backward_schedule='1f1b', with and without stream_io.
 _ONE_F_ONE_B = [
     dataclasses.replace(c, backward_schedule='1f1b', stream_io=i % 2 == 1)
@@ -275,12 +286,7 @@ _ONE_F_ONE_B = [
 @pytest.mark.parametrize('case, mode', _CasesAndModes(_ONE_F_ONE_B,
                                                       _ONE_F_ONE_B[2:4]))
 def test_1f1b_aux_losses_summaries_dropout_and_bubbles(case, mode):
-  _AssertMatches(Run(case, mode))
-  # Bubbles compute on real data (x / x would be NaN on zeros).
-  _AssertMatches(Run(dataclasses.replace(case, divide_by_input=True), mode))
-  res = Run(dataclasses.replace(case, keep_prob=0.5), mode)
-  _AssertMatches(res)
-  assert (res['pipe']['out'] == 0).any()
+  _AssertBubblesAndDropout(case, mode)
 
 
 # The same checks on each of the other one-device paths: the stages one
@@ -296,11 +302,7 @@ _PATHS = [
 @pytest.mark.parametrize('case, mode', _CasesAndModes(_PATHS, _PATHS[1::3]))
 def test_every_one_device_path_aux_losses_summaries_dropout_and_bubbles(
     case, mode):
-  _AssertMatches(Run(case, mode))
-  _AssertMatches(Run(dataclasses.replace(case, divide_by_input=True), mode))
-  res = Run(dataclasses.replace(case, keep_prob=0.5), mode)
-  _AssertMatches(res)
-  assert (res['pipe']['out'] == 0).any()
+  _AssertBubblesAndDropout(case, mode)
 
 
 @pytest.mark.parametrize('num_stages, circular_repeat', [(2, 2), (3, 1)])
