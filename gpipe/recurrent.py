@@ -40,12 +40,16 @@ import tensorflow as tf
 
 from gpipe.loops import cell_graph
 from gpipe.loops import compiled_loops
+from gpipe.loops import deferred_dots
+from gpipe.loops import extras_rows as extras_rows_lib
 from gpipe.loops import remat
 from gpipe.loops import tensor_lists
 from gpipe.loops import while_loops
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.eager import record
 # pylint: enable=g-direct-tensorflow-import
+
+Rows = extras_rows_lib.Rows
 
 __all__ = [
     'Recurrent',
@@ -56,45 +60,6 @@ __all__ = [
 
 def _SliceInputs(inputs, t):
   return tf.nest.map_structure(lambda x: tf.gather(x, t), inputs)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rows:
-  """Where an extra of each iteration goes: row index[t] of num_rows.
-
-  By default the extras of iteration t are row t of a [T, ...] stack. An
-  extra that only some iterations produce for keeps (the pipeline's
-  outputs: one iteration per microbatch finishes it) goes to a stack of
-  num_rows instead, iteration t to row index[t], or nowhere when index[t]
-  is -1: the loop then holds num_rows of it, not T, and its gradient is
-  read back from the same row.
-  """
-  index: Tuple[int, ...]
-  num_rows: int
-
-  def __post_init__(self):
-    if any(not -1 <= r < self.num_rows for r in self.index):
-      raise ValueError(f'Rows: every index must be in [-1, {self.num_rows}); '
-                       f'got {list(self.index)}.')
-
-  def At(self, t):
-    """Row of iteration t (a scalar tensor): num_rows when not kept."""
-    table = [self.num_rows if r < 0 else r for r in self.index]
-    return tf.gather(tf.constant(table, tf.int32), t)
-
-
-def _FlatRows(extras_spec, extras_rows):
-  """Per flat extras leaf, its Rows, or None for one row per iteration."""
-  if not extras_rows:
-    return [None] * len(tf.nest.flatten(extras_spec))
-  unknown = set(extras_rows) - set(extras_spec)
-  if unknown:
-    raise ValueError(f'Recurrent extras_rows names {sorted(unknown)}, which '
-                     f'the cell\'s extras ({sorted(extras_spec)}) lack.')
-  marked = type(extras_spec)(
-      (k, tf.nest.map_structure(lambda _, r=extras_rows.get(k): r, v))
-      for k, v in extras_spec.items())
-  return tf.nest.flatten(marked)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,10 +151,11 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
   n_th, n_st, n_in, n_cap = (len(diff['theta']), len(diff['state']),
                              len(diff['inputs']), len(diff['captures']))
   unkept = [i for i, h in enumerate(flat_stacked) if h is None]
+  sums = deferred_dots.WeightGradientSums(cell, flat_theta, num_iterations)
 
   def Body(t, *loop_vars):
-    d_state, acc_theta, acc_caps, input_lists, after = _SplitAt(
-        loop_vars, n_st, n_th, n_cap, len(input_specs))
+    d_state, theta_sums, acc_caps, input_lists, after = _SplitAt(
+        loop_vars, n_st, sums.size, n_cap, len(input_specs))
     inputs_t = _SliceInputs(flat_inputs, t)
     # The state after iteration t: stored, or carried down from the end.
     flat_after = _Scatter(after, unkept, len(flat_stacked))
@@ -204,7 +170,7 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     ]
     grads = cell.Backward(
         flat_theta, state_in, inputs_t, captures, flat_after, d_state,
-        [_ExtraGradientAt(flat_d_extras[i], extras_rows[i], t)
+        [extras_rows_lib.GradientAt(flat_d_extras[i], extras_rows[i], t)
          for i in extras_idx],
         [tf.gather(s, t) for s in stored])
     g_theta, g_state, g_inputs, g_caps = _SplitAt(grads, n_th, n_st, n_in)
@@ -214,13 +180,13 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
         g + _PastStateGradient(flat_d_states[i], t - 1, g)
         for i, g in zip(diff['state'], g_state)
     ]
-    new_acc_theta = [a + g for a, g in zip(acc_theta, g_theta)]
+    new_theta_sums = sums.Next(t, theta_sums, g_theta)
     new_acc_caps = [a + g for a, g in zip(acc_caps, g_caps)]
     new_lists = [
         tensor_lists.SetRow(l, t, g)
         for l, g in zip(input_lists, g_inputs)
     ]
-    return ([t - 1] + new_d_state + new_acc_theta + new_acc_caps + new_lists +
+    return ([t - 1] + new_d_state + new_theta_sums + new_acc_caps + new_lists +
             [before[i] for i in unkept])
 
   last = num_iterations - 1
@@ -233,20 +199,23 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
           flat_d_final[i] +
           _PastStateGradient(flat_d_states[i], last, flat_d_final[i])
           for i in diff['state']
-      ] + [while_loops.ZerosAfter(flat_theta[i], flat_d_final + flat_d_extras)
-           for i in diff['theta']] +
+      ] + sums.Initial(
+          lambda w: while_loops.ZerosAfter(w, flat_d_final + flat_d_extras)) +
       [tf.zeros_like(captures[i]) for i in diff['captures']] +
       [tensor_lists.Reserve(s, num_iterations) for s in input_specs] +
       [flat_final[i] for i in unkept], num_iterations)
-  sizes = dict(theta=len(flat_theta), state=len(flat_state0),
-               inputs=len(flat_inputs), captures=len(captures))
-  return _BackwardResults(results[1:len(results) - len(unkept)], diff, sizes,
-                          input_specs, num_iterations)
+  d_state, theta_sums, rest = _SplitAt(
+      results[1:len(results) - len(unkept)], n_st, sums.size)
+  sizes = [len(x) for x in (flat_theta, flat_state0, flat_inputs, captures)]
+  return _BackwardResults(d_state + sums.Final(theta_sums) + rest, diff,
+                          sizes, input_specs, num_iterations)
 
 
 def _BackwardResults(results, diff, sizes, input_specs, num_iterations):
   """The reverse loop's final gradients (state, theta, captures, then the
-  inputs' lists), flat in (theta, state, inputs, captures) order."""
+  inputs' lists), flat in (theta, state, inputs, captures) order, whose
+  sizes are `sizes`."""
+  sizes = dict(zip(('theta', 'state', 'inputs', 'captures'), sizes))
   parts = {}
   for key in ('state', 'theta', 'captures'):
     n = len(diff[key])
@@ -292,16 +261,6 @@ def _PastStateGradient(d_states_entry, t, like):
                   tf.zeros_like(like))
 
 
-def _ExtraGradientAt(d_extra, rows, t):
-  """The gradient of iteration t's extra: row t, or its Rows row (zeros
-  for an iteration whose extra was kept nowhere)."""
-  if rows is None:
-    return tf.gather(d_extra, t)
-  row = rows.At(t)
-  kept = tf.gather(d_extra, tf.minimum(row, rows.num_rows - 1))
-  return tf.where(row < rows.num_rows, kept, tf.zeros_like(kept))
-
-
 def ZeroIfNone(g, like):
   """An incoming gradient as a dense tensor: zeros for None."""
   return tf.zeros_like(like) if g is None else tf.convert_to_tensor(g)
@@ -318,6 +277,7 @@ def Recurrent(theta: Any,
               return_states: bool = True,
               data_state: Optional[Any] = None,
               undo: Optional['Undo'] = None,
+              defer_weight_dots: bool = False,
               name: str = 'recurrent') -> Tuple[Any, Any, Any]:
   """Runs `cell_fn` over the leading dim of `inputs`.
 
@@ -348,6 +308,10 @@ def Recurrent(theta: Any,
       stream_io's streams, whose history would be the whole batch per
       iteration); the backward loop recovers them with undo.fn. Needs
       return_states=False.
+    defer_weight_dots: the backward loop keeps the operands of the weight
+      gradients' dots where they are small and contracts them once after
+      the loop (gpipe.loops.deferred_dots): faster with few rows per
+      iteration, for memory that grows with the iterations.
     name: name scope.
 
   Returns:
@@ -367,9 +331,10 @@ def Recurrent(theta: Any,
     num_iterations = _NumIterations(inputs)
     with record.VariableWatcher() as watcher:
       cell = cell_graph.CellGraph(cell_fn, theta, state0, inputs,
-                                  remat_policy, manual_boundary, data_state)
+                                  remat_policy, manual_boundary, data_state,
+                                  defer_weight_dots=defer_weight_dots)
     loops = _Loops(cell, (theta, state0, inputs), num_iterations,
-                   _FlatRows(cell.extras_spec, extras_rows),
+                   extras_rows_lib.FlatRows(cell.extras_spec, extras_rows),
                    watcher.watched_variables(), undo)
     return loops.Run(return_states)
 

@@ -8,4 +8,8 @@ knows about stages or microbatches.
     while_loops    while loops of exactly n iterations, XLA-friendly
     compiled_loops a loop a Session runs as one XLA computation
     tensor_lists   the [T, ...] results a loop fills row by row
+    extras_rows    where each iteration's extras go (Rows) and their
+                   gradients come from
+    deferred_dots  weight gradients of few-row dots summed once after the
+                   backward loop
 """

@@ -23,6 +23,7 @@ neither loop holds ops it does not run.
 
 import tensorflow as tf
 
+from gpipe.loops import deferred_dots
 from gpipe.loops import graph_import
 from gpipe.loops import remat
 
@@ -72,8 +73,10 @@ class CellGraph:
   """
 
   def __init__(self, cell_fn, theta, state0, inputs, policy,
-               manual_boundary=None, data_state=None, keeps_new_state=True):
+               manual_boundary=None, data_state=None, keeps_new_state=True,
+               defer_weight_dots=False):
     self._structure = (theta, state0, inputs)
+    self._defer_weight_dots = defer_weight_dots
     graph = func_graph_lib.FuncGraph('recurrent_cell')
     with graph.as_default():
       ph = lambda x, shape: tf.compat.v1.placeholder(x.dtype, shape)
@@ -95,8 +98,7 @@ class CellGraph:
       _CheckStaticShapes(flat_extras)
       every_op = list(graph.get_operations())
       _CheckNoVariableWrites(every_op)
-      # What the outputs need: a vectorized body leaves its one-stage trace
-      # behind, unused (and so never imported into the loops).
+      # What the outputs need (not a vectorized body's one-stage trace).
       self.forward_ops = _OpsNeededBy(flat_new + flat_extras, every_op)
 
     captured = _WithVariablesReadOutside(graph.captures)
@@ -183,6 +185,23 @@ class CellGraph:
       self._grads = [tf.convert_to_tensor(g) for g in grads]
     self._gradient_ops = _OpsNeededBy(
         self._grads, self._graph.get_operations()[num_ops:])
+    self._deferred = {}
+    if self._defer_weight_dots:
+      per_iteration = _ActivationsOf(
+          [groups['state'][i] for i in self.differentiable['state']] +
+          [groups['inputs'][i] for i in self.differentiable['inputs']] +
+          self._d_state + self._d_extras, self._graph.get_operations())
+      for j in range(len(self.differentiable['theta'])):
+        found = deferred_dots.Find(self._grads[j], per_iteration)
+        if found is not None:
+          self._deferred[j] = found
+
+  def DeferredDots(self):
+    """{position among the differentiable theta entries: DeferredDot}: the
+    weight gradients Backward returns as their dot's two operands (only
+    with defer_weight_dots; gpipe.loops.deferred_dots)."""
+    self._BuildGradient()
+    return self._deferred
 
   def _GraphDef(self):
     """The graph as it is now (the gradient part may come later)."""
@@ -262,7 +281,8 @@ class CellGraph:
 
     Returns:
       The gradients of the differentiable theta, state, inputs and captures
-      entries (see `differentiable`), flat, in that order.
+      entries (see `differentiable`), flat, in that order; a deferred
+      weight gradient (DeferredDots) as the pair of its dot's operands.
     """
     _CheckNoStatefulRandomOps(self.forward_ops)
     self._BuildGradient()
@@ -278,9 +298,18 @@ class CellGraph:
     input_map.update((name, new_state[i])
                      for name, i in self._new_state_views.items()
                      if name not in input_map)
-    return graph_import.Import(self._GraphDef(), input_map,
-                               [g.name for g in self._grads], 'cell_grad',
-                               self._SpecOf)
+    names = []
+    for j, g in enumerate(self._grads):
+      names.extend(self._deferred[j].operands if j in self._deferred else
+                   [g.name])
+    values = graph_import.Import(self._GraphDef(), input_map, names,
+                                 'cell_grad', self._SpecOf)
+    grads = []
+    for j in range(len(self._grads)):
+      n = 2 if j in self._deferred else 1
+      grads.append(tuple(values[:n]) if n == 2 else values[0])
+      values = values[n:]
+    return grads
 
   def _GradientReads(self, captures):
     """Values for the reads of a variable read outside that only the

@@ -214,6 +214,10 @@ def _RunPhase(spec, io, undo, phase, loop_theta, state0, inputs):
       manual_boundary=sharding.ManualBoundary.For(spec.runner.manual_mesh),
       extras_rows={'outputs': rows},
       return_states=False,
+      # One device: the weights' gradients summed after the loop where
+      # their dots read few rows (more memory, which partitioned is not
+      # to spare).
+      defer_weight_dots=not spec.placement.splits_stage_dim,
       data_state=NestedMap(buffer=marks(state0.buffer, True),
                            vars=marks(state0.vars, False),
                            reading=marks(state0.reading, True),
