@@ -139,6 +139,21 @@ BUGS = (
         '      schedule_lib.Phase(phase.begin, phase.end, 0, '
         'sched.num_stages),',
         ('tests/pipeline/skip_bubbles_test.py', '-k', 'fill_and_drain')),
+    # -- Weight gradients summed after the loop. -----------------------------
+    Bug('deferred-dots-row-off-by-one',
+        "a deferred weight gradient's operands written a row early",
+        'gpipe/loops/deferred_dots.py',
+        '[tensor_lists.SetRow(l, t, x) for l, x in zip(lists, operands)]',
+        '[tensor_lists.SetRow(l, tf.maximum(t - 1, 0), x)\n'
+        '             for l, x in zip(lists, operands)]',
+        ('tests/loops/deferred_dots_test.py', 'tests/layers_test.py', '-k',
+         'unrolled_loop or schedule_sweep_graph')),
+    Bug('deferred-dots-weight-operand',
+        'an operand the same every iteration kept per iteration',
+        'gpipe/loops/deferred_dots.py',
+        'if not (a.name in per_iteration and b.name in per_iteration):',
+        'if not (a.name in per_iteration or b.name in per_iteration):',
+        ('tests/loops/deferred_dots_test.py',)),
     # -- What the pages show and the commands print. -------------------------
     Bug('docs-stale-check-output', 'a command prints what no page shows',
         'gpipe/xla/partitioned_step.py',
