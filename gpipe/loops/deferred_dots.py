@@ -26,8 +26,8 @@ import tensorflow as tf
 
 from gpipe.loops import tensor_lists
 
-# What the operands of all T iterations may cost, per iteration, as a
-# fraction of the gradient.
+# How large one iteration's two operands may be, as a fraction of the
+# gradient they make.
 MAX_OPERANDS_PER_GRADIENT = 0.25
 
 
@@ -87,8 +87,8 @@ class WeightGradientSums:
     self._theta = [flat_theta[i] for i in cell.differentiable['theta']]
     self._summed = [j for j in range(len(self._theta))
                     if j not in self._deferred]
-    self._specs = [x for j in sorted(self._deferred)
-                   for x in self._deferred[j].specs]
+    self._kept = sorted(self._deferred)  # the operand lists' order
+    self._specs = [x for j in self._kept for x in self._deferred[j].specs]
     self._num_iterations = num_iterations
     self.size = len(self._summed) + len(self._specs)
 
@@ -101,24 +101,20 @@ class WeightGradientSums:
 
   def Next(self, t, carried, g_theta):
     """Adds iteration t's gradients (g_theta: Backward's theta part)."""
-    sums, lists = _Split(carried, len(self._summed))
-    operands = [x for j in sorted(self._deferred) for x in g_theta[j]]
+    sums, lists = carried[:len(self._summed)], carried[len(self._summed):]
+    operands = [x for j in self._kept for x in g_theta[j]]
     return ([a + g_theta[j] for a, j in zip(sums, self._summed)] +
             [tensor_lists.SetRow(l, t, x) for l, x in zip(lists, operands)])
 
   def Final(self, carried):
     """The differentiable theta entries' gradients, in order."""
-    sums, lists = _Split(carried, len(self._summed))
+    sums, lists = carried[:len(self._summed)], carried[len(self._summed):]
     grads = dict(zip(self._summed, sums))
     operands = [tensor_lists.Stack(l, s, self._num_iterations)
                 for l, s in zip(lists, self._specs)]
-    for k, j in enumerate(sorted(self._deferred)):
+    for k, j in enumerate(self._kept):
       grads[j] = self._deferred[j].Contract(*operands[2 * k:2 * k + 2])
     return [grads[j] for j in range(len(self._theta))]
-
-
-def _Split(seq, n):
-  return list(seq[:n]), list(seq[n:])
 
 
 def _Equation(op) -> Optional[str]:

@@ -3,8 +3,8 @@
 The deferred gradients against a plain Python loop of the same cell
 differentiated by TensorFlow (unrolled: no Recurrent, no while loop), in
 graph mode and under jit, for each remat policy; and which gradients
-`Find` defers, checked on every op form it reads against the sum of the
-per-iteration gradients in NumPy.
+`Find` defers, its one contraction checked on every op form it reads
+against the sum of that op's results iteration by iteration.
 """
 
 import numpy as np
