@@ -207,6 +207,12 @@ def _RunPhase(spec, io, undo, phase, loop_theta, state0, inputs):
   rows = recurrent.Rows(tuple(m - first if m >= 0 else -1 for m in finished),
                         max(len(done), 1))
   marks = lambda entries, mark: [mark] * len(entries)
+  # The phase's loop takes the weights of its stages only: inside, each
+  # weight's gradient is then the body's own dot (deferred where it reads
+  # few rows) rather than the gradient of a slice of it.
+  stages = stage_step.StageRange.Of(phase, spec.schedule.num_stages)
+  loop_theta = NestedMap(weights=stages.Narrow(loop_theta.weights),
+                         microbatches=loop_theta.microbatches)
   _, final, extras = recurrent.Recurrent(
       loop_theta, state0, inputs,
       lambda th, st, inp: _Iteration(spec, io, phase, th, st, inp),

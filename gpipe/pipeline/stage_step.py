@@ -51,7 +51,7 @@ def Step(spec, stages, theta, rows, stage_in, state_slots,
   Args:
     spec: the pipeline_loop.LoopSpec.
     stages: the StageRange that computes (the others are bubbles).
-    theta: the stage-stacked weights.
+    theta: the range's stage-stacked weights, [count, ...].
     rows: the iteration's StageTables row, each [S] (replicated).
     stage_in: the buffer leaves' stage inputs, [S, ...] each.
     state_slots: the per-stage state leaves of this iteration, [S, ...].
@@ -85,11 +85,11 @@ def Step(spec, stages, theta, rows, stage_in, state_slots,
 
 
 def RunStages(spec, stages, theta, rows, args, var_values):
-  """The runner's run of the range's stages, widened back to all S: the
-  others are all bubbles, which the caller masks (their outputs are their
+  """The runner's run of the range's stages on their weights `theta`,
+  widened back to all S: the others are all bubbles, which the caller masks (their outputs are their
   inputs, their aux losses and summaries zero, their variables kept)."""
   res = spec.runner.Run(
-      spec, stages.Narrow(theta),
+      spec, theta,
       StagesAt(spec, stages.Narrow(rows), stages.Narrow(args),
                stages.Narrow(var_values), stages.first))
   zeros = lambda x: None if x is None else tf.zeros_like(x[:1])

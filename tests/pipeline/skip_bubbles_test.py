@@ -22,6 +22,7 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import layers
+from gpipe.loops import cell_graph
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import stage_runners
 from gpipe import schedule
@@ -208,3 +209,41 @@ def test_partitioned_it_does_nothing_and_equals_one_device():
   (forward and backward: 2, with one permute per iteration each), and the
   step equals the same layer on one device, which runs three phases."""
   harness.CheckPartitionedEqualsOneDevice(skip_bubbles=True)
+
+
+class _MatrixBody(reference_bodies.DenseBody):
+  """DenseBody on [rows, dim] inputs, its dot an einsum without ellipses
+  (which gpipe.loops.deferred_dots can defer)."""
+
+  def FProp(self, theta, x):
+    return tf.tanh(tf.einsum('bd,de->be', x, theta.w) + theta.b)
+
+
+def _DeferredPerLoop(monkeypatch, skip_bubbles):
+  """How many weight gradients each backward loop of a one-device training
+  step defers (gpipe.loops.deferred_dots): a 16-wide body on microbatches of
+  one row, whose weight's dot reads few rows."""
+  deferred = {}
+  found = cell_graph.CellGraph.DeferredDots
+
+  def Recording(cell):
+    deferred[id(cell)] = len(found(cell))
+    return found(cell)
+
+  monkeypatch.setattr(cell_graph.CellGraph, 'DeferredDots', Recording)
+  with tf.Graph().as_default():
+    layer = layers.PipelinedLayer.Params().Set(
+        name='pipe', num_stages=4, num_microbatches=4, compile_loops='never',
+        skip_bubbles=skip_bubbles,
+        single_stage_body=_MatrixBody.Params().Set(dim=16)).Instantiate()
+    y = layer.FProp(layer.theta, tf.ones([4, 16]))
+    tf.gradients(tf.reduce_sum(y), layer.vars.Flatten())
+  return sorted(deferred.values())
+
+
+def test_every_phase_defers_the_weight_gradients(monkeypatch):
+  """Each phase's loop takes the weights of its own stages, so in the fill
+  and drain too the weight's gradient is the body's dot, summed after the
+  loop, not the gradient of a slice of the weights."""
+  assert _DeferredPerLoop(monkeypatch, False) == [1]
+  assert _DeferredPerLoop(monkeypatch, True) == [1, 1, 1]
