@@ -76,7 +76,8 @@ def FProp(p, batch=4, **kwargs):
     (dict(store_body_intermediates=None),
      r'store_body_intermediates must be True or False, got None'),
     (dict(skip_bubbles='auto'),
-     r"skip_bubbles must be True or False, got 'auto' \(str\)"),
+     r"skip_bubbles must be True, False or None \(where it pays\), got "
+     r"'auto' \(str\)"),
     (dict(layer_by_layer=1),
      r"layer_by_layer must be True, False or None \(the program.s default\), "
      r"got 1 \(int\)"),

@@ -138,16 +138,20 @@ def _DefineOneDevice(p):
       'an error instead; `\'never\'`). Partitioned, each device runs its own '
       'stage either way.')
   p.Define(
-      'skip_bubbles', False,
+      'skip_bubbles', None,
       'On one device, run the first and last iterations (about S / 2 at '
       'each end, filling and draining the pipeline) on the half of the '
       'stages that holds their useful work '
       '(`gpipe.schedule.Schedule.Phases`), so about half the bubble slots '
       'are not computed: faster steps where M is close to S and the body is '
-      'compute-bound, in graph mode and under XLA (up to 1.75x under jit), '
-      'slower for small bodies in graph mode, and longer to trace and '
-      'compile (three loops instead of one). Partitioned, each device '
-      'runs its own stage and this does nothing. See '
+      'compute-bound, under XLA (up to 1.75x under jit), slower for small '
+      'bodies in graph mode, and longer to trace and compile (three loops '
+      'instead of one, 2.5x the time). None (the default): on under XLA '
+      '(`tf.function(jit_compile=True)`) for a body of at least a million '
+      'FLOPs a microbatch (2 x rows x one layer\'s weights: '
+      '`gpipe.pipeline.pipeline_loop.SkipsBubbles`), where it saves 5-10 % '
+      'of a step, else off. Partitioned, each device runs its own stage and '
+      'this does nothing. See '
       '[BENCHMARKS.md](BENCHMARKS.md).')
   p.Define(
       'layer_by_layer', None,

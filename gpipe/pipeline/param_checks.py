@@ -21,7 +21,7 @@ _CHOICES = {
     'aux_loss_microbatch_accumulation': ('mean', 'sum'),
 }
 _BOOL_PARAMS = ('shard_stages_1d', 'per_stage_vars',
-                'store_body_intermediates', 'skip_bubbles', 'stream_io')
+                'store_body_intermediates', 'stream_io')
 _INT_PARAMS = ('num_stages', 'circular_repeat', 'num_microbatches',
                'microbatch_size', 'pipeline_stage_mesh_dim')
 
@@ -38,11 +38,12 @@ def Check(p):
     if not isinstance(value, (bool, np.bool_)):
       raise ValueError(f'{name} must be True or False, got {value!r} '
                        f'({type(value).__name__}).')
-  if not isinstance(p.layer_by_layer, (bool, np.bool_, type(None))):
-    raise ValueError(
-        'layer_by_layer must be True, False or None (the program\'s '
-        f'default), got {p.layer_by_layer!r} '
-        f'({type(p.layer_by_layer).__name__}).')
+  for name, none_means in (('layer_by_layer', "the program's default"),
+                           ('skip_bubbles', 'where it pays')):
+    value = p.Get(name)
+    if not isinstance(value, (bool, np.bool_, type(None))):
+      raise ValueError(f'{name} must be True, False or None ({none_means}),'
+                       f' got {value!r} ({type(value).__name__}).')
   if p.pipeline_stage_mesh_dim is not None and not schedule_lib.IsInteger(
       p.pipeline_stage_mesh_dim):
     raise ValueError(

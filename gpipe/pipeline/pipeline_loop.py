@@ -30,6 +30,7 @@ from gpipe.pipeline import one_f_one_b
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_call
 from gpipe.pipeline import stage_runners
+from gpipe.pipeline import stage_slots
 from gpipe.pipeline import stage_step
 from gpipe import recurrent
 from gpipe import schedule as schedule_lib
@@ -64,7 +65,8 @@ class LoopSpec:
     remat_policy: what the forward pass stores for the backward pass (the
       name of a gpipe.loops.remat policy).
     skip_bubbles: on one device, run the fill and drain iterations on the
-      stages that hold their useful work only (Schedule.Phases).
+      stages that hold their useful work only (Schedule.Phases); None:
+      where it pays (SkipsBubbles).
     backward_schedule: 'reverse' or '1f1b' (gpipe.pipeline.one_f_one_b).
     stream_io: whether the inputs and outputs are split over the stages
       (gpipe.pipeline.loop_io).
@@ -83,7 +85,7 @@ class LoopSpec:
   global_step: Optional[tf.Tensor]
   var_names: Tuple[str, ...]
   remat_policy: str
-  skip_bubbles: bool = False
+  skip_bubbles: Optional[bool] = False
   backward_schedule: str = 'reverse'
   stream_io: bool = False
 
@@ -154,7 +156,7 @@ def _RunReverse(spec, theta, mb_leaves, state_leaves, var_values):
       rows=stage_step.StageTables(sched),
       states=[place.SplitStages(x, 1) for x in state_leaves])
   pieces = []
-  for phase in _Phases(spec):
+  for phase in _Phases(spec, theta, mb_leaves):
     state, extras = _RunPhase(spec, io, undo, phase, loop_theta, state,
                               _PhaseRows(inputs, phase))
     pieces.append(extras)
@@ -170,14 +172,52 @@ def _RunReverse(spec, theta, mb_leaves, state_leaves, var_values):
       vars=state.vars)
 
 
-def _Phases(spec):
-  """The loop's phases: one, or with skip_bubbles on one device, the fill
-  and drain iterations on the stages that hold their useful slots only
+def _Phases(spec, theta, mb_leaves):
+  """The loop's phases: one, or where it skips bubbles, the fill and drain
+  iterations on the stages that hold their useful slots only
   (Schedule.Phases)."""
   sched = spec.schedule
-  if spec.skip_bubbles and spec.runner.any_stage_range:
+  if SkipsBubbles(spec, theta, mb_leaves):
     return sched.Phases()
   return [schedule_lib.Phase(0, sched.num_iterations, 0, sched.num_stages)]
+
+
+# skip_bubbles=None turns it on under XLA for a body whose call on one
+# microbatch takes at least this many FLOPs (SlotFlops). Measured under jit
+# (BENCHMARKS.md, section 6): skipping the ~10 % bubble slots saves 5-10 %
+# of a compute-bound body's step (gelu, 33 MFLOPs a slot; a Transformer
+# block on 16-32 rows, 1.6-3.2); smaller bodies gain 0-5 %, within the
+# noise of a step under 2 ms, and every body's three loops take 2.5x as long
+# to trace and compile as one.
+MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES = 1e6
+
+
+def SkipsBubbles(spec, theta, mb_leaves):
+  """Whether the loop runs in phases: only where a runner computes a range
+  of the stages (one device), as the skip_bubbles param says; None: under
+  XLA (tf.function(jit_compile=True)) for a body of at least
+  MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES. In a Session the pipeline's
+  compiled loop gains nothing from it (its time there is not the bubbles')."""
+  if not spec.runner.any_stage_range:
+    return False
+  if spec.skip_bubbles is not None:
+    return spec.skip_bubbles
+  return (stage_slots.UnderXla() and
+          SlotFlops(spec.schedule, theta, mb_leaves) >=
+          MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES)
+
+
+def SlotFlops(sched, theta, mb_leaves):
+  """A body call's FLOPs on one microbatch, as if each weight entered one
+  multiply-add per row: 2 x rows x one layer's weights, where rows are a
+  microbatch's positions (all dims but the first and the features) of its
+  largest input. Exact for dense bodies, an over-estimate for lookups."""
+  layers = sched.num_stages * sched.circular_repeat
+  weights = sum(w.shape.num_elements() or 0 for w in tf.nest.flatten(theta)
+                if w.dtype.is_floating) / layers
+  rows = max([x.shape[1:-1].num_elements() or 0 for x in mb_leaves
+              if x.shape.rank and x.shape.rank >= 2] or [1])
+  return 2 * rows * weights
 
 
 def _PhaseRows(inputs, phase):

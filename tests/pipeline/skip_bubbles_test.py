@@ -130,19 +130,90 @@ def _Spec(skip_bubbles, runner):
                                skip_bubbles=skip_bubbles, runner=runner)
 
 
+def _Phases(skip_bubbles, runner, theta=(), mb_leaves=()):
+  return pipeline_loop._Phases(  # pylint: disable=protected-access
+      _Spec(skip_bubbles, runner), theta, mb_leaves)
+
+
 def test_phases_only_with_the_param_and_a_one_device_runner():
-  # pylint: disable=protected-access
   whole = [schedule.Phase(0, 7, 0, 4)]
   one_device = stage_runners.OneByOne()
-  assert pipeline_loop._Phases(
-      _Spec(True, one_device)) == schedule.Schedule(4, 4).Phases()
-  assert len(pipeline_loop._Phases(_Spec(True, one_device))) == 3
-  assert pipeline_loop._Phases(_Spec(False, one_device)) == whole
+  assert _Phases(True, one_device) == schedule.Schedule(4, 4).Phases()
+  assert len(_Phases(True, one_device)) == 3
+  assert _Phases(False, one_device) == whole
   # Partitioned (each device its stage) and stage-parallel bodies: one loop.
   in_region = stage_runners.InManualRegion((np.arange(4), 0))
-  assert pipeline_loop._Phases(_Spec(True, in_region)) == whole
-  assert pipeline_loop._Phases(_Spec(True, stage_runners.Together())) == whole
-  # pylint: enable=protected-access
+  assert _Phases(True, in_region) == whole
+  assert _Phases(True, stage_runners.Together()) == whole
+
+
+def test_slot_flops_count_one_layers_weights_on_a_microbatchs_rows():
+  """2 x rows x weights of one of the S x R layers; rows: all dims of the
+  largest input but the microbatch and the features."""
+  sched = schedule.Schedule(2, 4, 3)
+  theta = {'w': tf.zeros([2, 3, 8, 16]), 'b': tf.zeros([2, 3, 16]),
+           'step': tf.zeros([2, 3], tf.int32)}
+  mb_leaves = [tf.zeros([4, 5, 7, 8]), tf.zeros([4, 5, 2]), tf.zeros([4])]
+  assert pipeline_loop.SlotFlops(sched, theta, mb_leaves) == (
+      2 * (5 * 7) * (8 * 16 + 16))
+
+
+@pytest.mark.parametrize('param,under_xla,flops,skips', [
+    (None, True, 1e6, True),
+    (None, True, 1e6 - 1, False),
+    (None, False, 1e9, False),
+    (True, False, 1, True),
+    (False, True, 1e9, False),
+])
+def test_none_skips_under_xla_for_a_compute_bound_body(monkeypatch, param,
+                                                       under_xla, flops,
+                                                       skips):
+  assert pipeline_loop.MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES == 1e6
+  monkeypatch.setattr(pipeline_loop.stage_slots, 'UnderXla',
+                      lambda: under_xla)
+  monkeypatch.setattr(pipeline_loop, 'SlotFlops', lambda *_: flops)
+  assert pipeline_loop.SkipsBubbles(
+      _Spec(param, stage_runners.OneByOne()), (), ()) == skips
+  # Partitioned: never.
+  in_region = stage_runners.InManualRegion((np.arange(4), 0))
+  assert not pipeline_loop.SkipsBubbles(_Spec(param, in_region), (), ())
+
+
+def _JitLoops(skip_bubbles, dim):
+  """(While loops in a jit training step of S=2, M=2 on microbatches of two
+  rows of `dim`, its loss and gradients)."""
+  with tf.init_scope():
+    layer = layers.PipelinedLayer.Params().Set(
+        name='pipe', num_stages=2, num_microbatches=2,
+        skip_bubbles=skip_bubbles,
+        single_stage_body=_MatrixBody.Params().Set(dim=dim)).Instantiate()
+  weights = layer.theta.Flatten()
+  x = tf.constant(np.random.RandomState(0).uniform(
+      -1, 1, [4, dim]).astype(np.float32))
+
+  def Step(weights, x):
+    with tf.GradientTape() as tape:
+      tape.watch(weights + [x])
+      loss = tf.reduce_sum(layer.FProp(layer.theta.Pack(weights), x) ** 2)
+    return [loss] + tape.gradient(loss, weights + [x])
+
+  step = tf.function(Step, jit_compile=True, autograph=False)
+  graph = step.get_concrete_function(weights, x).graph
+  loops = sum(op.type in ('While', 'StatelessWhile')
+              for op in graph.get_operations())
+  return loops, [t.numpy() for t in step(weights, x)]
+
+
+def test_none_skips_bubbles_under_jit_for_a_big_body_only():
+  """A 512-wide dense body on two rows (1.05 MFLOPs a call) runs three
+  loops under jit with the default, as skip_bubbles=True does, with the
+  same results as one loop; a 64-wide one runs one loop."""
+  skipping, results = _JitLoops(None, 512)
+  assert skipping == _JitLoops(True, 512)[0] == 6
+  whole, whole_results = _JitLoops(False, 512)
+  assert whole == 2
+  close.AssertClose(results, whole_results, close.FLOAT32_TIGHT, 'jit')
+  assert _JitLoops(None, 64)[0] == 2
 
 
 class _CountingBody(reference_bodies.DenseBody):
