@@ -1,5 +1,6 @@
 """How the benchmarks measure: timed training steps and XLA's memory."""
 
+import math
 import statistics
 import time
 
@@ -10,14 +11,23 @@ import tensorflow as tf
 from gpipe.xla import partitioning
 from lingvo.core import scatter_update
 
+MAX_ROUNDS = 400
 
-def Interleaved(steps, warmup, reps):
+
+def Interleaved(steps, warmup, reps, min_seconds=0.0):
   """Median seconds of each step, timed in rotation: one run of each per
   round, so a slow spell of a shared machine falls on all of them alike and
-  their ratios hold from one run of the benchmarks to the next."""
+  their ratios hold from one run of the benchmarks to the next. At least
+  `reps` rounds, more where that takes under `min_seconds` (steps under a
+  millisecond: a few slow runs shift the median of 15)."""
   for step in steps:
     for _ in range(warmup):
       step.Run()
+  began = time.perf_counter()
+  for step in steps:
+    step.Run()
+  one_round = time.perf_counter() - began
+  reps = max(reps, min(MAX_ROUNDS, math.ceil(min_seconds / one_round)))
   times = [[] for _ in steps]
   for _ in range(reps):
     for step, took in zip(steps, times):

@@ -34,6 +34,10 @@ ACTIVATIONS = {
 }
 
 SEQUENCE = 8  # attention bodies read rows as sequences of this length
+# Each row's rounds take at least this long: the relu body's steps take
+# 0.2-0.6 ms, where 15 rounds gave medians 1.5x apart from one run to the
+# next.
+MIN_SECONDS = 2.0
 
 
 def _LayerNorm(x):
@@ -165,7 +169,8 @@ def MeasureRow(body, mode, s, m, r, warmup=3, reps=15):
       Step(measure.Pipelined, layer_by_layer=True),
       Step(measure.Pipelined, **_LingvoParams(r)),
   ]
-  ms = [t * 1e3 for t in measure.Interleaved(steps, warmup, reps)]
+  ms = [t * 1e3 for t in measure.Interleaved(steps, warmup, reps,
+                                               min_seconds=MIN_SECONDS)]
   return Row(body.kind, mode, s, m, r, *ms)
 
 

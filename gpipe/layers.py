@@ -113,7 +113,8 @@ class PipelinedLayer(base_layer.BaseLayer):
     self._vectorizing = vectorized_stages.Vectorizing(p.vectorize_stages,
                                                       p.name)
     self._layer_by_layer = layer_by_layer.LayerByLayer(
-        layer_by_layer.Resolve(p.layer_by_layer), p.name)
+        layer_by_layer.Resolve(p.layer_by_layer), p.name,
+        param_checks.LayerByLayerRematPolicy(p))
     self._layout = layouts.For(p, repeats.For(p.circular_repeat))
     self._placement = sharding.StagePlacement(
         p.num_stages, p.shard_stages_1d, p.device_mesh,
@@ -413,7 +414,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         base_seed=flags_and_seeds.NextStepSeed(),
         global_step=flags_and_seeds.CallersGlobalStep(),
         var_names=tuple(self._layout.NonTrainableNames(self)),
-        remat_policy=self.params.remat_policy,
+        remat_policy=param_checks.RematPolicy(self.params),
         skip_bubbles=self.params.skip_bubbles,
         backward_schedule=self.params.backward_schedule,
         stream_io=self.params.stream_io)

@@ -53,7 +53,7 @@ class Case:
   kwargs: bool = False  # per-example `scale` kwarg.
   kwargs_no_batch: bool = False  # an unsliced `shift` via FPropFn.
   premicrobatched: bool = False  # inputs already [M, mb, ...]
-  remat_policy: str = 'recompute'
+  remat_policy: Any = None  # None: the layer's default
   store_body_intermediates: bool = False
   unroll: str = 'never'
   vectorize_stages: str = 'auto'  # on one device: all stages at once

@@ -71,9 +71,10 @@ class LayerByLayer:
   are read off each call's LoopSpec (WhyNot).
   """
 
-  def __init__(self, enabled, owner):
+  def __init__(self, enabled, owner, remat_policy):
     self.enabled = enabled
     self.owner = owner
+    self.remat_policy = remat_policy  # the layers' loop's (gpipe.loops.remat)
     self.reason = None  # why the last call ran the pipeline loop
     self.ran = False  # whether a call has run layer by layer
     self._cannot_vectorize = None
@@ -85,7 +86,8 @@ class LayerByLayer:
       reason = self._cannot_vectorize or WhyNot(spec)
       if reason is None:
         try:
-          result = Run(spec, theta, mb_leaves, state_leaves)
+          result = Run(spec, theta, mb_leaves, state_leaves,
+                       self.remat_policy)
           self.ran = True
           return result
         except vectorized_stages.CannotVectorize as e:
@@ -123,7 +125,8 @@ def WhyNot(spec) -> Optional[str]:
   return None
 
 
-def Run(spec, theta, mb_leaves, state_leaves) -> pipeline_loop.LoopResult:
+def Run(spec, theta, mb_leaves, state_leaves,
+        remat_policy) -> pipeline_loop.LoopResult:
   """The S x R layers one after another, each on all microbatches.
 
   Args:
@@ -133,6 +136,8 @@ def Run(spec, theta, mb_leaves, state_leaves) -> pipeline_loop.LoopResult:
     state_leaves: the [T, S, ...] padded per-stage state leaves (each
       layer reads and writes its calls' own:
       microbatch.ReadStatesByLayer, WriteStatesByLayer).
+    remat_policy: what each layer's iteration stores for the backward pass
+      (a gpipe.loops.remat policy; the pipeline's is spec.remat_policy).
 
   Raises:
     vectorized_stages.CannotVectorize: the body cannot be vectorized over
@@ -153,7 +158,7 @@ def Run(spec, theta, mb_leaves, state_leaves) -> pipeline_loop.LoopResult:
     _, final, extras = recurrent.Recurrent(
         NestedMap(), NestedMap(x=list(mb_leaves)), inputs,
         lambda th, st, inp: _Layer(spec, st, inp),
-        remat_policy=spec.remat_policy, return_states=False)
+        remat_policy=remat_policy, return_states=False)
   per_stage = lambda x: tf.reshape(x, [sched.circular_repeat,
                                        sched.num_stages])
   return pipeline_loop.LoopResult(

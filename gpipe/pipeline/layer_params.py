@@ -77,14 +77,17 @@ def DefineGpipes(p):
 def _DefineMemory(p):
   """What the backward pass keeps, and where the batch lives."""
   p.Define(
-      'remat_policy', 'recompute',
+      'remat_policy', None,
       'What the forward pass stores per iteration for the backward pass '
       '(`gpipe.loops.remat`): `recompute` (only the buffer: activation '
       'memory = buffer x iterations, the forward runs twice), `save_dots` '
       '(also the body\'s matmul/einsum outputs; the elementwise rest is '
       'recomputed) or `save_all` (every activation the gradient reads; '
-      'nothing is recomputed). Weights are never stored per iteration. See '
-      '[docs/memory.md](docs/memory.md).')
+      'nothing is recomputed). Weights are never stored per iteration. '
+      'None (the default): `recompute` in the pipeline\'s loop, `save_dots` '
+      'layer by layer (`layer_by_layer`: the dots\' outputs of every layer '
+      'for the whole batch, which the plain stack keeps too; a faster '
+      'step). See [docs/memory.md](docs/memory.md).')
   p.Define(
       'store_body_intermediates', False,
       'True is `remat_policy=\'save_all\'` (the older name).')

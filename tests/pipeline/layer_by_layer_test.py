@@ -67,9 +67,10 @@ _LAYOUT_CASES = {
     'per_stage_vars': harness.Case(num_stages=3, num_microbatches=4,
                                    circular_repeat=2, batch=8,
                                    per_stage_vars=True, layer_by_layer=True),
-    'multi-save_dots': harness.Case(num_stages=4, num_microbatches=5,
+    # The other cases run the default, save_dots layer by layer.
+    'multi-recompute': harness.Case(num_stages=4, num_microbatches=5,
                                     batch=10, body='multi',
-                                    remat_policy='save_dots',
+                                    remat_policy='recompute',
                                     layer_by_layer=True),
     'save_all-premicrobatched': harness.Case(
         num_stages=2, num_microbatches=3, circular_repeat=2, batch=6,
@@ -79,7 +80,7 @@ _LAYOUT_CASES = {
 
 @pytest.mark.parametrize('name,mode', [(name, 'graph')
                                        for name in sorted(_LAYOUT_CASES)] +
-                         [('kwargs', 'jit'), ('multi-save_dots', 'jit')])
+                         [('kwargs', 'jit'), ('multi-recompute', 'jit')])
 def test_layouts_equal_the_reference(name, mode):
   _Check(_LAYOUT_CASES[name], mode)
 
@@ -226,3 +227,31 @@ def test_partitioned_it_does_nothing_and_equals_one_device():
   layer by layer."""
   harness.CheckPartitionedEqualsOneDevice(layer_by_layer=True)
 
+
+
+@pytest.mark.parametrize('asked,pipeline,by_layer', [
+    (dict(), 'recompute', 'save_dots'),
+    (dict(remat_policy='recompute'), 'recompute', 'recompute'),
+    (dict(remat_policy='save_all'), 'save_all', 'save_all'),
+    (dict(store_body_intermediates=True), 'save_all', 'save_all'),
+])
+def test_the_default_remat_policy_saves_the_dots_layer_by_layer(
+    monkeypatch, asked, pipeline, by_layer):
+  """remat_policy=None: the pipeline's loop recomputes, the layers' loop
+  keeps the dots' outputs; a policy asked for runs in both."""
+  used = []
+  recurrent = layer_by_layer.recurrent.Recurrent
+
+  def Recording(*args, remat_policy, **kwargs):
+    used.append(remat_policy)
+    return recurrent(*args, remat_policy=remat_policy, **kwargs)
+
+  monkeypatch.setattr(layer_by_layer.recurrent, 'Recurrent', Recording)
+  for enabled in (False, True):
+    with tf.Graph().as_default():
+      layer = harness.Case(num_stages=2, num_microbatches=2, batch=4,
+                           layer_by_layer=enabled).Params().Set(
+                               **asked).Instantiate()
+      layer.FProp(layer.theta, tf.ones([4, 3, 4]))
+      assert layer.layer_by_layer.ran == enabled
+  assert used == [pipeline, by_layer]

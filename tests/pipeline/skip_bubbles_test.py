@@ -6,12 +6,15 @@ useful slots. It must change nothing but the time. The layer with it is
 checked against the harness's references, which run no gpipe code: S 1..4
 (odd S: halves of uneven size), M below, at, not a multiple of and above S,
 R 1..3, graph mode and jit, both stage runners, kwargs, nested inputs,
-per-stage variables, sharding annotations. Then against the same layer
+per-stage variables, sharding annotations, streamed inputs and outputs
+(stream_io). Then against the same layer
 without it on the layouts of vectorized_stages_test those do not cover (aux
 losses, summaries, dropout, non-trainable state, bfloat16, save_all), and
 decoding with per-stage states against the full-sequence stack. Finally,
-where it applies: one device only; partitioned, the step is one loop and
-equals the one-device step's three.
+where it applies: one device only (partitioned, the step is one loop and
+equals the one-device step's three), and with the default (None) under XLA
+for a body of at least a million FLOPs a microbatch; that each phase's loop
+defers the weight gradients as the one loop does.
 """
 
 import types
@@ -69,12 +72,15 @@ _LAYOUT_CASES = [
                  per_stage_vars=True, skip_bubbles=True),
     harness.Case(num_stages=4, num_microbatches=5, batch=10, body='multi',
                  remat_policy='save_dots', skip_bubbles=True),
+    harness.Case(num_stages=4, num_microbatches=5, circular_repeat=2,
+                 batch=10, stream_io=True, skip_bubbles=True),
 ]
 
 
 @pytest.mark.parametrize('case', _LAYOUT_CASES,
                          ids=['kwargs', 'shard_stages_1d', 'stage-mesh-dim',
-                              'per_stage_vars', 'multi-save_dots'])
+                              'per_stage_vars', 'multi-save_dots',
+                              'stream_io'])
 def test_layouts_equal_the_reference(case):
   harness.CheckCase(case, 'graph')
 
