@@ -139,6 +139,20 @@ BUGS = (
         '      schedule_lib.Phase(phase.begin, phase.end, 0, '
         'sched.num_stages),',
         ('tests/pipeline/skip_bubbles_test.py', '-k', 'fill_and_drain')),
+    Bug('skip-bubbles-first-stages-weights',
+        "a phase's loop takes the first stages' weights, not its own",
+        'gpipe/pipeline/pipeline_loop.py',
+        'loop_theta = NestedMap(weights=stages.Narrow(loop_theta.weights),',
+        'loop_theta = NestedMap(weights=nest.MapTensors(\n'
+        '      lambda w: w[:stages.count], loop_theta.weights),',
+        ('tests/pipeline/skip_bubbles_test.py', '-k',
+         'equals_the_reference and S4')),
+    Bug('skip-bubbles-default-never',
+        'skip_bubbles=None never skips bubbles',
+        'gpipe/pipeline/pipeline_loop.py',
+        '  return (stage_slots.UnderXla() and',
+        '  return (False and stage_slots.UnderXla() and',
+        ('tests/pipeline/skip_bubbles_test.py', '-k', 'none_skips')),
     # -- Weight gradients summed after the loop. -----------------------------
     Bug('deferred-dots-row-off-by-one',
         "a deferred weight gradient's operands written a row early",
