@@ -228,7 +228,6 @@ def test_partitioned_it_does_nothing_and_equals_one_device():
   harness.CheckPartitionedEqualsOneDevice(layer_by_layer=True)
 
 
-
 @pytest.mark.parametrize('asked,pipeline,by_layer', [
     (dict(), 'recompute', 'save_dots'),
     (dict(remat_policy='recompute'), 'recompute', 'recompute'),

@@ -185,6 +185,14 @@ def test_none_skips_under_xla_for_a_compute_bound_body(monkeypatch, param,
   assert not pipeline_loop.SkipsBubbles(_Spec(param, in_region), (), ())
 
 
+class _MatrixBody(reference_bodies.DenseBody):
+  """DenseBody on [rows, dim] inputs, its dot an einsum without ellipses
+  (which gpipe.loops.deferred_dots can defer)."""
+
+  def FProp(self, theta, x):
+    return tf.tanh(tf.einsum('bd,de->be', x, theta.w) + theta.b)
+
+
 def _JitLoops(skip_bubbles, dim):
   """(While loops in a jit training step of S=2, M=2 on microbatches of two
   rows of `dim`, its loss and gradients)."""
@@ -286,14 +294,6 @@ def test_partitioned_it_does_nothing_and_equals_one_device():
   (forward and backward: 2, with one permute per iteration each), and the
   step equals the same layer on one device, which runs three phases."""
   harness.CheckPartitionedEqualsOneDevice(skip_bubbles=True)
-
-
-class _MatrixBody(reference_bodies.DenseBody):
-  """DenseBody on [rows, dim] inputs, its dot an einsum without ellipses
-  (which gpipe.loops.deferred_dots can defer)."""
-
-  def FProp(self, theta, x):
-    return tf.tanh(tf.einsum('bd,de->be', x, theta.w) + theta.b)
 
 
 def _DeferredPerLoop(monkeypatch, skip_bubbles):
