@@ -122,9 +122,9 @@ def LayerByLayerRematPolicy(p):
   for, by default save_dots. Each layer's loop iteration runs on the whole
   batch, so save_dots keeps the dots' outputs of every layer for the whole
   batch, as the plain stack does (which keeps every activation), and the
-  backward pass recomputes only the elementwise rest: 0.8-0.95x the
-  recomputing step under jit for the Transformer and tanh bodies of
-  BENCHMARKS.md, section 6."""
+  backward pass recomputes only the elementwise rest: under jit 0.82-0.83x
+  the recomputing step for the Transformer body of BENCHMARKS.md, section
+  6, 0.84-1.0x for the others (side by side in one process)."""
   return _Asked(p) or 'save_dots'
 
 
