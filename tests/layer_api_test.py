@@ -106,11 +106,13 @@ def test_bad_params_raise_at_construction(overrides, pattern):
 
 def test_numpy_integers_and_bools_are_accepted_as_plain_values():
   p = Params(num_stages=np.int64(2), circular_repeat=np.int32(2),
-             num_microbatches=np.int64(2), shard_stages_1d=np.bool_(True))
+             num_microbatches=np.int64(2), shard_stages_1d=np.bool_(True),
+             skip_bubbles=np.bool_(False))
   with tf.Graph().as_default():
     layer = p.Instantiate()
     assert type(layer.params.num_stages) is int  # pylint: disable=unidiomatic-typecheck
     assert layer.params.shard_stages_1d is True
+    assert layer.params.skip_bubbles is False
     assert layer.vars.body.w.shape.as_list() == [2, 2, 4, 4]
     out = layer.FProp(layer.theta, tf.zeros([4, 4]))
   assert out.shape.as_list() == [4, 4]

@@ -42,7 +42,7 @@ class Case:
   num_microbatches: Any = 2
   microbatch_size: Any = None
   circular_repeat: int = 1
-  body: str = 'dense'  # dense | multi | stage_parallel
+  body: str = 'dense'  # dense | dense_rows | multi | stage_parallel
   per_stage_vars: bool = False
   shard_stages_1d: bool = False
   # Stage dim over axis 0 of a [S, 2] device mesh instead.
@@ -73,9 +73,10 @@ class Case:
     return self.example_shape[-1]
 
   def Params(self):
-    if self.body == 'dense':
-      body = dict(single_stage_body=reference_bodies.DenseBody.Params().Set(
-          dim=self.dim))
+    if self.body in ('dense', 'dense_rows'):
+      cls = dict(dense=reference_bodies.DenseBody,
+                 dense_rows=reference_bodies.RowsDenseBody)[self.body]
+      body = dict(single_stage_body=cls.Params().Set(dim=self.dim))
     elif self.body == 'multi':
       body = dict(single_stage_body=(
           reference_bodies.MultiInputBody.Params().Set(dim=self.dim)))

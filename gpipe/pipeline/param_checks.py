@@ -107,6 +107,8 @@ def Normalize(p):
       p.Set(**{name: int(p.Get(name))})
   for name in _BOOL_PARAMS:
     p.Set(**{name: bool(p.Get(name))})
+  if p.skip_bubbles is not None:
+    p.Set(skip_bubbles=bool(p.skip_bubbles))
   if p.store_body_intermediates:
     p.Set(remat_policy='save_all')
 

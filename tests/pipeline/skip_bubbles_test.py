@@ -14,7 +14,8 @@ decoding with per-stage states against the full-sequence stack. Finally,
 where it applies: one device only (partitioned, the step is one loop and
 equals the one-device step's three), and with the default (None) under XLA
 for a body of at least a million FLOPs a microbatch; that each phase's loop
-defers the weight gradients as the one loop does.
+defers the weight gradients as the one loop does, and that the deferred
+sums equal the references.
 """
 
 import types
@@ -26,6 +27,7 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import layers
 from gpipe.loops import cell_graph
+from gpipe.loops import deferred_dots
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import stage_runners
 from gpipe import schedule
@@ -185,14 +187,6 @@ def test_none_skips_under_xla_for_a_compute_bound_body(monkeypatch, param,
   assert not pipeline_loop.SkipsBubbles(_Spec(param, in_region), (), ())
 
 
-class _MatrixBody(reference_bodies.DenseBody):
-  """DenseBody on [rows, dim] inputs, its dot an einsum without ellipses
-  (which gpipe.loops.deferred_dots can defer)."""
-
-  def FProp(self, theta, x):
-    return tf.tanh(tf.einsum('bd,de->be', x, theta.w) + theta.b)
-
-
 def _JitLoops(skip_bubbles, dim):
   """(While loops in a jit training step of S=2, M=2 on microbatches of two
   rows of `dim`, its loss and gradients)."""
@@ -200,7 +194,7 @@ def _JitLoops(skip_bubbles, dim):
     layer = layers.PipelinedLayer.Params().Set(
         name='pipe', num_stages=2, num_microbatches=2,
         skip_bubbles=skip_bubbles,
-        single_stage_body=_MatrixBody.Params().Set(dim=dim)).Instantiate()
+        single_stage_body=reference_bodies.RowsDenseBody.Params().Set(dim=dim)).Instantiate()
   weights = layer.theta.Flatten()
   x = tf.constant(np.random.RandomState(0).uniform(
       -1, 1, [4, dim]).astype(np.float32))
@@ -312,10 +306,33 @@ def _DeferredPerLoop(monkeypatch, skip_bubbles):
     layer = layers.PipelinedLayer.Params().Set(
         name='pipe', num_stages=4, num_microbatches=4, compile_loops='never',
         skip_bubbles=skip_bubbles,
-        single_stage_body=_MatrixBody.Params().Set(dim=16)).Instantiate()
+        single_stage_body=reference_bodies.RowsDenseBody.Params().Set(dim=16)).Instantiate()
     y = layer.FProp(layer.theta, tf.ones([4, 16]))
     tf.gradients(tf.reduce_sum(y), layer.vars.Flatten())
   return sorted(deferred.values())
+
+
+@pytest.mark.parametrize('skip_bubbles', [False, True])
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+def test_deferred_weight_gradients_equal_the_reference(monkeypatch, mode,
+                                                       skip_bubbles):
+  """Microbatches of one 16-wide row: every loop sums the weight's gradient
+  after it (gpipe.loops.deferred_dots), and the step still equals the
+  references, outputs and gradients."""
+  deferred = []
+  find = deferred_dots.Find
+
+  def Recording(grad, per_iteration):
+    found = find(grad, per_iteration)
+    deferred.append(found is not None)
+    return found
+
+  monkeypatch.setattr(deferred_dots, 'Find', Recording)
+  harness.CheckCase(
+      harness.Case(num_stages=4, num_microbatches=5, batch=5,
+                   example_shape=(16,), body='dense_rows',
+                   skip_bubbles=skip_bubbles), mode)
+  assert any(deferred), deferred
 
 
 def test_every_phase_defers_the_weight_gradients(monkeypatch):
