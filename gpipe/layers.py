@@ -414,7 +414,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         base_seed=flags_and_seeds.NextStepSeed(),
         global_step=flags_and_seeds.CallersGlobalStep(),
         var_names=tuple(self._layout.NonTrainableNames(self)),
-        remat_policy=param_checks.RematPolicy(self.params),
+        remat_policy=param_checks.LoopRematPolicy(self.params, self.do_eval),
         skip_bubbles=self.params.skip_bubbles,
         backward_schedule=self.params.backward_schedule,
         stream_io=self.params.stream_io)

@@ -114,9 +114,22 @@ def Normalize(p):
 
 
 def RematPolicy(p):
-  """The pipeline loop's remat policy: the one params ask for
-  (store_body_intermediates: save_all), by default recompute."""
-  return _Asked(p) or 'recompute'
+  """The partitioned pipeline loop's remat policy (what `gpipe.plan`
+  plans): the one params ask for (store_body_intermediates: save_all), by
+  default recompute. On one device the loop decides for None
+  (gpipe.pipeline.pipeline_loop.RematPolicy)."""
+  return AskedRematPolicy(p) or 'recompute'
+
+
+def LoopRematPolicy(p, do_eval):
+  """What the pipeline's loop is asked to store: the policy the params ask
+  for; else in eval 'recompute', which stores nothing (no backward pass
+  reads what another policy would); else None, for the loop to decide
+  (gpipe.pipeline.pipeline_loop.RematPolicy)."""
+  asked = AskedRematPolicy(p)
+  if asked is None and do_eval:
+    return 'recompute'
+  return asked
 
 
 def LayerByLayerRematPolicy(p):
@@ -127,10 +140,11 @@ def LayerByLayerRematPolicy(p):
   backward pass recomputes only the elementwise rest: under jit 0.82-0.83x
   the recomputing step for the Transformer body of BENCHMARKS.md, section
   6, 0.84-1.0x for the others (side by side in one process)."""
-  return _Asked(p) or 'save_dots'
+  return AskedRematPolicy(p) or 'save_dots'
 
 
-def _Asked(p):
+def AskedRematPolicy(p):
+  """The remat policy the params ask for, or None (each loop's default)."""
   return 'save_all' if p.store_body_intermediates else p.remat_policy
 
 

@@ -63,7 +63,7 @@ class LoopSpec:
       None.
     var_names: the body's non-trainable variables the loop carries.
     remat_policy: what the forward pass stores for the backward pass (the
-      name of a gpipe.loops.remat policy).
+      name of a gpipe.loops.remat policy); None: as RematPolicy decides.
     skip_bubbles: on one device, run the fill and drain iterations on the
       stages that hold their useful work only (Schedule.Phases); None:
       where it pays (SkipsBubbles).
@@ -84,7 +84,7 @@ class LoopSpec:
   base_seed: tf.Tensor
   global_step: Optional[tf.Tensor]
   var_names: Tuple[str, ...]
-  remat_policy: str
+  remat_policy: Optional[str]
   skip_bubbles: Optional[bool] = False
   backward_schedule: str = 'reverse'
   stream_io: bool = False
@@ -120,6 +120,8 @@ def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
     state_leaves: the [T, S, ...] padded per-stage state leaves.
     var_values: the carried non-trainable values, [S, (R,) ...].
   """
+  spec = dataclasses.replace(
+      spec, remat_policy=RematPolicy(spec, theta, mb_leaves))
   if spec.backward_schedule == '1f1b':
     return LoopResult(**one_f_one_b.Run(spec, theta, mb_leaves, state_leaves,
                                         var_values))
@@ -205,6 +207,34 @@ def SkipsBubbles(spec, theta, mb_leaves):
   return (stage_slots.UnderXla() and
           SlotFlops(spec.schedule, theta, mb_leaves) >=
           MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES)
+
+
+# remat_policy=None keeps the dots' outputs (save_dots) on one device for a
+# body whose call on one microbatch takes at least this many FLOPs
+# (SlotFlops), rather than running its dots again in the backward loop.
+# Measured side by side (BENCHMARKS.md, section 6's bodies): 3-13 % faster
+# steps for a gelu MLP (33 MFLOPs a slot) and a Transformer block (3-6) in a
+# Session, 0-16 % under jit; at 1 MFLOP (the tanh and layer-norm MLPs on 16
+# rows) 0.9-1.1x, so those keep recomputing.
+MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS = 2e6
+
+
+def RematPolicy(spec, theta, mb_leaves):
+  """The loop's remat policy: the one the params ask for; None: save_dots
+  on one device, with the reverse schedule, for a body of at least
+  MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS, else recompute.
+
+  On one device the plain stack the pipeline stands for keeps all of its
+  dots' outputs: keeping them costs no more than running unpipelined
+  would. Partitioned, a chip's memory is what recomputing saves (and what
+  `gpipe.plan` plans for), and 1f1b is chosen to bound memory."""
+  if spec.remat_policy is not None:
+    return spec.remat_policy
+  if (spec.runner.any_stage_range and spec.backward_schedule == 'reverse' and
+      SlotFlops(spec.schedule, theta, mb_leaves) >=
+      MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS):
+    return 'save_dots'
+  return 'recompute'
 
 
 def SlotFlops(sched, theta, mb_leaves):
