@@ -20,6 +20,7 @@ import numpy as np
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import layers
+from gpipe import recurrent
 from lingvo.core import py_utils
 from tests import close
 from tests import reference_bodies
@@ -405,3 +406,18 @@ def CheckPartitionedEqualsOneDevice(**one_device_param):
   for name, got, want in zip(names, report.run.outputs, report.expected):
     assert np.abs(want).max() > 0, name
     close.AssertClose(got, want, close.FLOAT32, name)
+
+
+def RecordRematPolicies(monkeypatch):
+  """A list that fills, in order, with the remat policy each loop built
+  through gpipe.recurrent.Recurrent is given (the pipeline's and the
+  layers' loops both are)."""
+  used = []
+  build = recurrent.Recurrent
+
+  def Recording(*args, remat_policy, **kwargs):
+    used.append(remat_policy)
+    return build(*args, remat_policy=remat_policy, **kwargs)
+
+  monkeypatch.setattr(recurrent, 'Recurrent', Recording)
+  return used

@@ -238,14 +238,7 @@ def test_the_default_remat_policy_saves_the_dots_layer_by_layer(
     monkeypatch, asked, pipeline, by_layer):
   """remat_policy=None: the pipeline's loop recomputes, the layers' loop
   keeps the dots' outputs; a policy asked for runs in both."""
-  used = []
-  recurrent = layer_by_layer.recurrent.Recurrent
-
-  def Recording(*args, remat_policy, **kwargs):
-    used.append(remat_policy)
-    return recurrent(*args, remat_policy=remat_policy, **kwargs)
-
-  monkeypatch.setattr(layer_by_layer.recurrent, 'Recurrent', Recording)
+  used = harness.RecordRematPolicies(monkeypatch)
   for enabled in (False, True):
     with tf.Graph().as_default():
       layer = harness.Case(num_stages=2, num_microbatches=2, batch=4,

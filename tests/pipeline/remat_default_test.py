@@ -51,25 +51,12 @@ def test_none_saves_dots_on_one_device_for_a_compute_bound_body(
       _Spec(asked, runner, backward), (), ()) == policy
 
 
-def _RecordingPolicies(monkeypatch):
-  """The remat policies the pipeline's loops are built with, in order."""
-  used = []
-  recurrent = pipeline_loop.recurrent.Recurrent
-
-  def Recording(*args, remat_policy, **kwargs):
-    used.append(remat_policy)
-    return recurrent(*args, remat_policy=remat_policy, **kwargs)
-
-  monkeypatch.setattr(pipeline_loop.recurrent, 'Recurrent', Recording)
-  return used
-
-
 @pytest.mark.parametrize('mode', ['graph', 'jit'])
 def test_a_compute_bound_body_saves_its_dots_and_equals_the_reference(
     monkeypatch, mode):
   """A 256-wide dense body on 4 x 4 rows a microbatch: 2 x 16 x 256 x 256
   = 2.1 MFLOPs a call, above the threshold."""
-  used = _RecordingPolicies(monkeypatch)
+  used = harness.RecordRematPolicies(monkeypatch)
   case = harness.Case(num_stages=2, num_microbatches=2, batch=8,
                       example_shape=(4, 256))
   harness.CheckCase(case, mode)
@@ -78,7 +65,7 @@ def test_a_compute_bound_body_saves_its_dots_and_equals_the_reference(
 
 def test_a_body_below_the_threshold_recomputes(monkeypatch):
   """The same body on 2 x 4 rows a microbatch: 1.05 MFLOPs."""
-  used = _RecordingPolicies(monkeypatch)
+  used = harness.RecordRematPolicies(monkeypatch)
   harness.CheckCase(harness.Case(num_stages=2, num_microbatches=2, batch=4,
                                  example_shape=(4, 256)), 'graph')
   assert used and set(used) == {'recompute'}, used
@@ -87,7 +74,7 @@ def test_a_body_below_the_threshold_recomputes(monkeypatch):
 def test_in_eval_the_loop_stores_nothing(monkeypatch):
   """do_eval (Lingvo's eval and decode jobs) with unroll='never': the same
   compute-bound body recomputes, as nothing reads what it would store."""
-  used = _RecordingPolicies(monkeypatch)
+  used = harness.RecordRematPolicies(monkeypatch)
   case = harness.Case(num_stages=2, num_microbatches=2, batch=8,
                       example_shape=(4, 256))
   with tf.Graph().as_default(), cluster_factory.SetEval(True):
