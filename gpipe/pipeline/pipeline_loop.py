@@ -212,10 +212,11 @@ def SkipsBubbles(spec, theta, mb_leaves):
 # remat_policy=None keeps the dots' outputs (save_dots) on one device for a
 # body whose call on one microbatch takes at least this many FLOPs
 # (SlotFlops), rather than running its dots again in the backward loop.
-# Measured side by side (BENCHMARKS.md, section 6's bodies): 3-13 % faster
-# steps for a gelu MLP (33 MFLOPs a slot) and a Transformer block (3-6) in a
-# Session, 0-16 % under jit; at 1 MFLOP (the tanh and layer-norm MLPs on 16
-# rows) 0.9-1.1x, so those keep recomputing.
+# Measured side by side (benchmarks.one_device_defaults, section 6's bodies,
+# two runs): a gelu MLP (17-67 MFLOPs a slot) and a Transformer block (3-6)
+# took 0.85-1.01x the recomputing step in a Session, 0.84-1.0x under jit; at
+# 1 MFLOP (the tanh and layer-norm MLPs on 16 rows) 0.9-1.1x, so those keep
+# recomputing.
 MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS = 2e6
 
 
