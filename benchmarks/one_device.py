@@ -153,14 +153,18 @@ def _LingvoParams(r):
   return extra
 
 
-def MeasureRow(body, mode, s, m, r, warmup=3, reps=15):
-  """The four steps of one body, mode and S/M/R, timed in rotation."""
+def LayerParams(body, s, m, r, **kwargs):
+  """Params of a layer of S/M/R stacking `body`, plus kwargs."""
   stage = ActivationBody.Params().Set(
       dim=body.dim, hidden=body.hidden, kind=body.kind)
+  return bodies.Params(s, m, r, body.dim, body.hidden, body=stage, **kwargs)
+
+
+def MeasureRow(body, mode, s, m, r, warmup=3, reps=15):
+  """The four steps of one body, mode and S/M/R, timed in rotation."""
 
   def Step(forward, **kwargs):
-    make = lambda: bodies.Params(s, m, r, body.dim, body.hidden, body=stage,
-                                 **kwargs).Instantiate()
+    make = lambda: LayerParams(body, s, m, r, **kwargs).Instantiate()
     return measure.Step(mode, make, forward, body.batch, body.dim)
 
   steps = [

@@ -18,7 +18,6 @@ import sys
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 import tensorflow as tf
-from benchmarks import bodies
 from benchmarks import measure
 from benchmarks import one_device
 from gpipe.lingvo_support import flags_and_seeds
@@ -39,25 +38,19 @@ class Row:
   one_loop_ms: float
 
 
-def _Params(body, s, m, r, **kwargs):
-  stage = one_device.ActivationBody.Params().Set(
-      dim=body.dim, hidden=body.hidden, kind=body.kind)
-  return bodies.Params(s, m, r, body.dim, body.hidden, body=stage, **kwargs)
-
-
 def SlotMflops(body, s, m, r):
   """pipeline_loop.SlotFlops of the body on one microbatch, in millions."""
   with tf.Graph().as_default():
-    layer = _Params(body, s, m, r).Instantiate()
+    layer = one_device.LayerParams(body, s, m, r).Instantiate()
     sched = layer.Schedule(m)
     rows = tf.zeros([m, body.batch // m, body.dim])
     return pipeline_loop.SlotFlops(sched, layer.theta.Flatten(), [rows]) / 1e6
 
 
 def MeasureRow(body, mode, s, m, r, reps):
-  steps = [measure.Step(mode, lambda kw=kw: _Params(body, s, m, r, **kw)
-                        .Instantiate(), measure.Pipelined, body.batch,
-                        body.dim)
+  steps = [measure.Step(mode, lambda kw=kw: one_device.LayerParams(
+                            body, s, m, r, **kw).Instantiate(),
+                        measure.Pipelined, body.batch, body.dim)
            for kw in [{}] + [kw for _, kw in ALTERNATIVES]]
   ms = [t * 1e3 for t in measure.Interleaved(
       steps, 3, reps, min_seconds=one_device.MIN_SECONDS)]

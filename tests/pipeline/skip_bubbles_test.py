@@ -194,7 +194,8 @@ def _JitLoops(skip_bubbles, dim):
     layer = layers.PipelinedLayer.Params().Set(
         name='pipe', num_stages=2, num_microbatches=2,
         skip_bubbles=skip_bubbles,
-        single_stage_body=reference_bodies.RowsDenseBody.Params().Set(dim=dim)).Instantiate()
+        single_stage_body=reference_bodies.RowsDenseBody.Params().Set(
+            dim=dim)).Instantiate()
   weights = layer.theta.Flatten()
   x = tf.constant(np.random.RandomState(0).uniform(
       -1, 1, [4, dim]).astype(np.float32))
@@ -306,7 +307,8 @@ def _DeferredPerLoop(monkeypatch, skip_bubbles):
     layer = layers.PipelinedLayer.Params().Set(
         name='pipe', num_stages=4, num_microbatches=4, compile_loops='never',
         skip_bubbles=skip_bubbles,
-        single_stage_body=reference_bodies.RowsDenseBody.Params().Set(dim=16)).Instantiate()
+        single_stage_body=reference_bodies.RowsDenseBody.Params().Set(
+            dim=16)).Instantiate()
     y = layer.FProp(layer.theta, tf.ones([4, 16]))
     tf.gradients(tf.reduce_sum(y), layer.vars.Flatten())
   return sorted(deferred.values())
