@@ -324,7 +324,8 @@ class PipelinedLayer(base_layer.BaseLayer):
       raise ValueError('PipelinedLayer.FProp needs at least one input.')
     args, kwargs = microbatch.CheckInputs(args, kwargs)
     states = list(padded_per_stage_states or [])
-    if p.unroll == 'always' or (p.unroll == 'eval_only' and self.do_eval):
+    if (p.unroll == 'always' or (p.unroll == 'eval_only' and self.do_eval) or
+        (unrolled.Forced() and not states)):
       return self._UnrolledFProp(theta, fn_name, args, kwargs,
                                  kwargs_no_batch or {}, states)
     return self._PipelinedFProp(theta, fn_name, args, kwargs,

@@ -12,6 +12,7 @@ import numpy as np
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers as gpipe_layers
 from gpipe import sharding
+from gpipe.plan import traffic_floor
 from lingvo import compat as tf
 from lingvo.core import base_model
 from lingvo.core import layers
@@ -133,6 +134,36 @@ class PipelinedLMTask(base_model.BaseTask):
           x, np.reshape(sp.device_mesh, [-1]),
           [0 if d == dim else -1 for d in range(x.shape.rank)])
     return x
+
+  def TrafficShape(self, input_specs):
+    """What the least collective traffic of this task's training step
+    depends on (gpipe.plan.traffic_floor.ModelShape): its batch, the
+    activations between stages, two model-axis reductions per block and
+    forward pass (pod_blocks.SplitBlockOverMesh's Megatron-style split),
+    and the vocab-sized tables split over every device of the stack."""
+    p, sp = self.params, self.params.stack
+    rows, length = input_specs.ids.shape.as_list()
+    body = sp.single_stage_body
+    compute = body.Get('fprop_dtype') if 'fprop_dtype' in body else None
+    roles = {'stage': 0}
+    if sp.pipeline_stage_mesh_dim is not None and np.ndim(sp.device_mesh) == 3:
+      roles = {'stage': pod_blocks.PodMesh.STAGE_AXIS,
+               'data': pod_blocks.PodMesh.DATA_AXIS,
+               'model': pod_blocks.PodMesh.MODEL_AXIS}
+    tables = [self.emb.vars.wm, self.pos_emb.vars.wm]
+    if 'softmax' in self.children:
+      tables += self.softmax.vars.Flatten()
+    return traffic_floor.ModelShape(
+        rows=rows, row_elements=length * p.model_dim,
+        activation_bytes=tf.as_dtype(p.stack_dtype).size,
+        model_reductions=2 * body.Get('num_blocks') if 'num_blocks' in body
+        else None,
+        compute_bytes=tf.as_dtype(compute or tf.float32).size,
+        axis_roles=roles,
+        table_elements=sum(v.shape.num_elements() for v in tables),
+        table_axes=(tuple(range(np.ndim(sp.device_mesh)))
+                    if sp.pipeline_stage_mesh_dim is not None else
+                    (0,) if sp.shard_stages_1d else ()))
 
   def _TableTheta(self, layer_theta):
     """An embedding table: kept split by rows, looked up gathered.

@@ -123,22 +123,64 @@ def test_each_device_holds_its_stage_and_model_share(report):
 
 def test_collectives_run_on_their_mesh_axes(report):
   """Per iteration: the rotation is a collective-permute on the stage axis
-  only; the body's all-reduces run on the model axis (axis 2)."""
+  only; the body's all-reduces run on the model axis (axis 2, named by
+  its role in the LM's mesh)."""
   assert report.mesh_shape == (2, 2, 2) and report.stage_axis == 0
   forward, backward = report.LoopSummaries()
   for loop in (forward, backward):
     by_axes = loop['by_mesh_axes']
     permutes = [k for k in by_axes if k.startswith('collective-permute')]
     assert permutes == ['collective-permute over stage'], by_axes
-    assert 'all-reduce over axis 2' in by_axes, by_axes
+    assert 'all-reduce over model' in by_axes, by_axes
     # Stage 0's read and its gradient keep the batch where the body wants
     # it: nothing is gathered per iteration.
     assert not [k for k in by_axes if k.startswith('all-gather')], by_axes
   # The forward loop: the rotation and the body's model-axis all-reduces.
   assert set(forward['by_mesh_axes']) == {
-      'collective-permute over stage', 'all-reduce over axis 2'}, forward
+      'collective-permute over stage', 'all-reduce over model'}, forward
   assert forward['by_mesh_axes']['collective-permute over stage'][
       'count'] == 2  # the activations and the paddings
+
+
+def test_each_axis_floor_by_hand(report):
+  """The least each mesh axis must carry (gpipe.plan.traffic_floor), from
+  the model's shapes by hand, and what the step sends over it. One
+  microbatch's activation on a chip: 12 / 3 / 2 rows x 16 tokens x 32
+  wide x 4 bytes (float32)."""
+  a = BATCH // M // MESH.data * 16 * DIM * 4
+  # Trainable weights on one chip: their float32 gradient is reduced over
+  # the data axis once (2 replicas: a ring sends it all once).
+  trainable = {param for _, param in report.step.aliases
+               if report.step.args[param].kind == 'weight'}
+  gradients = report._ArgBytes(lambda i, arg: i in trainable)  # pylint: disable=protected-access
+  # The vocab-split tables: token and position embeddings, softmax weight
+  # and bias, over all 8 chips.
+  table = 40 * DIM + 16 * DIM + DIM * 40 + 40
+  floors = {f.axes: f.parts for f in report.traffic_floors}
+  assert floors == {
+      # Each of M x R stage calls sends its output and input gradient once.
+      'stage': {'activations and their gradients, stage to stage':
+                    2 * M * R * a},
+      # A block reduces 2 activations per pass: forward, the recomputed
+      # forward, backward; 2 model devices: a ring sends each once.
+      'model': {'the body\'s reductions': 3 * 2 * M * R * a},
+      'data': {'one gradient reduction': gradients},
+      'stage+data+model': {'the table gathered, its gradient scattered':
+                               7 / 8 * table * (4 + 4)},
+  }, floors
+  # What is sent: the loops' per-iteration collectives times their trips,
+  # by kind; the model axis's all all-reduces of 2 devices.
+  sent = report.sent_per_axis
+  model_bytes = sum(loop['by_mesh_axes'].get('all-reduce over model', {})
+                    .get('bytes', 0) * loop['iterations']
+                    for loop in report.LoopSummaries())
+  outside = report.outside_by_mesh_axes.get('all-reduce over model', {})
+  assert sent['model'] == {'all-reduce': model_bytes + outside.get('bytes',
+                                                                   0)}
+  permutes = sum(loop['by_mesh_axes']['collective-permute over stage']
+                 ['bytes'] * loop['iterations']
+                 for loop in report.LoopSummaries())
+  assert sent['stage']['collective-permute'] == permutes
 
 
 def test_under_split_stage_weights_are_flagged(report):

@@ -10,6 +10,7 @@ stage, named as the pipeline names them (StageSummaries).
 """
 
 import contextlib
+import threading
 
 import tensorflow as tf
 
@@ -18,6 +19,26 @@ from gpipe.pipeline import nest
 from gpipe.pipeline import side_outputs
 from gpipe.pipeline import stage_call
 from lingvo.core import py_utils
+
+_everywhere = threading.local()
+
+
+@contextlib.contextmanager
+def Everywhere():
+  """Inside, every PipelinedLayer call without per-stage states runs this
+  path, as unroll='always' does: the plain stack's computation, with no
+  bubble and nothing recomputed (gpipe.plan counts a model's FLOPs so)."""
+  before = Forced()
+  _everywhere.on = True
+  try:
+    yield
+  finally:
+    _everywhere.on = before
+
+
+def Forced():
+  """Whether calls run unrolled whatever their Params say (Everywhere)."""
+  return getattr(_everywhere, 'on', False)
 
 
 def CheckPerLayerStates(per_layer_states, num_layers):

@@ -39,6 +39,9 @@ The parts:
   optimizers  the optimizer updates it runs (Lingvo's, as functions)
   candidate   one candidate lowered, partitioned and compiled; its report
   loops       what the compiled module's while loops compute and hold
+  collectives what a chip sends over each mesh axis in a step
+  traffic_floor  the least each mesh axis must carry, from the model's
+              shapes
   roofline    the TPU generations and the step-time model
   report      every candidate's report, the table, JSON, recommendation
   plot        --plot: each candidate's bytes per chip, drawn

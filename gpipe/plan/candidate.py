@@ -21,11 +21,14 @@ import numpy as np
 
 from gpipe import layers as gpipe_layers
 from gpipe.lingvo_support import tpu_build
+from gpipe.pipeline import unrolled
+from gpipe.plan import collectives
 from gpipe.plan import loops
 from gpipe.plan.report import Plan
 from gpipe.plan import roofline
 from gpipe.plan import stacks
 from gpipe.plan import targets
+from gpipe.plan import traffic_floor
 from gpipe.plan import train_step
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
@@ -52,6 +55,12 @@ class CandidateReport:
   # The built stack's backward schedule and stream_io.
   backward_schedule: str = 'reverse'
   stream_io: bool = False
+  # 3 x the FLOPs of the step's forward pass, the stacks run unpipelined
+  # (ForwardFlops): the work MFU counts, all devices.
+  model_flops: float = 0.0
+  # What the least traffic per mesh axis depends on (traffic_floor), or
+  # None where the model does not say.
+  model_shape: traffic_floor.ModelShape = None
 
   @property
   def one_f_one_b(self):
@@ -142,39 +151,66 @@ class CandidateReport:
     a 1f1b gradient loop), trip count and, per iteration, {kind: {count,
     bytes}} and {'kind over axes': {count, bytes}} (`ByMeshAxes`)."""
     summaries = []
-    trips = hlo_text.LoopTripCounts(self.compiled.hlo)
     for i, body in enumerate(self.compiled.loops):
-      collectives = self.compiled.LoopCollectives(i)
+      loop_collectives = self.compiled.LoopCollectives(i)
       summaries.append({
           'role': 'forward' if i == self.forward_loop else 'backward',
-          'iterations': trips.get(body, 1),
-          'collectives': _CountAndBytes(collectives, lambda c: c.kind),
-          'by_mesh_axes': self.ByMeshAxes(collectives),
+          'iterations': self._trips.get(body, 1),
+          'collectives': collectives.CountAndWireBytes(
+              loop_collectives, lambda c: c.kind),
+          'by_mesh_axes': self.ByMeshAxes(loop_collectives),
       })
     return summaries
 
-  def ByMeshAxes(self, collectives):
-    """{'kind over axes': {count, bytes}}: which mesh axes each runs on
-    (the rotation's permutes on the stage axis, a model axis's
-    all-reduces on that axis, ...)."""
-    mesh = self.mesh_shape or (self.compiled.num_devices,)
-    return _CountAndBytes(
-        collectives,
-        lambda c: hlo_text.KindOverAxes(c, mesh, self.stage_axis))
+  @functools.cached_property
+  def _trips(self):
+    return hlo_text.LoopTripCounts(self.compiled.hlo)
+
+  @property
+  def _mesh(self):
+    return self.mesh_shape or (self.compiled.num_devices,)
+
+  @property
+  def axis_names(self):
+    """A name per mesh axis: its role in the model ('stage', 'model',
+    ...) where the model says, else 'stage' and 'axis k'."""
+    if self.model_shape is not None:
+      return self.model_shape.AxisNames(len(self._mesh))
+    return collectives.MeshAxisNames(len(self._mesh), self.stage_axis)
+
+  def ByMeshAxes(self, some):
+    """{'kind over axes': {count, bytes}} of `some` collectives: which
+    mesh axes each runs on (the rotation's permutes on the stage axis, a
+    model axis's all-reduces on that axis, ...); bytes in the
+    partitioner's dtype."""
+    return collectives.CountAndWireBytes(
+        some, lambda c: collectives.KindOverAxes(c, self._mesh,
+                                                 self.axis_names))
 
   @property
   def outside_by_mesh_axes(self):
     """ByMeshAxes of the collectives outside the loops (once a step)."""
     return self.ByMeshAxes(self.compiled.LoopCollectives(-1))
 
-  def CollectiveBytesPerStep(self):
-    total = {}
-    for loop in self.LoopSummaries():
-      for kind, c in loop['collectives'].items():
-        total[kind] = total.get(kind, 0) + c['bytes'] * loop['iterations']
-    for c in self.compiled.LoopCollectives(-1):
-      total[c.kind] = total.get(c.kind, 0) + c.bytes
-    return total
+  @functools.cached_property
+  def sent_per_axis(self):
+    """{axes: {kind: bytes one chip sends in the step}}
+    (gpipe.plan.collectives.PerAxis)."""
+    return collectives.PerAxis(self.compiled, self._trips, self._mesh,
+                               self.axis_names)
+
+  @functools.cached_property
+  def traffic_floors(self):
+    """[traffic_floor.Floor]: the least each set of axes must carry, or
+    [] where the model does not say (model_shape None)."""
+    if self.model_shape is None:
+      return []
+    trainable = {param for _, param in self.step.aliases
+                 if self.step.args[param].kind == train_step.WEIGHT}
+    gradient_bytes = self._ArgBytes(lambda i, a: i in trainable) * (
+        traffic_floor.GRADIENT_BYTES / 4)
+    return traffic_floor.Floors(self.model_shape, self.schedule, self._mesh,
+                                self.candidate.remat_policy, gradient_bytes)
 
   @functools.cached_property
   def forward_loop(self):
@@ -236,19 +272,6 @@ class CandidateReport:
     return self.stored_activation_bytes
 
   @property
-  def recomputed_flops(self):
-    """Per device: FLOPs spent running the forward again. The reverse
-    backward loop runs the forward loop's FLOPs again under remat_policy
-    'recompute'; the 1f1b gradient loop's forward wave always does, and
-    its backward wave again under 'recompute'."""
-    if not self.loop_flops:
-      return 0.0
-    runs = int(self.candidate.remat_policy == 'recompute')
-    if self.one_f_one_b:
-      runs += 1
-    return runs * self.loop_flops[self.forward_loop]
-
-  @property
   def step_bytes(self):
     """The per-device sizes that set the fused step's HBM traffic."""
     # The step updates its trainable weights (and slots) in place.
@@ -276,19 +299,12 @@ class CandidateReport:
         one_f_one_b=self.one_f_one_b,
         clips_gradients=self.step.clip_norm > 0)
 
-  @property
-  def model_flops(self):
-    return roofline.ModelFlops(
-        self.flops_unpartitioned, self.flops_per_device,
-        self.compiled.num_devices, sum(self.loop_flops),
-        self.schedule.bubble_fraction, self.recomputed_flops)
-
   @functools.cached_property
   def prediction(self):
     return roofline.Predict(
         self.chip, self.flops_per_device, sum(self.loop_flops),
         self.schedule.bubble_fraction, self.step_bytes,
-        self.CollectiveBytesPerStep(), self.model_flops,
+        collectives.Total(self.sent_per_axis), self.model_flops,
         self.compiled.num_devices)
 
   def ToJson(self):
@@ -316,7 +332,14 @@ class CandidateReport:
         'stage_axis': self.stage_axis,
         'loops': self.LoopSummaries(),
         'outside_loops_by_mesh_axes': self.outside_by_mesh_axes,
-        'collective_bytes_per_step': self.CollectiveBytesPerStep(),
+        'collective_bytes_sent_per_step': self.sent_per_axis,
+        'collective_floor_per_step': {
+            f.axes: {'bytes': f.bytes, 'parts': f.parts}
+            for f in self.traffic_floors},
+        'collective_sent_over_floor': {
+            axes: sent / floor if floor else None
+            for axes, (sent, floor) in traffic_floor.Ratios(
+                self.sent_per_axis, self.traffic_floors).items()},
         'predicted_step_seconds': self.prediction.step_seconds,
         'predicted': self.prediction.ToJson(),
         'largest_buffers': [{
@@ -327,11 +350,13 @@ class CandidateReport:
 
 
 def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
-                  depth_param='num_blocks', log=None):
+                  depth_param='num_blocks', log=None, model_flops=None):
   """Lowers, partitions and compiles one candidate; a CandidateReport.
 
   `log` (if given) is told once the candidate is built, before its compile:
   a candidate skipped while building is never said to be compiling.
+  `model_flops`: the model's (ForwardFlops, the same for every candidate
+  of a target); None: counted here.
   """
   start = time.time()
   with tpu_build.AsOnTpu():  # Lingvo's layers annotate their weights when built for one
@@ -361,21 +386,35 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
       num_devices,
       reference_proto=reference,
       aliases=step.aliases)
+  if model_flops is None:
+    model_flops = 3 * ForwardFlops(step)
+  mesh = partitioned_step.StackMesh(stack_p, num_devices)
   return CandidateReport(candidate=candidate, schedule=sched,
                          compiled=compiled, step=step, chip=chip,
                          hbm_bytes=hbm_bytes, seconds=time.time() - start,
                          backward_schedule=stack_p.backward_schedule,
-                         stream_io=stack_p.stream_io,
-                         **partitioned_step.StackMesh(stack_p, num_devices))
+                         stream_io=stack_p.stream_io, model_flops=model_flops,
+                         model_shape=traffic_floor.ShapeOf(
+                             step, mesh['stage_axis']),
+                         **mesh)
 
 
-def _CountAndBytes(collectives, key):
-  """{key(c): {'count', 'bytes'}} over collectives, sorted by key."""
-  totals = {}
-  for c in collectives:
-    count, nbytes = totals.get(key(c), (0, 0))
-    totals[key(c)] = (count + 1, nbytes + c.bytes)
-  return {k: {'count': n, 'bytes': b} for k, (n, b) in sorted(totals.items())}
+def ForwardFlops(step):
+  """XLA's FLOPs of the step's forward pass (its loss), compiled for one
+  device with every pipelined stack run as the plain stack
+  (gpipe.pipeline.unrolled.Everywhere): the model's own work, with no
+  bubble and nothing recomputed. MFU counts 3 x these (a backward pass
+  is twice its forward), as PaLM's and MaxText's MFU do.
+  """
+  specs = [a.spec for a in step.weight_args + step.input_args]
+
+  def Forward(*args):
+    with sharding.SpmdPartitioning(False), unrolled.Everywhere():
+      return step.Loss(*args)
+
+  with tpu_build.AsOnTpu():
+    proto = partitioning.LowerFromShapes(Forward, specs)
+  return partitioning.CompileFromShapes(proto, 1).Cost('flops')
 
 
 class CandidateError(RuntimeError):
@@ -428,8 +467,9 @@ def MakePlan(target, candidates, num_devices, chip, hbm_bytes,
   for candidate in candidates:
     try:
       CheckCandidate(target, candidate)
-      reports.append(PlanCandidate(target, candidate, num_devices, chip,
-                                   hbm_bytes, depth_param, log))
+      reports.append(PlanCandidate(
+          target, candidate, num_devices, chip, hbm_bytes, depth_param, log,
+          model_flops=reports[0].model_flops if reports else None))
     except targets.PlanError as e:
       skipped.append((candidate, str(e).splitlines()[0]))
     except Exception as e:  # pylint: disable=broad-except

@@ -12,6 +12,7 @@ import textwrap
 
 from gpipe.plan import roofline
 from gpipe.plan import targets
+from gpipe.plan import traffic_floor
 from gpipe.plan import train_step
 from gpipe.xla import hlo_text
 
@@ -22,7 +23,7 @@ _MEASURED_BY_XLA = [
     'per_device_bytes', 'flops_per_device', 'flops_unpartitioned',
     'flops_ratio', 'loop_flops_per_device', 'stored_activation_bytes',
     'xla_cpu_unfused_bytes_accessed_per_device', 'loops',
-    'permute_bytes_per_iteration', 'collective_bytes_per_step',
+    'permute_bytes_per_iteration', 'collective_bytes_sent_per_step',
     'largest_buffers'
 ]
 _NOTES = {
@@ -38,10 +39,18 @@ _NOTES = {
         'bound: the body\'s intermediates between fusions are left out); '
         'see gpipe.plan.roofline.StepBytes',
     'predicted.model_flops':
-        'the step\'s FLOPs counted once (compiled unpartitioned for one '
-        'device, or N x one device\'s if fewer), less N x what a device '
-        'spends on bubbles and on the recomputed forward; see '
-        'gpipe.plan.roofline.ModelFlops',
+        '3 x the FLOPs of the step\'s forward pass with its pipelined '
+        'stacks run as the plain stack, compiled for one device: no '
+        'bubble and nothing recomputed counts; see '
+        'gpipe.plan.candidate.ForwardFlops',
+    'collective_bytes_sent_per_step':
+        '{mesh axes: {kind: bytes one chip sends in the step}}, each '
+        'collective in the dtype XLA\'s SPMD partitioner gave it, by the '
+        'ring algorithm of its kind; see gpipe.plan.collectives',
+    'collective_floor_per_step':
+        'the least each set of mesh axes must carry, derived from the '
+        'model\'s shapes (gpipe.plan.traffic_floor); measured / floor is '
+        'collective_sent_over_floor',
     'predicted.mfu': 'model_flops / (num_devices x peak x step_seconds)',
 }
 
@@ -272,6 +281,7 @@ def _Details(r):
                      'iterations), per iteration: ',
                      _Collectives(loop['by_mesh_axes']))
   lines += _Listed('outside the loops: ', _Collectives(r.outside_by_mesh_axes))
+  lines += _Listed('sent per step, against the floor: ', _SentAndFloor(r))
   stored = ', '.join(t.split('{')[0] for _, t in r.stored_activations)
   lines += _Listed('stored activations: ', [
       f'{Bytes(r.stored_activation_bytes)} ({stored or "none found"})'])
@@ -285,8 +295,9 @@ def _Details(r):
   traffic = p.memory_traffic_bytes
   for paragraph in (
       f'predicted step {Seconds(p.step_seconds)} = max(compute '
-      f'{Seconds(p.compute_seconds)} [of it bubble '
-      f'{Seconds(p.bubble_seconds)}], memory traffic '
+      f'{Seconds(p.compute_seconds)} [model {Seconds(p.model_seconds)}, '
+      f'bubble {Seconds(p.bubble_seconds)}, recomputation and other '
+      f'{Seconds(p.other_compute_seconds)}], memory traffic '
       f'{Seconds(p.memory_seconds)}) + collectives '
       f'{Seconds(p.collective_seconds)}: {p.bound}-bound; MFU '
       f'{Percent(p.mfu)} (model FLOPs {p.model_flops:.3g})',
@@ -298,6 +309,19 @@ def _Details(r):
     lines += _Wrap(paragraph, initial_indent='  ',
                    subsequent_indent='    ')
   return lines
+
+
+def _SentAndFloor(r):
+  """['model 1.2 GiB / floor 1.0 GiB = 1.20', 'stage 3 MiB (no floor)']."""
+  items = []
+  for axes, (sent, floor) in traffic_floor.Ratios(
+      r.sent_per_axis, r.traffic_floors).items():
+    if floor:
+      items.append(f'{axes} {Bytes(sent)} / floor {Bytes(floor)} = '
+                   f'{sent / floor:.2f}')
+    else:
+      items.append(f'{axes} {Bytes(sent)} (no floor)')
+  return items or ['nothing']
 
 
 def _Collectives(by_axes):
@@ -320,11 +344,14 @@ def _Sources(plan):
       'step must read and write in HBM (weights read per iteration, '
       'gradients accumulated, the optimizer update, stored activations, '
       'the loop\'s buffer; not XLA:CPU\'s unfused count) / HBM bandwidth; '
-      'collectives = collective bytes / ICI link bandwidth; step = '
+      'collectives = the bytes a chip sends (each collective in the '
+      'partitioner\'s dtype, by its ring algorithm) / ICI link '
+      'bandwidth; step = '
       'max(compute, memory traffic) + collectives (compute and HBM traffic '
-      'overlap, collectives overlap neither); MFU = model FLOPs (the '
-      'step\'s counted once, less the bubbles and the recomputed forward) '
-      '/ (N x peak x step). The recommendation follows the predicted step.',
+      'overlap, collectives overlap neither); MFU = model FLOPs (3 x the '
+      'forward pass, the stacks unpipelined: no bubble, nothing '
+      'recomputed) / (N x peak x step). The recommendation follows the '
+      'predicted step.',
       f'Fits: peak <= {Bytes(plan.hbm_bytes)} of HBM.',
   ]
   lines = [line for p in paragraphs for line in _Wrap(p)]

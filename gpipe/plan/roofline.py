@@ -7,19 +7,23 @@ step must move through HBM (`StepBytes`, from the step's per-device
 argument sizes and the loop's stored tensors), it predicts
 
     compute    = flops / peak_flops
-      of which bubble = bubble_fraction x the loops' flops / peak_flops
+      of which model work = model_flops / N / peak_flops
+               bubble     = bubble_fraction x the loops' flops / peak_flops
+               the rest   (recomputation, the optimizer, ...)
     memory     = fused-step HBM traffic / hbm_bandwidth
-    collective = sum over collectives of factor x bytes / link_bandwidth
+    collective = bytes a chip sends / link_bandwidth
     step       = max(compute, memory) + collective
 
-with `factor` 1 for a collective-permute (a neighbour send over one link),
-2 for an all-reduce (a ring's reduce-scatter + all-gather) and 1 for the
-rest. Compute and HBM traffic overlap (a TPU streams operands while its
-matrix units run: the larger one sets the time); collectives are assumed
-not to overlap either (pessimistic); compute runs at peak (optimistic): the
-prediction ranks configurations, it does not promise a wall time. FLOPs
-come from XLA's CPU compile of the same module, counted for the model's own
-dtype, against the chip's bf16 peak.
+The bytes a chip sends are each collective's, by the ring algorithm of its
+kind and group size (gpipe.plan.collectives: an all-reduce over n devices
+sends 2 (n - 1) / n of its bytes, a collective-permute all of them), all
+over one link in one direction. Compute and HBM traffic overlap (a TPU
+streams operands while its matrix units run: the larger one sets the
+time); collectives are assumed not to overlap either (pessimistic);
+compute runs at peak (optimistic): the prediction ranks configurations, it
+does not promise a wall time. FLOPs come from XLA's CPU compile of the
+same module, counted for the model's own dtype, against the chip's bf16
+peak.
 
 Why not XLA's own "bytes accessed": XLA:CPU counts every unfused
 instruction's operands and results, which a TPU's fusions never write to
@@ -68,9 +72,6 @@ CHIPS = {
     'v5p': Chip('v5p', 459e12, 95 * GIB, 2765e9, 1200e9, 6),
     'v6e': Chip('v6e', 918e12, 32e9, 1638e9, 800e9, 4),
 }
-
-_COLLECTIVE_FACTOR = {'collective-permute': 1.0, 'all-reduce': 2.0}
-
 
 @dataclasses.dataclass(frozen=True)
 class StepBytes:
@@ -136,9 +137,20 @@ class Prediction:
   memory_seconds: float  # fused-step HBM traffic / bandwidth
   collective_seconds: float  # not overlapped with anything
   memory_traffic_bytes: dict  # {part: bytes}, see StepBytes.Traffic
-  model_flops: float  # of the whole step, all devices: see ModelFlops
+  model_flops: float  # the model's work, all devices: 3 x its forward pass
   num_devices: int
   peak_flops: float
+
+  @property
+  def model_seconds(self):
+    """Of compute: the model's own work, a device's share."""
+    return self.model_flops / self.num_devices / self.peak_flops
+
+  @property
+  def other_compute_seconds(self):
+    """Of compute: neither the model's work nor bubbles (a recomputed
+    forward, the optimizer update, work done twice)."""
+    return self.compute_seconds - self.model_seconds - self.bubble_seconds
 
   @property
   def step_seconds(self):
@@ -160,7 +172,9 @@ class Prediction:
   def ToJson(self):
     return {
         'compute_seconds': self.compute_seconds,
+        'model_compute_seconds': self.model_seconds,
         'bubble_seconds': self.bubble_seconds,
+        'other_compute_seconds': self.other_compute_seconds,
         'memory_traffic_seconds': self.memory_seconds,
         'memory_traffic_bytes': dict(self.memory_traffic_bytes),
         'collective_seconds': self.collective_seconds,
@@ -174,35 +188,8 @@ class Prediction:
     }
 
 
-def ModelFlops(flops_unpartitioned, flops_per_device, num_devices,
-               loop_flops, bubble_fraction, recomputed_flops):
-  """The step's useful FLOPs, all devices: what MFU counts as model work.
-
-  The step's FLOPs counted once: those of the step compiled unpartitioned
-  for one device (nothing replicated), or N x one device's if fewer (a
-  circular pipeline's one-device step picks every stage's repeat weights
-  each iteration, which no device of the partitioned step does). Less, N
-  times, what a device spends on the pipeline's bubbles (the bubble
-  fraction of its loops' FLOPs) and on the backward loop's recomputed
-  forward (its unbubbled part).
-
-  Args:
-    flops_unpartitioned: XLA's FLOPs of the step compiled for one device.
-    flops_per_device: XLA's FLOPs of one device's partitioned step.
-    num_devices: N.
-    loop_flops: per device, all the loops' FLOPs over all iterations.
-    bubble_fraction: the schedule's idle share of the loop iterations.
-    recomputed_flops: per device, FLOPs the backward loop spends running
-      the forward again (all iterations).
-  """
-  wasted = (bubble_fraction * loop_flops +
-            (1 - bubble_fraction) * recomputed_flops)
-  counted_once = min(flops_unpartitioned, num_devices * flops_per_device)
-  return counted_once - num_devices * wasted
-
-
 def Predict(chip, flops, loop_flops, bubble_fraction, step_bytes,
-            collective_bytes, model_flops, num_devices):
+            sent_bytes, model_flops, num_devices):
   """The step time on `chip` of one device's work, by part.
 
   Args:
@@ -211,13 +198,13 @@ def Predict(chip, flops, loop_flops, bubble_fraction, step_bytes,
     loop_flops: of which in the pipeline's loops (all iterations).
     bubble_fraction: the schedule's idle share of the loop iterations.
     step_bytes: a StepBytes: what sets the step's HBM traffic.
-    collective_bytes: {collective kind: bytes it sends in the step}.
-    model_flops: the step's useful FLOPs, all devices (ModelFlops).
+    sent_bytes: what one device sends by collectives in the step
+      (gpipe.plan.collectives.PerAxis, summed).
+    model_flops: the model's work, all devices (3 x its forward pass's
+      FLOPs: gpipe.plan.candidate.ForwardFlops).
     num_devices: devices the step runs on.
   """
-  collective = sum(
-      _COLLECTIVE_FACTOR.get(kind, 1.0) * nbytes
-      for kind, nbytes in collective_bytes.items()) / chip.link_bandwidth
+  collective = sent_bytes / chip.link_bandwidth
   traffic = step_bytes.Traffic()
   return Prediction(
       compute_seconds=flops / chip.peak_flops,

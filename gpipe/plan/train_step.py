@@ -146,6 +146,11 @@ class TrainStep:
         self._slot_follows.append(follows)
 
   @property
+  def input_specs(self):
+    """NestedMap of TensorSpecs: the input batch."""
+    return self._input_specs
+
+  @property
   def args(self):
     return (self.weight_args + self.slot_args + self.input_args +
             self.scalar_args)
@@ -200,6 +205,16 @@ class TrainStep:
     loss, _, grads = self._LossAndGradients(
         list(flat[:n_w]), inputs, tf.constant(0, tf.int64))
     return [loss] + grads
+
+  def Loss(self, *flat):
+    """The loss alone of flat = (*weights, *inputs) at global step 0: the
+    step's forward pass (e.g. to count the model's FLOPs)."""
+    n_w = len(self.weight_args)
+    weights = self._Place(list(flat[:n_w]))
+    inputs = self._input_specs.Pack(list(flat[n_w:]))
+    with py_utils.GlobalStepContext(tf.constant(0, tf.int64)):
+      py_utils.ResetStepSeed()
+      return self._loss_fn(self._theta.Pack(weights), inputs)
 
   def _LossAndGradients(self, weights, inputs, global_step):
     """(loss, placed trainable weights, their gradients)."""

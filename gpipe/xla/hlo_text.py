@@ -31,11 +31,36 @@ class Collective:
   # The devices that take part together: replica groups (all-reduce,
   # all-gather, ...) or (source, target) pairs (collective-permute).
   groups: tuple = ()
+  # Per element of the result: widened by XLA:CPU from bfloat16 (see
+  # `wire_bytes`); () for none.
+  widened: tuple = ()
 
   @property
   def bytes(self):
     """Bytes of its result (a tuple result: all elements), on one device."""
     return TypeBytes(self.shape)
+
+  @property
+  def wire_bytes(self):
+    """Bytes of its result in the dtype XLA's SPMD partitioner gave it.
+
+    XLA:CPU moves no bfloat16: after partitioning, its passes widen a
+    bfloat16 all-reduce (all-reduce-promotion) and collective-permute
+    (float-normalization-bf16) to float32, converting on the way in and
+    out, which doubles the bytes a TPU, moving bfloat16 natively, would
+    send. A widened element (`WidenedElements`) counts at 16 bits here.
+    """
+    return sum(size // 2 if widened else size for (_, size), widened in zip(
+        _ElementBytes(self.shape),
+        self.widened or [False] * len(_ElementBytes(self.shape))))
+
+  @property
+  def group_size(self):
+    """Devices that take part together (a permute: 2, a sender and a
+    receiver); 0 when the line names no groups."""
+    if not self.groups:
+      return 0
+    return len(self.groups[0])
 
   def MeshAxes(self, mesh_shape):
     """The device-mesh axes it runs along: those on which the devices of
@@ -81,6 +106,12 @@ WHILE_RE = re.compile(r'^\s*%?([\w.\-]+)\s*=.*\swhile\(%?([\w.\-]+)\)')
 # The body computation a while instruction names.
 WHILE_BODY_RE = re.compile(r'\bbody=%?([\w.\-]+)')
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+# XLA:CPU's all-reduce-promotion names the widened reduction so.
+_PROMOTED_RE = re.compile(r'\bto_apply=%?[\w.\-]*_promoted\b')
+_DEF_RE = re.compile(
+    r'^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s'
+    r'(?P<op>[a-z][a-z0-9\-]*)\((?P<args>[^)]*)\)')
+_UNCHANGED_OPS = ('bitcast', 'copy', 'reshape')
 
 
 def DeviceGroups(line):
@@ -140,16 +171,21 @@ _DTYPE_BYTES = {'pred': 1, 's8': 1, 'u8': 1, 's16': 2, 'u16': 2, 'f16': 2,
                 'f64': 8, 'c64': 8, 'c128': 16}
 
 
-def TypeBytes(hlo_type):
-  """'f32[1,8,8]{2,1,0}' -> 256; a tuple type: the sum of its elements."""
-  total = 0
+def _ElementBytes(hlo_type):
+  """'(f32[2]{0}, bf16[3]{0})' -> [('f32', 8), ('bf16', 6)]."""
+  elements = []
   for dtype, dims in re.findall(r'([a-z]\w*)\[([\d,]*)\]', hlo_type):
-    elements = 1
+    count = 1
     for d in dims.split(','):
       if d:
-        elements *= int(d)
-    total += elements * _DTYPE_BYTES.get(dtype, 4)
-  return total
+        count *= int(d)
+    elements.append((dtype, count * _DTYPE_BYTES.get(dtype, 4)))
+  return elements
+
+
+def TypeBytes(hlo_type):
+  """'f32[1,8,8]{2,1,0}' -> 256; a tuple type: the sum of its elements."""
+  return sum(size for _, size in _ElementBytes(hlo_type))
 
 
 def _Callees(line):
@@ -283,6 +319,7 @@ def AnalyzeHlo(hlo_text):
     loop that contains it.
   """
   computations, entry = _ParseComputations(hlo_text)
+  definitions = _Definitions(computations)
   _, loops = _Walk(computations, entry, into_loops=False)
   owner = {}
   for index, body in enumerate(loops):
@@ -306,5 +343,60 @@ def AnalyzeHlo(hlo_text):
             Collective(kind=kind, shape=match.group('type'), computation=name,
                        loop=owner.get(name, -1),
                        op_name=op_name.group(1) if op_name else '',
-                       groups=DeviceGroups(line)))
+                       groups=DeviceGroups(line),
+                       widened=WidenedElements(definitions, name, line)))
   return collectives, loops
+
+
+def _Definitions(computations):
+  """{computation: {instruction name: (type, op, [operand names], line)}}."""
+  found = {}
+  for comp, lines in computations.items():
+    defs = found[comp] = {}
+    for line in lines:
+      match = _DEF_RE.match(line)
+      if match:
+        args = re.findall(r'%([\w.\-]+)', match.group('args'))
+        defs[match.group('name')] = (match.group('type'), match.group('op'),
+                                     args, line)
+        if line.lstrip().startswith('ROOT'):
+          defs[None] = defs[match.group('name')]
+  return found
+
+
+def WidenedElements(definitions, computation, line):
+  """Per element of a collective's result: whether XLA:CPU widened it from
+  bfloat16 (Collective.wire_bytes): its reduction renamed `..._promoted`,
+  or its operand a float32 made by converting a bfloat16 (a convert, or a
+  fusion ending in one), as XLA:CPU's float normalization inserts."""
+  match = _DEF_RE.match(line)
+  if not match:
+    return ()
+  types = re.findall(r'[a-z]\w*\[[\d,]*\]', match.group('type'))
+  args = re.findall(r'%([\w.\-]+)', match.group('args'))
+  promoted = bool(_PROMOTED_RE.search(line))
+  return tuple(
+      t.startswith('f32') and (promoted or _FromBfloat16(
+          definitions, computation, arg))
+      for t, arg in zip(types, args))
+
+
+def _FromBfloat16(definitions, computation, name, depth=0):
+  """Whether value `name` is a bfloat16 converted to float32 (through
+  bitcasts, copies, reshapes and fusions ending so)."""
+  defs = definitions.get(computation, {})
+  if name not in defs or depth > 8:
+    return False
+  _, op, args, line = defs[name]
+  if op in _UNCHANGED_OPS and args:
+    return _FromBfloat16(definitions, computation, args[0], depth + 1)
+  if op == 'convert' and args:
+    source = defs.get(args[0])
+    return bool(source) and source[0].startswith('bf16')
+  if op == 'fusion':
+    callee = re.search(r'\bcalls=%?([\w.\-]+)', line)
+    root = callee and definitions.get(callee.group(1), {}).get(None)
+    if root:
+      root_name = _DEF_RE.match(root[3]).group('name')
+      return _FromBfloat16(definitions, callee.group(1), root_name, depth + 1)
+  return False

@@ -191,6 +191,27 @@ def test_collectives_per_iteration(reports):
     assert not report.Gathered()
 
 
+def test_stage_axis_sends_against_its_floor_by_hand(reports):
+  """What a chip sends over the stage axis in a step (a permute of the
+  slot per iteration, forward and backward; the loss's all-reduce and one
+  scalar's over the 4 devices, a ring: 2 x 3/4 of their bytes) and the
+  floor: each of M x R stage calls sends its output once and its input
+  gradient once (gpipe.plan.traffic_floor)."""
+  for report in reports:
+    sched = report.schedule
+    slot = Rows(report) * DIM * 4
+    assert report.sent_per_axis == {'stage': {
+        'all-reduce': 1.5 * (BATCH * DIM * 4 + 4),
+        'collective-permute': 2 * sched.num_iterations * slot}}
+    (floor,) = report.traffic_floors
+    assert floor.axes == 'stage'
+    assert floor.bytes == 2 * sched.num_microbatches * (
+        sched.circular_repeat * slot)
+    ratios = report.ToJson()['collective_sent_over_floor']
+    assert ratios['stage'] == pytest.approx(
+        sum(report.sent_per_axis['stage'].values()) / floor.bytes)
+
+
 def _Peak(report):
   return report.chip.peak_flops
 
@@ -249,16 +270,18 @@ def test_predicted_parts_against_arithmetic(reports):
                BATCH * DIM * 4)
     assert p.memory_seconds == pytest.approx(traffic / 819e9)
     # A permute of the slot per iteration, forward and backward; the
-    # outputs' all-reduce (a ring: twice its bytes) over 50 GB/s links;
-    # b's update waits for w's: the all-reduce of a float32 scalar.
-    collectives = 2 * t * slot + 2 * BATCH * DIM * 4 + 2 * 4
+    # outputs' all-reduce over the 4 devices (a ring: each sends 2 x 3/4
+    # of its bytes) over 50 GB/s links; b's update waits for w's: the
+    # all-reduce of a float32 scalar.
+    collectives = 2 * t * slot + 1.5 * (BATCH * DIM * 4 + 4)
     assert p.collective_seconds == pytest.approx(collectives / 50e9)
     assert p.step_seconds == pytest.approx(
         max(p.compute_seconds, p.memory_seconds) + p.collective_seconds)
     assert p.memory_traffic_bytes['loop_weight_reads'] > 0
     assert p.bound == 'memory'  # a toy: 3 rows per microbatch
-    # Model FLOPs: the stack's 3 matmuls per layer and row, plus the
-    # elementwise rest (tanh, bias, loss, Adam): at most a quarter more.
+    # Model FLOPs: 3 x the forward pass's, the stack's 3 matmuls per layer
+    # and row, plus the elementwise rest (tanh, bias, loss): at most a
+    # quarter more, and no bubble or recomputed forward.
     matmuls = 6 * NUM_STAGES * r * BATCH * DIM * DIM
     assert 1 <= p.model_flops / matmuls < 1.25, p.model_flops / matmuls
     assert p.mfu == pytest.approx(
@@ -403,8 +426,10 @@ def test_every_line_of_the_report_fits_100_columns(linear_plan,
   # The predicted step's parts are in each candidate's lines.
   for r in linear_plan.reports:
     p = r.prediction
-    for part in (f'compute {report_lib.Seconds(p.compute_seconds)} [of it '
-                 f'bubble {report_lib.Seconds(p.bubble_seconds)}]',
+    for part in (f'compute {report_lib.Seconds(p.compute_seconds)} [model '
+                 f'{report_lib.Seconds(p.model_seconds)}, bubble '
+                 f'{report_lib.Seconds(p.bubble_seconds)}, recomputation and '
+                 f'other {report_lib.Seconds(p.other_compute_seconds)}]',
                  f'memory traffic {report_lib.Seconds(p.memory_seconds)}',
                  f'collectives {report_lib.Seconds(p.collective_seconds)}'):
       assert part in ' '.join(text.split()), part

@@ -1,0 +1,163 @@
+"""The least a step must send over each mesh axis: the floor the planner's
+measured collectives are set against.
+
+Derived from the model's shapes (a `ModelShape`, which the model gives),
+the schedule and the mesh, in bytes one chip sends in one step, by the
+same ring algorithms the measured figures use (gpipe.plan.collectives;
+ring(n) = 2 (n - 1) / n for an all-reduce over n devices). With S stages,
+M microbatches, R circular repeats, a mesh of D data and P model devices,
+and A = one microbatch's boundary activation on one chip (rows / M / D x
+the elements of a row x their bytes):
+
+    stage   2 M R A: every stage call sends its output to the next stage
+            once and its input gradient to the previous one once.
+    model   passes x k x M R x ring(P) x A': a Megatron-style body reduces
+            k activations of a call's size over the model axis in each
+            forward pass (k = 2 a Transformer block: after the attention
+            and after the feed-forward layer), in the compute dtype (A'),
+            and as many input gradients in the backward pass; passes = 3
+            (forward, recomputed forward, backward) where the remat policy
+            recomputes the body, 2 where it stores the dots.
+    data    ring(D) x the chip's gradients: one reduction a step.
+    table   the embedding and softmax table split by vocab over n devices:
+            gathered once in the compute dtype and its float32 gradient
+            reduce-scattered once, (n - 1) / n x its elements x (bytes +
+            4). (Moving the tokens' activations to the table's slices
+            instead costs the same per token and row: tokens x width
+            against vocab x width; the table is the smaller for the LMs
+            here.)
+
+A collective the floor has no part for (e.g. a scalar's all-reduce over
+an axis with no floor) is still counted where it runs.
+"""
+
+import dataclasses
+
+GRADIENT_BYTES = 4  # float32 gradients
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """What a model's least traffic depends on.
+
+  Attributes:
+    rows: the stack's input rows (sequences) a step.
+    row_elements: elements of one row's activation between stages
+      (tokens x width).
+    activation_bytes: bytes per element between stages (the stack's dtype).
+    model_reductions: per stage-repeat call and forward pass, how many
+      activations of the call's size the body reduces over the model axis
+      (2 per Transformer block); None: not known (no model-axis floor).
+    compute_bytes: bytes per element of those reductions (the body's
+      compute dtype).
+    axis_roles: {'stage' | 'data' | 'model': mesh axis}.
+    table_elements: vocab x width of an embedding/softmax table split over
+      `table_axes` (0: none).
+    table_axes: the mesh axes the table is split over.
+  """
+  rows: int
+  row_elements: int
+  activation_bytes: int
+  model_reductions: int = None
+  compute_bytes: int = 4
+  axis_roles: dict = dataclasses.field(default_factory=lambda: {'stage': 0})
+  table_elements: int = 0
+  table_axes: tuple = ()
+
+  def AxisNames(self, rank):
+    """A name per mesh axis: its role, or 'axis k'."""
+    by_axis = {a: role for role, a in self.axis_roles.items()}
+    return tuple(by_axis.get(a, f'axis {a}') for a in range(rank))
+
+
+def _Ring(n):
+  return 2.0 * (n - 1) / n if n > 1 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Floor:
+  """The floor of one set of mesh axes: its parts, bytes per chip a step."""
+  axes: str  # as gpipe.plan.collectives.AxisName names them
+  parts: dict  # {what: bytes}
+
+  @property
+  def bytes(self):
+    return sum(self.parts.values())
+
+
+def Floors(shape, schedule, mesh_shape, remat_policy, gradient_bytes):
+  """[Floor] per set of axes the model must use, see the module docstring.
+
+  Args:
+    shape: the ModelShape.
+    schedule: the gpipe.schedule.Schedule.
+    mesh_shape: the device mesh ((N,) for shard_stages_1d).
+    remat_policy: the candidate's ('save_dots', 'save_all': no recomputed
+      forward on the model axis).
+    gradient_bytes: bytes of trainable gradients one chip holds.
+  """
+  roles = shape.axis_roles
+  size = lambda role: mesh_shape[roles[role]] if role in roles else 1
+  names = shape.AxisNames(len(mesh_shape))
+  m, r = schedule.num_microbatches, schedule.circular_repeat
+  elements = shape.rows / m / size('data') * shape.row_elements
+  floors = []
+  if size('stage') > 1:
+    floors.append(Floor(names[roles['stage']], {
+        'activations and their gradients, stage to stage':
+            2 * m * r * elements * shape.activation_bytes}))
+  if size('model') > 1 and shape.model_reductions is not None:
+    passes = 2 if remat_policy in ('save_dots', 'save_all') else 3
+    floors.append(Floor(names[roles['model']], {
+        'the body\'s reductions': (passes * shape.model_reductions * m * r *
+                                   _Ring(size('model')) * elements *
+                                   shape.compute_bytes)}))
+  if size('data') > 1:
+    floors.append(Floor(names[roles['data']], {
+        'one gradient reduction': _Ring(size('data')) * gradient_bytes}))
+  table_axes = sorted(a for a in shape.table_axes if mesh_shape[a] > 1)
+  if shape.table_elements and table_axes:
+    n = 1
+    for a in table_axes:
+      n *= mesh_shape[a]
+    if n > 1:
+      floors.append(Floor('+'.join(names[a] for a in table_axes),
+                          {'the table gathered, its gradient scattered':
+                               (n - 1) / n * shape.table_elements *
+                               (shape.compute_bytes + GRADIENT_BYTES)}))
+  return _Merged(floors)
+
+
+def _Merged(floors):
+  """Floors of the same axes as one."""
+  merged = {}
+  for f in floors:
+    merged.setdefault(f.axes, {}).update(f.parts)
+  return [Floor(axes, parts) for axes, parts in merged.items()]
+
+
+def Ratios(per_axis, floors):
+  """{axes: (sent, floor or None)} over every axes name either has."""
+  sent = {axes: sum(kinds.values()) for axes, kinds in per_axis.items()}
+  floor = {f.axes: f.bytes for f in floors}
+  return {axes: (sent.get(axes, 0.0), floor.get(axes))
+          for axes in sorted(set(sent) | set(floor))}
+
+
+def ShapeOf(step, stage_axis):
+  """The ModelShape of a planned step (a gpipe.plan.train_step.TrainStep):
+  its task's own (a `TrafficShape(input_specs)` method), or for a bare
+  pipelined layer its inputs' rows and elements (no model axis known);
+  None for a task that does not say."""
+  from gpipe import layers  # pylint: disable=g-import-not-at-top
+  root = step.root
+  if hasattr(root, 'TrafficShape'):
+    return root.TrafficShape(step.input_specs)
+  if not isinstance(root, layers.PipelinedLayer):
+    return None
+  specs = [a.spec for a in step.input_args]
+  return ModelShape(
+      rows=specs[0].shape[0],
+      row_elements=sum(s.shape[1:].num_elements() for s in specs),
+      activation_bytes=specs[0].dtype.size,
+      axis_roles={'stage': stage_axis})

@@ -1,0 +1,120 @@
+"""What a chip sends per collective, and the floors, by hand.
+
+gpipe.plan.collectives reads the collectives of a partitioned module: the
+bytes in the partitioner's dtype (XLA:CPU's widening of bfloat16 undone)
+and a chip's share of a ring algorithm; gpipe.plan.traffic_floor derives
+the least each mesh axis must carry from a model's shapes. Both on small
+hand-written cases (no compile).
+"""
+
+import pytest
+
+from gpipe.plan import collectives
+from gpipe.plan import traffic_floor
+from gpipe import schedule as schedule_lib
+from gpipe.xla import hlo_text
+
+# What XLA:CPU makes of bfloat16 collectives: an all-reduce widened by
+# all-reduce-promotion (its reduction renamed ..._promoted), a permute fed
+# by a fusion that converts a bfloat16 to float32, a tuple all-reduce of
+# one converted element and one float32 element, and a float32 permute
+# of a genuine float32.
+_HLO = """
+%add.clone_promoted (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%region.1 (a.1: f32[], b.1: f32[]) -> f32[] {
+  %a.1 = f32[] parameter(0)
+  %b.1 = f32[] parameter(1)
+  ROOT %s.1 = f32[] add(%a.1, %b.1)
+}
+
+%fused_convert (p: bf16[2,8]) -> f32[16] {
+  %p = bf16[2,8]{1,0} parameter(0)
+  %c = f32[2,8]{1,0} convert(%p)
+  ROOT %r = f32[16]{0} bitcast(%c)
+}
+
+ENTRY %main (x: bf16[2,8], y: f32[16], z: f32[4]) -> f32[16] {
+  %x = bf16[2,8]{1,0} parameter(0)
+  %y = f32[16]{0} parameter(1)
+  %z = f32[4]{0} parameter(2)
+  %widened = f32[16]{0} fusion(%x), kind=kLoop, calls=%fused_convert
+  %ar.1 = f32[16]{0} all-reduce(%y), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add.clone_promoted
+  %cp.1 = f32[16]{0} collective-permute(%widened), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cvt = f32[2,8]{1,0} convert(%x)
+  %ar.2 = (f32[2,8]{1,0}, f32[4]{0}) all-reduce(%cvt, %z), channel_id=3, replica_groups={{0,1},{2,3}}, to_apply=%region.1
+  ROOT %cp.2 = f32[16]{0} collective-permute(%y), channel_id=4, source_target_pairs={{0,1},{1,0}}
+}
+"""
+
+
+def _Collectives():
+  """The module's four, by name."""
+  found, _ = hlo_text.AnalyzeHlo(_HLO)
+  assert [c.kind for c in found] == ['all-reduce', 'collective-permute'] * 2
+  return dict(zip(('ar.1', 'cp.1', 'ar.2', 'cp.2'), found))
+
+
+def test_widened_bfloat16_counts_at_its_own_bytes():
+  c = _Collectives()
+  assert c['ar.1'].wire_bytes == 32  # promoted: 16 x 2 bytes
+  assert c['cp.1'].widened == (True,)
+  assert c['cp.1'].wire_bytes == 32
+  # The tuple: the converted element halves, the float32 one stays.
+  assert c['ar.2'].widened == (True, False)
+  assert c['ar.2'].wire_bytes == 32 + 16
+  assert c['cp.2'].widened == (False,)
+  assert c['cp.2'].wire_bytes == c['cp.2'].bytes == 64
+
+
+def test_a_chip_sends_its_ring_share():
+  c = _Collectives()
+  # All-reduce over 4 devices: 2 x 3/4 of its 32 bytes; over 2: once.
+  assert collectives.SentBytes(c['ar.1'], 4) == 48
+  assert collectives.SentBytes(c['ar.2'], 4) == 48
+  assert collectives.SentBytes(c['cp.1'], 4) == 32
+  gather = hlo_text.Collective('all-gather', 'f32[8]', 'c', -1,
+                               groups=((0, 1, 2, 3),))
+  assert collectives.SentBytes(gather, 4) == 24
+  scatter = hlo_text.Collective('reduce-scatter', 'f32[2]', 'c', -1,
+                                groups=((0, 1, 2, 3),))
+  assert collectives.SentBytes(scatter, 4) == 24
+  alone = hlo_text.Collective('all-reduce', 'f32[8]', 'c', -1,
+                              groups=((0,),))
+  assert collectives.SentBytes(alone, 4) == 0
+
+
+def test_floors_by_hand():
+  """A [2 stages, 2 data, 4 model] mesh, M=4, R=2, 8 rows of 16 tokens x
+  32 wide, bfloat16 between stages and in the body, 3 blocks of 2
+  reductions each, a table of 100 x 32 over all 16 chips."""
+  shape = traffic_floor.ModelShape(
+      rows=8, row_elements=16 * 32, activation_bytes=2, model_reductions=6,
+      compute_bytes=2, axis_roles={'stage': 0, 'data': 1, 'model': 2},
+      table_elements=100 * 32, table_axes=(0, 1, 2))
+  sched = schedule_lib.Schedule(num_stages=2, num_microbatches=4,
+                                circular_repeat=2)
+  a = 8 / 4 / 2 * 16 * 32 * 2  # one microbatch on one chip
+  floors = {f.axes: f.bytes for f in traffic_floor.Floors(
+      shape, sched, (2, 2, 4), 'recompute', gradient_bytes=1000)}
+  assert floors == {
+      'stage': 2 * 4 * 2 * a,
+      'model': 3 * 6 * 4 * 2 * (2 * 3 / 4) * a,
+      'data': 1000,
+      'stage+data+model': 15 / 16 * 100 * 32 * (2 + 4),
+  }
+  stored = {f.axes: f.bytes for f in traffic_floor.Floors(
+      shape, sched, (2, 2, 4), 'save_dots', gradient_bytes=1000)}
+  assert stored['model'] == pytest.approx(floors['model'] * 2 / 3)
+  # Axes of size 1 split nothing: no floor, and not named in the table's.
+  flat = {f.axes for f in traffic_floor.Floors(
+      shape, sched, (2, 1, 1), 'recompute', gradient_bytes=1000)}
+  assert flat == {'stage'}
+  assert traffic_floor.Ratios(
+      {'stage': {'collective-permute': 3.0}, 'axis 3': {'all-reduce': 1.0}},
+      [traffic_floor.Floor('stage', {'x': 2.0})]) == {
+          'axis 3': (1.0, None), 'stage': (3.0, 2.0)}
