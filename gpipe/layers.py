@@ -52,16 +52,16 @@ from gpipe.lingvo_support import flags_and_seeds
 from gpipe.loops import compiled_loops
 from gpipe import microbatch
 from gpipe.pipeline import layer_by_layer
+from gpipe.pipeline import last_stage_loss
 from gpipe.pipeline import layer_params
 from gpipe.pipeline import layouts
-from gpipe.pipeline import nest
 from gpipe.pipeline import param_checks
+from gpipe.pipeline import per_stage_states
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import repeats
 from gpipe.pipeline import side_outputs
 from gpipe.pipeline import stage_call
 from gpipe.pipeline import stage_runners
-from gpipe.pipeline import stage_step
 from gpipe.pipeline import unrolled
 from gpipe.pipeline import vectorized_stages
 from gpipe import schedule as schedule_lib
@@ -82,7 +82,7 @@ __all__ = [
 _NotConvertedByAutograph = tf.autograph.experimental.do_not_convert
 
 
-class PipelinedLayer(base_layer.BaseLayer):
+class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
   """Pipelines S stages (x R circular repeats) of a body layer.
 
   The body is either `single_stage_body` (one stage; this layer stacks its
@@ -162,124 +162,32 @@ class PipelinedLayer(base_layer.BaseLayer):
     return self._layout.Place(theta, self._placement)
 
   # ---------------------------------------------------------------------------
-  # Per-stage states (incremental decoding).
-
-  @_NotConvertedByAutograph
-  def BodyFPropNoMicrobatching(self, theta, fn_name, *args, **kwargs):
-    """Runs body method `fn_name` for every stage on the whole batch.
-
-    For methods such as 'InitStates' that make per-stage states: stage s
-    runs with its own weights (repeat 0 when circular), and every output
-    gets a leading [num_stages] dim.
-
-    Args:
-      theta: the stage-stacked body weights, `theta.body` (as in Lingvo's
-        layer), or this layer's theta.
-      fn_name: the body method.
-      *args: passed to every stage as they are.
-      **kwargs: passed to every stage as they are.
-
-    Returns:
-      (outputs with a leading [num_stages] dim, a no-op), the pair Lingvo's
-      layer returns.
-    """
-    theta = self._layout.AsLayerTheta(theta, self)
-    out = self._layout.RunEveryStage(self._body, fn_name, theta, args, kwargs)
-    return self._placement.SplitStages(out, 0), tf.no_op()
-
-  @_NotConvertedByAutograph
-  def BodyFProp(self, theta, fn_name, iteration, num_microbatches, *args,
-                kwargs_no_batch=None, **kwargs):
-    """Every stage's body call of one pipeline iteration, as Lingvo's has it.
-
-    Stage s runs on args[s] with the weights, repeat, microbatch slice of
-    the per-example kwargs and step seed the schedule gives it at
-    `iteration` (on a bubble: the clamped microbatch, results to be
-    dropped by the caller). For callers that drive their own loop.
-
-    Args:
-      theta: the stage-stacked body weights (`theta.body`, as Lingvo's layer
-        takes them), or this layer's theta.
-      fn_name: the body method.
-      iteration: scalar int32 loop iteration.
-      num_microbatches: M, for the schedule.
-      *args: the stages' inputs, each with a leading [num_stages] dim.
-      kwargs_no_batch: passed to every stage as they are.
-      **kwargs: per-example kwargs, [M, ...]: stage s gets the slice of
-        its microbatch.
-
-    Returns:
-      (outputs with a leading [num_stages] dim, a no-op). Each stage's aux
-      losses go to the caller's AuxLossContext as one [num_stages] loss;
-      the body's summaries as `<name>/stage_<i>`; non-trainable variables
-      the stages assign are written back.
-    """
-    sched = self.Schedule(num_microbatches)
-    spec = self._LoopSpec(sched, fn_name, nest.TensorLeaves(args), [],
-                          kwargs, kwargs_no_batch or {})
-    theta = self._layout.AsLayerTheta(theta, self)
-    var_values = self._layout.NonTrainableValues(theta, spec.var_names)
-    with tf.name_scope(self.params.name):
-      iteration = self._placement.ReplicateBookkeeping(
-          tf.convert_to_tensor(iteration, tf.int32))
-      res = spec.runner.Run(
-          spec, self._LoopTheta(theta),
-          stage_step.StagesAt(spec, stage_step.RowsAt(sched, iteration),
-                              args, var_values))
-      side_outputs.AddIteration(res, self.params.num_stages)
-      outputs = self._layout.AfterAssigning(self, spec.var_names, res.vars,
-                                            res.outputs)
-    outputs = tuple(self._placement.SplitStages(o, 0) for o in outputs)
-    return (outputs[0] if len(outputs) == 1 else outputs), tf.no_op()
-
-  def MicrobatchStates(self, per_stage_states):
-    """[S, B, ...] states of the whole batch -> [M, S, B/M, ...].
-
-    Microbatch m holds the same examples as the layer's inputs' microbatch m.
-    """
-    p = self.params
-    return microbatch.SplitStates(per_stage_states, p.num_microbatches,
-                                  p.microbatch_size)
-
-  def PadMicrobatches(self, x):
-    """[M, S, ...] per-(microbatch, stage) states -> [T, S, ...] state slots.
-
-    Slot [i, s] is the state stage s reads and writes at iteration i: that
-    of the microbatch it works on then (diagrams: microbatch.PadStates).
-    The padded states are opaque to the caller: pass them to FPropFn call
-    after call; UnpadStates gives each layer's state back.
-    """
-    def Pad(t):
-      sched = self.Schedule(t.shape.as_list()[0])
-      return self._placement.SplitStages(microbatch.PadStates(t, sched), 1)
-
-    return nest.MapTensors(Pad, x)
-
-  def UnpadStates(self, padded, num_microbatches=None):
-    """[T, S, ...] state slots -> [R * S, B, ...]: each layer's state.
-
-    The inverse of PadMicrobatches(MicrobatchStates(.)), per logical layer
-    (repeat-major) and on the whole batch again.
-
-    Args:
-      padded: states as FPropFn returns them (a tensor or a structure).
-      num_microbatches: M; defaults to p.num_microbatches.
-    """
-    num_mb = num_microbatches or self.params.num_microbatches
-    if num_mb is None:
-      raise ValueError('UnpadStates needs num_microbatches when the layer\'s '
-                       'num_microbatches param is not set.')
-    sched = self.Schedule(num_mb)
-    return nest.MapTensors(
-        lambda x: microbatch.LayerStatesToBatch(
-            microbatch.UnpadStates(x, sched)), padded)
-
-  # ---------------------------------------------------------------------------
   # Forward.
 
   def FProp(self, theta, *args, **kwargs):
+    """The body's FProp over the pipeline: FPropFn(theta, 'FProp', ...)
+    without per-stage states; the outputs in the structure of args."""
     return self.FPropFn(
         theta, 'FProp', *args, padded_per_stage_states=[], **kwargs)
+
+  @_NotConvertedByAutograph
+  def FPropWithLoss(self, theta, loss, *args, **kwargs):
+    """`loss` (a gpipe.pipeline.last_stage_loss.LastStageLoss) of FProp's
+    outputs, summed over the batch: NestedMap of float32 scalars.
+
+    Pipelined with backward_schedule='1f1b', the last stage scores each
+    microbatch as it finishes and the loss's gradient starts back in the
+    same iteration: one loop computes the loss and its gradient, with no
+    forward pass before it. Otherwise (the reverse schedule, unrolled, in
+    eval) exactly loss.fn(loss.weights, FProp(...), loss.inputs).
+    """
+    args, kwargs = microbatch.CheckInputs(args, kwargs)
+    if (self.params.backward_schedule != '1f1b' or self.do_eval or
+        self._RunsUnrolled(states=())):
+      return loss.Sums(loss.weights, self.FProp(theta, *args, **kwargs),
+                       loss.inputs)
+    return self._PipelinedFProp(theta, 'FProp', args, kwargs, {}, [],
+                                loss=loss)
 
   @_NotConvertedByAutograph
   def FPropFn(self, theta, fn_name, *args, padded_per_stage_states,
@@ -319,17 +227,21 @@ class PipelinedLayer(base_layer.BaseLayer):
       With states, pipelined: (*outputs, *updated padded states); unrolled:
       (outputs, updated per-layer lists), as Lingvo's layer returns them.
     """
-    p = self.params
     if not args:
       raise ValueError('PipelinedLayer.FProp needs at least one input.')
     args, kwargs = microbatch.CheckInputs(args, kwargs)
     states = list(padded_per_stage_states or [])
-    if (p.unroll == 'always' or (p.unroll == 'eval_only' and self.do_eval) or
-        (unrolled.Forced() and not states)):
+    if self._RunsUnrolled(states):
       return self._UnrolledFProp(theta, fn_name, args, kwargs,
                                  kwargs_no_batch or {}, states)
     return self._PipelinedFProp(theta, fn_name, args, kwargs,
                                 kwargs_no_batch or {}, states)
+
+  def _RunsUnrolled(self, states):
+    """Whether a call runs the S * R layers one after another."""
+    p = self.params
+    return (p.unroll == 'always' or (p.unroll == 'eval_only' and self.do_eval)
+            or (unrolled.Forced() and not states))
 
   def _UnrolledFProp(self, theta, fn_name, args, kwargs, kwargs_no_batch,
                      per_layer_states):
@@ -360,8 +272,9 @@ class PipelinedLayer(base_layer.BaseLayer):
     return outputs, per_layer_states
 
   def _PipelinedFProp(self, theta, fn_name, args, kwargs, kwargs_no_batch,
-                      padded_states):
-    """Microbatches, runs the loop over the buffer, reassembles the batch."""
+                      padded_states, loss=None):
+    """Microbatches, runs the loop over the buffer, reassembles the batch
+    (with a LastStageLoss: its sums, scored in the loop where it can)."""
     p = self.params
     if tf.executing_eagerly():
       raise RuntimeError(
@@ -370,11 +283,12 @@ class PipelinedLayer(base_layer.BaseLayer):
           'run it. Call FProp inside tf.function (e.g. a training step under '
           '@tf.function(jit_compile=True) with tf.GradientTape) or in a '
           "tf.Graph; unroll='always' runs eagerly, unpipelined.")
-    inputs = self._SplitInputs(args, kwargs)
+    inputs = self._SplitInputs(args, last_stage_loss.WithInputs(kwargs, loss))
+    mb_kwargs, mb_loss = last_stage_loss.SplitOff(inputs.kwargs, loss)
     state_leaves = microbatch.CheckPaddedStates(padded_states,
                                                  inputs.schedule)
     spec = self._LoopSpec(inputs.schedule, fn_name, inputs.args,
-                          padded_states, inputs.kwargs, kwargs_no_batch)
+                          padded_states, mb_kwargs, kwargs_no_batch, mb_loss)
     var_names = spec.var_names
     var_values = self._layout.NonTrainableValues(theta, var_names)
     loop_theta = self._LoopTheta(theta)
@@ -388,6 +302,9 @@ class PipelinedLayer(base_layer.BaseLayer):
         if not inputs.split:
           e.add_note(microbatch.MicrobatchedNote(inputs))
         raise
+      if result.losses is not None:
+        side_outputs.AddStageSummaries(result.summaries, p.num_stages)
+        return result.losses
       outputs = [self._PlaceOutput(microbatch.ToBatch(x)) if inputs.split
                  else x for x in result.outputs]
       side_outputs.AddAuxLoss(result.aux_loss,
@@ -400,10 +317,13 @@ class PipelinedLayer(base_layer.BaseLayer):
     if padded_states:
       return outputs + tuple(
           tf.nest.pack_sequence_as(padded_states, new_states))
-    return outputs[0] if len(outputs) == 1 else outputs
+    outputs = outputs[0] if len(outputs) == 1 else outputs
+    if loss is not None:  # a path that does not score in the loop
+      return loss.Sums(loss.weights, outputs, loss.inputs)
+    return outputs
 
   def _LoopSpec(self, sched, fn_name, args, states, mb_kwargs,
-                kwargs_no_batch):
+                kwargs_no_batch, loss=None):
     """What the loop (or one of its iterations) needs besides tensors."""
     return pipeline_loop.LoopSpec(
         schedule=sched, body=self._body, fn_name=fn_name,
@@ -418,7 +338,7 @@ class PipelinedLayer(base_layer.BaseLayer):
         remat_policy=param_checks.LoopRematPolicy(self.params, self.do_eval),
         skip_bubbles=self.params.skip_bubbles,
         backward_schedule=self.params.backward_schedule,
-        stream_io=self.params.stream_io)
+        stream_io=self.params.stream_io, loss=loss)
 
   @property
   def vectorizing(self):

@@ -12,17 +12,27 @@ down:
     (`pod_blocks.BatchMajorStage.remat_blocks`): its blocks' activations
     and bfloat16 weights are never all held at once;
   * one vocab-sized table serves the embedding and the softmax (the
-    lookup's gradient made where it arrives, `LookUp`), and the softmax
-    and loss run one sequence per chip at a time in a loop that recomputes
-    each chunk's logits in its backward pass (`gpipe.recurrent`): a chip
+    lookup's gradient made where it arrives, `LookUp`); with
+    backward_schedule='1f1b' the pipeline's last stage scores each
+    microbatch as it finishes (`PipelinedLayer.FPropWithLoss`), the
+    table split by vocab over the model axis (the softmax's max and sum
+    cross it as [tokens] vectors), so no forward pass runs before the
+    gradient loop; otherwise (and in eval) the softmax and loss run one
+    sequence per chip at a time in a loop that recomputes each chunk's
+    logits in its backward pass (`gpipe.recurrent`). Either way a chip
     holds the logits of one sequence, not of its whole batch.
 """
 
+import numpy as np
+
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import recurrent
+from gpipe import sharding
+from gpipe.pipeline import last_stage_loss
 from lingvo import compat as tf
 from lingvo.core import py_utils
 from params import lm_task
+from params import pod_blocks
 
 NestedMap = py_utils.NestedMap
 
@@ -72,19 +82,66 @@ class LargeLMTask(lm_task.PipelinedLMTask):
     return self.final_ln.FProp(theta.final_ln, tf.cast(x, tf.float32))
 
   def ComputePredictions(self, theta, input_batch):
-    """The final hidden states [b, t, d] (split by batch over the stage
-    devices); the loss scores them chunk by chunk."""
+    """Training with backward_schedule='1f1b': the loss's sums, taken at the
+    pipeline's last stage (`_LastStageLoss`). Else the final hidden states
+    [b, t, d] (split by batch over the stage devices), which the loss
+    scores chunk by chunk."""
+    if self._ScoresAtLastStage():
+      return NestedMap(sums=self.stack.FPropWithLoss(
+          theta.stack, self._LastStageLoss(theta, input_batch),
+          *self._StackInputs(theta, input_batch)))
     x = self._StackOutputs(theta, input_batch)
     return NestedMap(hidden=self._OverStageDevices(
         self._FinalNorm(theta, x), 0))
+
+  def _ScoresAtLastStage(self):
+    """Whether the stack takes the loss at its last stage: in training,
+    with backward_schedule='1f1b' (its one gradient loop then scores)."""
+    return self.params.stack.backward_schedule == '1f1b' and not self.do_eval
+
+  def _LastStageLoss(self, theta, input_batch):
+    """The weighted cross entropy and correct argmaxes of a microbatch, as
+    the last stage takes them: final layer norm, the tied table (split by
+    vocab over the model axis), the softmax."""
+    return last_stage_loss.LastStageLoss(
+        self._MicrobatchScores,
+        weights=NestedMap(final_ln=theta.final_ln,
+                          table=theta.emb.wm, bias=theta.softmax_bias),
+        inputs=NestedMap(labels=input_batch.labels,
+                         weights=_ScoredWeights(input_batch)),
+        differentiated='xent')
+
+  def _MicrobatchScores(self, weights, outputs, inputs):
+    """NestedMap(xent, correct): sums over a microbatch's positions."""
+    hidden = self.final_ln.FProp(weights.final_ln,
+                                 tf.cast(outputs[0], tf.float32))
+    score = NestedMap(table=self._OverModelAxis(weights.table, 0),
+                      bias=self._OverModelAxis(weights.bias, 0))
+    logits = self._OverModelAxis(self._Score(score, hidden), 2)
+    xent, correct = VocabSplitScores(logits, inputs.labels)
+    return NestedMap(xent=tf.reduce_sum(xent * inputs.weights),
+                     correct=tf.reduce_sum(correct * inputs.weights))
+
+  def _OverModelAxis(self, x, dim):
+    """x split on `dim` over a PodMesh's model axis (if on one)."""
+    sp = self.params.stack
+    if sp.pipeline_stage_mesh_dim is None or np.ndim(sp.device_mesh) != 3:
+      return x
+    return sharding.MeshSplit(
+        x, sp.device_mesh,
+        [pod_blocks.PodMesh.MODEL_AXIS if d == dim else -1
+         for d in range(x.shape.rank)])
 
   def PredictedLogits(self, theta, predictions):
     return self._Score(self._ScoreTheta(theta), predictions.hidden)
 
   def ComputeLoss(self, theta, predictions, input_batch):
-    weights = input_batch.weights * (1.0 - input_batch.paddings)
-    xent, correct = self._ChunkedScores(theta, predictions.hidden,
-                                        input_batch.labels, weights)
+    weights = _ScoredWeights(input_batch)
+    if 'sums' in predictions:
+      xent, correct = predictions.sums.xent, predictions.sums.correct
+    else:
+      xent, correct = self._ChunkedScores(theta, predictions.hidden,
+                                          input_batch.labels, weights)
     num_scored = tf.reduce_sum(weights)
     metrics = {'loss': (xent / num_scored, num_scored),
                'accuracy': (correct / num_scored, num_scored)}
@@ -127,6 +184,30 @@ class LargeLMTask(lm_task.PipelinedLMTask):
                   weights=Chunks(weights)),
         Chunk, return_states=False, name='chunked_loss')
     return final.xent, final.correct
+
+
+def _ScoredWeights(input_batch):
+  """Each position's weight in the loss: its own, 0 where padded."""
+  return input_batch.weights * (1.0 - input_batch.paddings)
+
+
+def VocabSplitScores(logits, labels):
+  """(cross entropy, 1.0 where the label's logit is the largest), per
+  position, of logits [..., vocab] against labels [...].
+
+  Written as reductions over the vocab dim, so that logits split by vocab
+  over devices cross them only as [...] vectors (their max, the sum of
+  exponentials, the label's logit) and are never gathered.
+  """
+  logits = tf.cast(logits, tf.float32)
+  top = tf.reduce_max(logits, -1)
+  total = tf.reduce_sum(tf.exp(logits - tf.stop_gradient(top)[..., None]), -1)
+  at_label = tf.reduce_sum(
+      logits * tf.one_hot(labels, py_utils.GetShape(logits)[-1],
+                          dtype=logits.dtype), -1)
+  xent = tf.math.log(total) + tf.stop_gradient(top) - at_label
+  correct = tf.cast(tf.equal(at_label, top), tf.float32)
+  return xent, correct
 
 
 def LookUp(table, ids):

@@ -259,19 +259,22 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
   """
   MESH = pod_blocks.PodMesh(stages=4, model=2)
   MODEL_DIM = 4096
+  HEAD_DIM = 128
   BLOCKS_PER_STAGE = 13
   NUM_MICROBATCHES = 32
   BATCH_SIZE = 32
+  FPROP_DTYPE = tf.bfloat16
 
   def Task(self):
     return CopyLMParams(
         vocab_size=self.VOCAB_SIZE, model_dim=self.MODEL_DIM,
-        num_heads=self.MODEL_DIM // 128, hidden_dim=4 * self.MODEL_DIM,
+        num_heads=self.MODEL_DIM // self.HEAD_DIM,
+        hidden_dim=4 * self.MODEL_DIM,
         blocks_per_stage=self.BLOCKS_PER_STAGE, num_stages=self.MESH.stages,
         circular_repeat=1, num_microbatches=self.NUM_MICROBATCHES,
         dropout_prob=0.0, shard_stages_1d=False, learning_rate=1e-4,
         max_steps=100000, max_seq_len=2 * self.COPY_LENGTH, batch_major=True,
-        fprop_dtype=tf.bfloat16, stack_dtype=tf.bfloat16,
+        fprop_dtype=self.FPROP_DTYPE, stack_dtype=self.FPROP_DTYPE,
         optimizer_tpl=self.Optimizer(), mesh=self.MESH, remat_blocks=True,
         stack_options=dict(backward_schedule='1f1b', stream_io=True),
         task_cls=large_lm.LargeLMTask)
@@ -293,3 +296,23 @@ class LargestOn32x16GiB(LargestOn8x16GiB):
   BLOCKS_PER_STAGE = 12
   NUM_MICROBATCHES = 128
   BATCH_SIZE = 128
+
+
+@model_registry.RegisterSingleTaskModel
+class LargestMeshSmall(LargestOn8x16GiB):
+  """LargestOn8x16GiB's layout in small, to check on a CPU: a [2 stages, 2
+  data, 2 model] mesh (8 devices), 2 stages of 2 blocks of width 32 (4
+  heads), float32, 16 sequences of 16 tokens in 4 microbatches, the loss
+  taken at the last stage (`python -m gpipe.check_partitioning --model
+  lm.LargestMeshSmall` runs a training step partitioned on 8 virtual
+  devices against the same step on one).
+  """
+  MESH = pod_blocks.PodMesh(stages=2, data=2, model=2)
+  MODEL_DIM = 32
+  HEAD_DIM = 8
+  BLOCKS_PER_STAGE = 2
+  NUM_MICROBATCHES = 4
+  BATCH_SIZE = 16
+  VOCAB_SIZE = 40
+  COPY_LENGTH = 8
+  FPROP_DTYPE = tf.float32

@@ -197,15 +197,20 @@ class PipelinedLMTask(base_model.BaseTask):
                                  tf.reshape(x, [-1, shape[-1]]))
     return tf.reshape(logits, shape[:-1] + [-1])
 
-  def _StackOutputs(self, theta, input_batch):
-    """The embedded ids through the pipelined stack: [b, t, d] (split by
-    batch over the stage devices)."""
+  def _StackInputs(self, theta, input_batch):
+    """The stack's inputs: the embedded ids [b, t, d] in the stack's dtype
+    (split by batch over the stage devices) and the paddings [b, t]."""
     ids = self._OverStageDevices(input_batch.ids, 0)
     seq_len = py_utils.GetShape(ids)[1]
     x = self._OverStageDevices(self._Embed(theta, ids, tf.range(seq_len)), 0)
     x = self.input_dropout.FProp(theta.input_dropout, x)
-    x, _ = self.stack.FProp(theta.stack, tf.cast(x, self.params.stack_dtype),
-                            input_batch.paddings)
+    return tf.cast(x, self.params.stack_dtype), input_batch.paddings
+
+  def _StackOutputs(self, theta, input_batch):
+    """The embedded ids through the pipelined stack: [b, t, d] (split by
+    batch over the stage devices)."""
+    x, _ = self.stack.FProp(theta.stack,
+                            *self._StackInputs(theta, input_batch))
     return self._OverStageDevices(x, 0)
 
   def ComputePredictions(self, theta, input_batch):

@@ -1,9 +1,12 @@
 """params/large_lm.py and the largest registered LMs.
 
-LargeLMTask's chunked loss and the stage's per-block recomputation change
-no number: the loss and every gradient equal those of the same model
-scoring its whole batch at once, its blocks differentiated by TensorFlow
-(tf.gradients of the plain forward), at the same weights.
+LargeLMTask's loss taken at the pipeline's last stage (backward_schedule
+'1f1b'), its chunked loss (reverse) and the stage's per-block
+recomputation change no number: the loss and every gradient equal those
+of the same model scoring its whole batch at once after the stack's
+FProp, its blocks differentiated by TensorFlow (tf.gradients of the plain
+forward), at the same weights. Partitioned on a [2 stages, 2 data, 2
+model] mesh, the step equals the one-device step.
 """
 
 import numpy as np
@@ -24,7 +27,11 @@ flags_and_seeds.EnsureFlagsParsed()
 
 
 class _WholeBatchLoss(large_lm.LargeLMTask):
-  """The reference: the whole batch's logits at once, one cross entropy."""
+  """The reference: the whole batch's logits at once, one cross entropy,
+  after the stack's FProp."""
+
+  def _ScoresAtLastStage(self):
+    return False
 
   def ComputeLoss(self, theta, predictions, input_batch):
     weights = input_batch.weights * (1.0 - input_batch.paddings)
@@ -54,7 +61,7 @@ def _Cfg(task_cls, remat_blocks, backward_schedule='1f1b', mesh=None):
 
 
 @pytest.mark.parametrize('backward_schedule', ['1f1b', 'reverse'])
-def test_chunked_loss_and_recomputed_blocks_change_no_number(
+def test_last_stage_or_chunked_loss_and_recomputed_blocks_change_no_number(
     backward_schedule):
   loss, grads, values = trainer._LossAndGradients(  # pylint: disable=protected-access
       _Cfg(large_lm.LargeLMTask, True, backward_schedule), None)
@@ -103,6 +110,54 @@ def test_recomputed_block_equals_the_block_and_its_gradient():
     result = tf.nest.map_structure(np.asarray, result)
     for a, b in zip(result['recomputed'], result['plain']):
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_the_last_stage_loss_partitioned_equals_one_device():
+  """lm.LargestMeshSmall (1f1b + stream_io, the loss at the last stage,
+  the table split by vocab over the model axis there) on 8 virtual
+  devices: the loss and every gradient equal the one-device step's."""
+  from gpipe.xla import check_model  # pylint: disable=g-import-not-at-top
+  from gpipe.xla import partitioning  # pylint: disable=g-import-not-at-top
+  if not partitioning.IsAvailable():
+    pytest.skip('needs jax')
+  model = check_model.FindModel('lm.LargestMeshSmall')
+  assert model.stack_params.backward_schedule == '1f1b'
+  checked = check_model.CheckModelPartitioning(model, 8)
+  names = checked.step.ResultNames()
+  for name, got, want in zip(names, checked.run.outputs, checked.expected):
+    assert np.abs(want).max() > 0, f'{name} is all zero: nothing checked'
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
+                               err_msg=name)
+  assert checked.Problems(1e-5) == []
+
+
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+def test_vocab_split_scores_equal_tensorflows(mode):
+  """VocabSplitScores: TensorFlow's softmax cross entropy and its
+  gradient, and 1 exactly where the label's logit is the largest."""
+  rng = np.random.RandomState(5)
+  values = rng.normal(size=[2, 3, 7]).astype(np.float32) * 3
+  labels = rng.randint(0, 7, [2, 3]).astype(np.int32)
+  labels[0] = np.argmax(values[0], -1)  # some right, some (likely) wrong
+  logits, labels = tf.constant(values), tf.constant(labels)
+
+  def Both(logits):
+    with tf.GradientTape(persistent=True) as tape:
+      tape.watch(logits)
+      ours, correct = large_lm.VocabSplitScores(logits, labels)
+      theirs = tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=labels, logits=logits)
+    return (ours, theirs, correct, tape.gradient(ours, logits),
+            tape.gradient(theirs, logits))
+
+  if mode == 'jit':
+    Both = tf.function(Both, jit_compile=True)
+  ours, theirs, correct, d_ours, d_theirs = [t.numpy() for t in Both(logits)]
+  np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(d_ours, d_theirs, rtol=1e-6, atol=1e-6)
+  want = np.argmax(logits.numpy(), -1) == labels.numpy()
+  np.testing.assert_array_equal(correct, want.astype(np.float32))
+  assert 0 < want.sum() < want.size
 
 
 @pytest.mark.parametrize('mode', ['graph', 'jit'])

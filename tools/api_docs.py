@@ -58,12 +58,18 @@ def _Doc(obj):
 
 
 def _OwnMethods(cls):
-  """Public methods the class defines itself, in source order."""
-  for name, value in vars(cls).items():
-    if name.startswith('_') or not callable(
-        getattr(value, '__func__', value)):
-      continue
-    yield name, getattr(cls, name)
+  """Public methods the class defines itself or takes from gpipe's own
+  bases (a mixin of the package), in source order, the class's first."""
+  classes = [c for c in cls.__mro__
+             if c is cls or c.__module__.startswith('gpipe.')]
+  seen = set()
+  for owner in classes:
+    for name, value in vars(owner).items():
+      if (name in seen or name.startswith('_') or
+          not callable(getattr(value, '__func__', value))):
+        continue
+      seen.add(name)
+      yield name, getattr(cls, name)
 
 
 def _Entry(module_name, name, obj):

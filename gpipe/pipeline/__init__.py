@@ -10,6 +10,8 @@ parts (internal: their names may change).
     stage_vars         the body's non-trainable variables, carried through
                        the loop
     repeats            a circular stage's repeat out of its [R, ...] weights
+    per_stage_states   per-stage states (decoding) and one iteration's
+                       stage calls, for callers that drive their own loop
     unrolled           unroll: the S * R layers one after another
     layer_by_layer     one device: each layer on every microbatch at once
     pipeline_loop      the loop: T iterations over the rotating buffer
@@ -17,6 +19,8 @@ parts (internal: their names may change).
                        order
     gradient_waves     that gradient's loop: a forward and a backward wave
                        an iteration
+    last_stage_loss    FPropWithLoss: the loss taken at the last stage,
+                       inside that loop
     loop_io            the loop's inputs and outputs: whole, or streamed
     rotating_buffer    the [S, ...] buffer's ops, each with its gradient
     stage_slots        rows a stage reads and writes on its own (and rings)

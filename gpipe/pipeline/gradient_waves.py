@@ -17,6 +17,15 @@ input waits in the ring). What the loop carries through its phases:
 
 Non-trainable values take no gradient: a body's updates of them go
 through `assign`, which cuts the gradient (gpipe.pipeline.stage_vars).
+
+With a LastStageLoss (gpipe.pipeline.last_stage_loss) the loop is the
+whole pass (`RunWithLoss`): no output gradient comes in, the last stage's
+call scores its microbatch inside the cell and is differentiated from
+that, and the forward wave also sums what the forward loop would have
+returned:
+
+    loss, summaries         the loss's sums and the body's summaries, over
+                            the iterations
 """
 
 import tensorflow as tf
@@ -32,10 +41,12 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-# What each wave changes of the loop's carry.
+# What each wave changes of the loop's carry (with a LastStageLoss: and
+# what the forward wave sums; no output gradient is read).
 _FORWARD_WAVE = ('buffer', 'vars', 'reading', 'rings')
 _BACKWARD_WAVE = ('d_buffer', 'd_reading', 'd_writing', 'd_theta',
                   'd_captures', 'd_states')
+_FORWARD_SUMS = ('loss', 'summaries')
 
 
 def _Mask(flags, like):
@@ -66,7 +77,8 @@ class GradientLoop:
   """The gradient of one forward loop (one_f_one_b._Pipelined)."""
 
   def __init__(self, cell, io, theta, native, state_leaves, var_values,
-               captures):
+               captures, loss=None):
+    self._loss = loss
     self._cell = cell
     self._graph = cell.graph
     self._io = io
@@ -103,18 +115,51 @@ class GradientLoop:
       carry = self._RunPhase(phase, carry, consts)
     return self._Finish(carry)
 
+  def RunWithLoss(self):
+    """The whole pass with a LastStageLoss: (NestedMap(loss: its sums,
+    summaries: {name: (value x weight [S], weight [S])} summed over the
+    iterations, vars), the gradients of its differentiated sum, flat as
+    Run's)."""
+    extras = self._graph.extras_spec
+    zeros = lambda spec: tf.zeros(spec.shape, spec.dtype)
+    carry = self._Start(NestedMap(outputs=None, aux=None))
+    # Per stage [S], summed after the loop: a loop-carried scalar is what
+    # the partitioner tends to give the cell's manual sharding.
+    carry.loss = extras.loss.Transform(
+        lambda s: self._place.SplitStages(zeros(s)))
+    carry.summaries = tf.nest.map_structure(zeros, extras.summaries)
+    t = self._waves.schedule.num_iterations
+    num_stages = self._waves.schedule.num_stages
+    consts = NestedMap(
+        d_aux=tf.zeros([], tf.float32),
+        d_summaries=tf.nest.map_structure(
+            lambda _: self._place.SplitStages(
+                tf.zeros([num_stages, t], tf.float32), 0),
+            extras.summaries),
+        d_states=[], states=[],
+        d_loss=NestedMap({k: self._place.SplitStages(tf.fill(
+            [num_stages], float(k == self._loss.differentiated)))
+                          for k in extras.loss}))
+    for phase in self._waves.Phases():
+      carry = self._RunPhase(phase, carry, consts)
+    return (NestedMap(loss=carry.loss.Transform(tf.reduce_sum),
+                      summaries=carry.summaries, vars=carry.vars),
+            self._Finish(carry))
+
   def _Start(self, d):
     diff = self._graph.differentiable
     flat_theta = tf.nest.flatten(self._theta)
     filler = self._cell.state0.buffer
+    after = [] if d.aux is None else [d.aux]
     return NestedMap(
         buffer=filler, vars=self._var_values,
         reading=self._io.StartReading(self._native),
         rings=tf.nest.map_structure(lambda r: r.Empty(), self._rings),
         d_buffer=[tf.zeros_like(x) for x in filler],
-        d_reading=self._io.StartReadingGradients(d.outputs),
+        d_reading=([] if d.outputs is None else
+                   self._io.StartReadingGradients(d.outputs)),
         d_writing=self._io.StartWritingGradients(filler),
-        d_theta=[while_loops.ZerosAfter(flat_theta[i], [d.aux])
+        d_theta=[while_loops.ZerosAfter(flat_theta[i], after)
                  for i in diff['theta']],
         d_captures=[tf.zeros_like(self._captures[i])
                     for i in diff['captures']],
@@ -136,6 +181,7 @@ class GradientLoop:
     tf2xla abort: 'Cannot find body function ..._const_0'.)
     """
     keys = ((_FORWARD_WAVE if phase.forward else ()) +
+            (_FORWARD_SUMS if phase.forward and self._loss else ()) +
             (_BACKWARD_WAVE if phase.backward else ()))
 
     def Body(j, changing):
@@ -163,13 +209,19 @@ class GradientLoop:
     stage_in = [place.SplitStages(rotating_buffer.StageInputs(
         rows.reads, b, f, place.splits_stage_dim))
                 for b, f in zip(carry.buffer, fresh)]
-    new, _, stored = self._cell.Forward(
+    new, extras, stored = self._cell.Forward(
         self._theta, stage_in, carry.vars, rows,
-        [x[j] for x in self._states], self._captures, with_extras=False,
-        with_stored=True)
+        [x[j] for x in self._states], self._captures,
+        with_extras=self._loss is not None, with_stored=True)
     slot = j % self._waves.ring_size
     entries = NestedMap(buffer=stage_in, vars=carry.vars, stored=stored)
     out = carry.copy()
+    if self._loss is not None:
+      out.loss = tf.nest.map_structure(
+          lambda total, s: self._place.SplitStages(total + s), carry.loss,
+          extras.loss)
+      out.summaries = tf.nest.map_structure(
+          lambda total, s: total + s, carry.summaries, extras.summaries)
     out.rings = tf.nest.map_structure(lambda r, ring, e: r.Write(ring, slot, e),
                                       self._rings, carry.rings, entries)
     out.buffer = [place.SplitStages(rotating_buffer.RotateStages(
@@ -187,7 +239,10 @@ class GradientLoop:
     slots = per_stage(rows.ring_slot)
     entries = tf.nest.map_structure(lambda r, ring: r.Read(ring, slots),
                                     self._rings, carry.rings)
-    d_out, d_reading = self._io.ReadGradient(carry.d_reading, rows)
+    if self._loss is None:
+      d_out, d_reading = self._io.ReadGradient(carry.d_reading, rows)
+    else:  # the last layer's output gradient is the loss's, in the cell
+      d_out, d_reading = [tf.zeros_like(b) for b in carry.d_buffer], []
     last = per_stage(rows.last_layer)
     dy = [per_stage(tf.where(_Mask(last, o), o,
                              rotating_buffer.RotateStages(
@@ -222,7 +277,8 @@ class GradientLoop:
     d_extras = NestedMap(
         aux=tf.fill([num_stages], consts.d_aux),
         summaries=tf.nest.map_structure(read, consts.d_summaries),
-        states=[read(x) for x in consts.d_states])
+        states=[read(x) for x in consts.d_states],
+        loss=consts.get('d_loss', NestedMap()))
     flat_d_extras = [
         g for g, s in zip(tf.nest.flatten(d_extras),
                           tf.nest.flatten(graph.extras_spec))

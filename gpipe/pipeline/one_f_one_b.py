@@ -34,6 +34,8 @@ The layer's gradient is still what TensorFlow's autodiff asks of it: the
 loop pair is one tf.custom_gradient, in graph mode and under XLA.
 """
 
+import dataclasses
+
 from absl import logging
 import tensorflow as tf
 # pylint: disable=g-direct-tensorflow-import
@@ -46,6 +48,7 @@ from gpipe.loops import remat
 from gpipe.loops import tensor_lists
 from gpipe.loops import while_loops
 from gpipe.pipeline import gradient_waves
+from gpipe.pipeline import last_stage_loss
 from gpipe.pipeline import loop_io
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_step
@@ -64,13 +67,18 @@ _CELL_ROWS = ('microbatch', 'repeat', 'seed_offset', 'valid', 'reads')
 
 
 def Run(spec, theta, mb_leaves, state_leaves, var_values):
-  """The 1f1b pipeline: a pipeline_loop.LoopResult's fields, as a dict.
+  """The 1f1b pipeline: a pipeline_loop.LoopResult's fields, as a dict
+  (with spec.loss: `losses`, its sums, and no outputs).
 
   Args: as pipeline_loop.Run's.
   """
+  spec = dataclasses.replace(spec, loss=last_stage_loss.ForTheLoop(
+      spec.loss, spec.runner, spec.placement, spec.schedule.num_stages))
   io = loop_io.For(spec)
   native = io.ToNative(mb_leaves)
   cell = _StageCell(spec, theta, io.Filler(native), state_leaves, var_values)
+  if spec.loss is not None:
+    return _WithLoss(cell, io, theta, native, var_values)
   result = _Pipelined(cell, io, theta, native, state_leaves, var_values)
   return dict(outputs=io.Outputs(result.outputs),
               states=[spec.placement.SplitStages(x, 1) for x in result.states],
@@ -88,10 +96,12 @@ class _StageCell:
     spec: the pipeline_loop.LoopSpec.
     state0: NestedMap(buffer=[S, ...] leaves, vars=[S, (R,) ...]).
     read_variables: the variables the cell reads (checked in the gradient).
+    aux_added: whether the body adds aux losses.
   """
 
   def __init__(self, spec, theta, filler, state_leaves, var_values):
     self.spec = spec
+    self.aux_added = False
     place = spec.placement
     self.tables = stage_step.StageTables(spec.schedule)
     self.state0 = NestedMap(
@@ -100,8 +110,10 @@ class _StageCell:
     self._inputs = NestedMap(
         rows=self.CellRows(self.tables),
         states=[place.SplitStages(x, 1) for x in state_leaves])
-    self.graph, self.read_variables = self._Build(
-        theta, remat.For(spec.remat_policy))
+    policy = remat.For(spec.remat_policy)
+    if spec.loss is not None and spec.runner.manual_mesh is None:
+      policy = last_stage_loss.Unstored(policy)
+    self.graph, self.read_variables = self._Build(theta, policy)
     if self.graph.stored and not self._StageMajor():
       logging.info(
           "PipelinedLayer %r: backward_schedule='1f1b' with remat_policy=%r "
@@ -132,9 +144,10 @@ class _StageCell:
     step = stage_step.Step(
         spec, stage_step.StageRange.All(spec.schedule.num_stages), theta,
         rows, state.buffer, inp.states, state.vars)
+    self.aux_added = step.aux_added
     return (NestedMap(buffer=step.outputs, vars=step.vars),
             NestedMap(aux=step.aux, summaries=step.summaries,
-                      states=step.states))
+                      states=step.states, loss=step.losses))
 
   def _StageMajor(self):
     """Whether every activation of the cell has a leading stage dim (the
@@ -198,6 +211,68 @@ def _Pipelined(cell, io, theta, native, state_leaves, var_values):
   flat_args = [x for part in structure for x in tf.nest.flatten(part)]
   flat_out = Pipelined(*flat_args, *[graph.captures[i] for i in diff_caps])
   return tf.nest.pack_sequence_as(result_structure[0], flat_out)
+
+
+def _WithLoss(cell, io, theta, native, var_values):
+  """The gradient loop alone, scoring each microbatch at the last stage
+  (gradient_waves.GradientLoop.RunWithLoss), as a custom gradient: its
+  value the loss's sums, its gradient the loop's gradients of the
+  differentiated sum, scaled by that sum's incoming gradient."""
+  graph = cell.graph
+  loss = cell.spec.loss
+  if cell.aux_added:
+    raise ValueError(
+        f'PipelinedLayer {cell.spec.body.owner!r}: FPropWithLoss with '
+        "backward_schedule='1f1b' differentiates the loss alone, and the "
+        'body adds aux losses; use the reverse backward_schedule (or FProp '
+        'and a loss of your own) for a body with aux losses.')
+  diff_caps = graph.differentiable['captures']
+  structure = (theta, native, [], var_values)
+  sizes = [len(tf.nest.flatten(x)) for x in structure]
+  values_structure = []
+
+  def Unflatten(flat):
+    parts, rest = [], list(flat)
+    for like, n in zip(structure, sizes):
+      parts.append(tf.nest.pack_sequence_as(like, rest[:n]))
+      rest = rest[n:]
+    caps = list(graph.captures)
+    for i, c in zip(diff_caps, rest):
+      caps[i] = c
+    return parts + [caps]
+
+  compiles = compiled_loops.IsAllowed()
+
+  @tf.custom_gradient
+  def Scored(*flat):
+    th, nat, states, var_vals, caps = Unflatten(flat)
+    with record.stop_recording(), compiled_loops.Allowed(compiles):
+      values, grads = gradient_waves.GradientLoop(
+          cell, io, th, nat, states, var_vals, caps, loss=loss).RunWithLoss()
+    values_structure.append(values)
+    position = sorted(values.loss).index(loss.differentiated)
+
+    def Grad(*dys, variables=None):
+      recurrent.CheckNoTrainableVariables(cell.read_variables)
+      d_loss = dys[position]
+      scaled = [None if g is None else g * tf.cast(d_loss, g.dtype)
+                for g in grads]
+      if variables is None:
+        return scaled
+      return scaled, [None] * len(variables)
+
+    return tf.nest.flatten(values), Grad
+
+  flat_args = [x for part in structure for x in tf.nest.flatten(part)]
+  flat_out = Scored(*flat_args, *[graph.captures[i] for i in diff_caps])
+  values = tf.nest.pack_sequence_as(values_structure[0], flat_out)
+  place = cell.spec.placement
+  return dict(outputs=[], states=[], losses=values.loss,
+              aux_loss=tf.zeros([], tf.float32),
+              summaries={name: (place.SplitStages(vw[None], 1),
+                                place.SplitStages(w[None], 1))
+                         for name, (vw, w) in values.summaries.items()},
+              vars=values.vars)
 
 
 def _ForwardLoop(cell, io, theta, native, state_leaves, var_values, caps):

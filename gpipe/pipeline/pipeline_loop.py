@@ -70,6 +70,8 @@ class LoopSpec:
     backward_schedule: 'reverse' or '1f1b' (gpipe.pipeline.one_f_one_b).
     stream_io: whether the inputs and outputs are split over the stages
       (gpipe.pipeline.loop_io).
+    loss: a gpipe.pipeline.last_stage_loss.LastStageLoss (its inputs
+      microbatched, [M, ...]) the last stage takes, '1f1b' only; None.
   """
   schedule: schedule_lib.Schedule
   body: stage_call.Body
@@ -88,6 +90,7 @@ class LoopSpec:
   skip_bubbles: Optional[bool] = False
   backward_schedule: str = 'reverse'
   stream_io: bool = False
+  loss: Any = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -101,12 +104,14 @@ class LoopResult:
     summaries: {name: (sum of value * weight [T, S], weights [T, S])} of
       every summary the body added, bubbles zeroed.
     vars: the final values of the carried non-trainable variables.
+    losses: with spec.loss, its sums over the batch (then no outputs).
   """
   outputs: List[tf.Tensor]
   states: List[tf.Tensor]
   aux_loss: tf.Tensor
   summaries: Dict[str, Tuple[tf.Tensor, tf.Tensor]]
   vars: List[tf.Tensor]
+  losses: Any = None
 
 
 def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,

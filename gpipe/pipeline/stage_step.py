@@ -18,6 +18,7 @@ from typing import Dict, List, Tuple
 
 import tensorflow as tf
 
+from gpipe.pipeline import last_stage_loss
 from gpipe.pipeline import nest
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_runners
@@ -36,12 +37,17 @@ class StepResult:
     aux: float32 [S], each stage's aux losses summed (bubbles: 0).
     summaries: {name: (value * weight [S], weight [S])} (bubbles: 0).
     states: the per-stage state slots [S, ...]; a bubble's are kept.
+    losses: with a LastStageLoss (spec.loss), its sums per stage, each
+      [S], zero but where a stage ran the last layer; else empty.
+    aux_added: whether the body added aux losses (`aux` is zeros if not).
   """
   outputs: List[tf.Tensor]
   vars: List[tf.Tensor]
   aux: tf.Tensor
   summaries: Dict[str, Tuple[tf.Tensor, tf.Tensor]]
   states: List[tf.Tensor]
+  losses: NestedMap = dataclasses.field(default_factory=NestedMap)
+  aux_added: bool = False
 
 
 def Step(spec, stages, theta, rows, stage_in, state_slots,
@@ -70,9 +76,10 @@ def Step(spec, stages, theta, rows, stage_in, state_slots,
   aux = tf.zeros([stages.num_stages], tf.float32)
   if res.aux is not None:
     aux = keep(res.aux)
+  outputs = [per_stage(rotating_buffer.MaskBubbles(valid, o, x))
+             for o, x in zip(spec.args.Of(outs), stage_in)]
   return StepResult(
-      outputs=[per_stage(rotating_buffer.MaskBubbles(valid, o, x))
-               for o, x in zip(spec.args.Of(outs), stage_in)],
+      outputs=outputs,
       vars=[per_stage(rotating_buffer.SelectStages(valid, new, old))
             for new, old in zip(res.vars, var_values)],
       aux=per_stage(aux),
@@ -81,7 +88,24 @@ def Step(spec, stages, theta, rows, stage_in, state_slots,
           for name, value, weight in res.summaries
       },
       states=[per_stage(rotating_buffer.SelectStages(valid, new, old))
-              for new, old in zip(tf.nest.flatten(state_outs), state_slots)])
+              for new, old in zip(tf.nest.flatten(state_outs), state_slots)],
+      losses=_LastStageSums(spec, rows, outputs),
+      aux_added=res.aux is not None)
+
+
+def _LastStageSums(spec, rows, outputs):
+  """The LastStageLoss's sums per stage [S] (empty without one): scored
+  where a stage ran the last layer on a valid microbatch."""
+  if spec.loss is None:
+    return NestedMap()
+  sched = spec.schedule
+  is_last = (rows.valid &
+             tf.equal(rows.repeat, sched.circular_repeat - 1) &
+             tf.equal(tf.range(sched.num_stages), sched.num_stages - 1))
+  built = spec.args.Rebuild(outputs)
+  return last_stage_loss.StageSums(
+      spec.loss, spec.loss.inputs, built[0] if len(built) == 1 else built,
+      is_last, rows.microbatch, spec.runner, spec.placement)
 
 
 def RunStages(spec, stages, theta, rows, args, var_values):

@@ -1,0 +1,291 @@
+"""FPropWithLoss: the loss taken at the last stage equals the plain stack's.
+
+A LastStageLoss (a softmax cross entropy over a projection of the outputs,
+weighted per position, and a count) is taken by the pipelined layer; the
+references are independent of the layer: the loss's sums computed in
+NumPy on a NumPy loop over the logical layers (values), and TF autodiff of
+the same loss on a plain TF loop over them (gradients of every body
+variable, the input and the loss's own weights), float32, |err| <= 1e-5 +
+1e-5 |ref|. With backward_schedule='1f1b' the last stage scores each
+microbatch inside the gradient loop (no forward loop runs); with the
+reverse schedule the layer returns loss.fn of FProp's outputs. Partitioned
+over 4 virtual devices, each device scores its own stage's outputs and the
+step equals the one-device step.
+"""
+
+import types
+
+import numpy as np
+import pytest
+
+import gpipe  # pylint: disable=unused-import
+import tensorflow as tf
+from gpipe.pipeline import last_stage_loss
+from gpipe.pipeline import one_f_one_b
+from lingvo.core import py_utils
+from tests import close
+from tests import pipeline_harness as harness
+from tests import reference_bodies
+
+NestedMap = py_utils.NestedMap
+Case = harness.Case
+VOCAB = 5
+
+
+def _Xent(xp, logits, labels):
+  """Softmax cross entropy per position, over an array namespace."""
+  top = xp.max(logits, -1, keepdims=True)
+  lse = xp.log(xp.sum(xp.exp(logits - top), -1)) + top[..., 0]
+  return lse - xp.take_label(logits, labels)
+
+
+_NP = types.SimpleNamespace(
+    max=np.max, log=np.log, sum=np.sum, exp=np.exp, einsum=np.einsum,
+    take_label=lambda z, l: np.take_along_axis(z, l[..., None], -1)[..., 0])
+_TF = types.SimpleNamespace(
+    max=lambda x, a, keepdims: tf.reduce_max(x, a, keepdims=keepdims),
+    log=tf.math.log, sum=tf.reduce_sum, exp=tf.exp, einsum=tf.einsum,
+    take_label=lambda z, l: tf.reduce_sum(
+        z * tf.one_hot(l, VOCAB, dtype=z.dtype), -1))
+
+
+def _LossSums(xp, weights, outputs, inputs):
+  """The loss: weighted cross entropy of the (first) output's projection,
+  and for a multi-input body plus its nested 'b'; and the weights' sum."""
+  y = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+  logits = xp.einsum('...d,dv->...v', y, weights['out'])
+  xent = _Xent(xp, logits, inputs['labels'])
+  loss = xp.sum(xent * inputs['weights'])
+  if isinstance(outputs, (list, tuple)):
+    loss = loss + xp.sum(outputs[2]['b'] * inputs['weights'])
+  return {'loss': loss, 'count': xp.sum(inputs['weights'])}
+
+
+def _Fn(weights, outputs, inputs):
+  return NestedMap(_LossSums(_TF, weights, outputs, inputs))
+
+
+def _Data(case):
+  rng = np.random.RandomState(case.seed + 7)
+  positions = (case.batch,) + tuple(case.example_shape[:-1])
+  return dict(
+      out=rng.normal(size=(case.dim, VOCAB)).astype(np.float32),
+      labels=rng.randint(0, VOCAB, positions).astype(np.int32),
+      weights=rng.uniform(0, 1, positions).astype(np.float32))
+
+
+def _Build(layer, case, data, args, watch=None):
+  """(pipelined sums, reference sums, [variables, input, loss weight])."""
+  t = lambda v: None if v is None else tf.constant(v)
+  t_args = tf.nest.map_structure(t, args)
+  w_out = tf.constant(data['out'])
+  if watch:
+    watch([t_args[0], w_out])
+  loss = last_stage_loss.LastStageLoss(
+      _Fn, NestedMap(out=w_out),
+      NestedMap(labels=tf.constant(data['labels']),
+                weights=tf.constant(data['weights'])))
+  p_args = list(t_args)
+  if case.body == 'multi':
+    p_args[2] = NestedMap(p_args[2])
+  sums = layer.FPropWithLoss(layer.theta, loss, *p_args)
+  values = {n: dict(c.items()) for n, c in layer.vars.items()}
+  ref_out = harness.SequentialReference(
+      reference_bodies.TF, case, harness.PerLayerWeights(case, values),
+      t_args, {}, {})
+  ref = _Fn(loss.weights, ref_out if case.body == 'multi' else ref_out[0],
+            loss.inputs)
+  return sums, ref, tf.nest.flatten(layer.vars) + [t_args[0], w_out]
+
+
+def _Run(case, mode):
+  """NumPy results: sums, ref sums, grads, ref grads, variable values."""
+  args, _, _ = harness._Inputs(case)  # pylint: disable=protected-access
+  data = _Data(case)
+  if mode == 'graph':
+    with tf.Graph().as_default():
+      tf.compat.v1.set_random_seed(case.seed)
+      layer = case.Params().Instantiate()
+      sums, ref, xs = _Build(layer, case, data, args)
+      fetches = dict(sums=sums, ref=ref,
+                     grads=tf.gradients(sums.loss, xs),
+                     ref_grads=tf.gradients(ref.loss, xs),
+                     graph_ops=tf.constant(0))
+      with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        ops = [op.name for op in tf.compat.v1.get_default_graph()
+               .get_operations()]
+        res = sess.run({k: v for k, v in fetches.items()})
+        res['op_names'] = ops
+        res['vars'] = sess.run({n: dict(c.items())
+                                for n, c in layer.vars.items()})
+  else:
+    tf.random.set_seed(case.seed)
+    layer = case.Params().Instantiate()
+
+    @tf.function(jit_compile=True)
+    def Step():
+      with tf.GradientTape(persistent=True) as tape:
+        sums, ref, xs = _Build(layer, case, data, args, watch=tape.watch)
+      return dict(sums=sums, ref=ref, grads=tape.gradient(sums.loss, xs),
+                  ref_grads=tape.gradient(ref.loss, xs))
+
+    res = tf.nest.map_structure(lambda v: v.numpy(), Step())
+    res['vars'] = {n: {k: v.numpy() for k, v in c.items()}
+                   for n, c in layer.vars.items()}
+  np_out = harness.SequentialReference(
+      reference_bodies.NP, case, harness.PerLayerWeights(case, res['vars']),
+      args, {}, {})
+  res['np_ref'] = _LossSums(_NP, data, np_out if case.body == 'multi' else
+                            np_out[0], data)
+  return res
+
+
+def _Check(case, mode):
+  res = _Run(case, mode)
+  for key in ('loss', 'count'):
+    close.AssertClose(res['sums'][key], res['np_ref'][key], close.FLOAT32,
+                      f'{key} vs NumPy reference')
+    close.AssertClose(res['sums'][key], res['ref'][key], close.FLOAT32,
+                      f'{key} vs TF reference')
+  assert len(res['grads']) == len(res['ref_grads'])
+  for i, (g, r) in enumerate(zip(res['grads'], res['ref_grads'])):
+    assert np.abs(r).max() > 0, f'reference gradient {i} is all zero'
+    close.AssertClose(g, r, close.FLOAT32, f'gradient {i}')
+  return res
+
+
+def _Counts(num_stages):
+  return sorted({1, num_stages, num_stages + 1, 2 * num_stages + 1})
+
+
+_SWEEP = [(s, m, r) for s in (1, 2, 3, 4) for m in _Counts(s)
+          for r in (1, 2, 3)]
+
+
+@pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat', _SWEEP,
+                         ids=[f'S{s}-M{m}-R{r}' for s, m, r in _SWEEP])
+def test_1f1b_sweep_graph(num_stages, num_microbatches, circular_repeat):
+  """Every shape with the loss at the last stage, streamed and not in
+  turn; no forward loop is built."""
+  index = _SWEEP.index((num_stages, num_microbatches, circular_repeat))
+  res = _Check(Case(num_stages=num_stages, num_microbatches=num_microbatches,
+                    circular_repeat=circular_repeat,
+                    batch=2 * num_microbatches, backward_schedule='1f1b',
+                    stream_io=bool(index % 2)), 'graph')
+  assert not [n for n in res['op_names'] if one_f_one_b.FORWARD_LOOP in n]
+
+
+_JIT = [(1, 1, 1), (2, 3, 2), (3, 4, 1), (4, 5, 2), (2, 2, 3)]
+
+
+@pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat', _JIT,
+                         ids=[f'S{s}-M{m}-R{r}' for s, m, r in _JIT])
+def test_1f1b_sweep_jit(num_stages, num_microbatches, circular_repeat):
+  index = _JIT.index((num_stages, num_microbatches, circular_repeat))
+  _Check(Case(num_stages=num_stages, num_microbatches=num_microbatches,
+              circular_repeat=circular_repeat, batch=2 * num_microbatches,
+              backward_schedule='1f1b', stream_io=bool(index % 2)), 'jit')
+
+
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+def test_a_body_of_nested_inputs(mode):
+  """The loss sees the outputs in the layer's structure (a tuple with a
+  None and a NestedMap) and reads a nested leaf."""
+  _Check(Case(num_stages=3, num_microbatches=4, batch=8, body='multi',
+              backward_schedule='1f1b', stream_io=mode == 'jit'), mode)
+
+
+@pytest.mark.parametrize('policy', ['save_dots', 'save_all'])
+def test_ring_entries_that_keep_activations(policy):
+  _Check(Case(num_stages=3, num_microbatches=5, circular_repeat=2, batch=10,
+              backward_schedule='1f1b', remat_policy=policy), 'graph')
+
+
+@pytest.mark.parametrize('case', [
+    Case(num_stages=3, num_microbatches=4, batch=8),
+    Case(num_stages=2, num_microbatches=3, circular_repeat=2, batch=6,
+         stream_io=True),
+    Case(num_stages=3, num_microbatches=2, batch=4,
+         backward_schedule='1f1b', unroll='always'),
+], ids=['reverse', 'reverse-stream_io', '1f1b-unrolled'])
+def test_other_paths_score_the_outputs(case):
+  """The reverse schedule and the unrolled stack return loss.fn of the
+  outputs, equal to the references too."""
+  _Check(case, 'graph')
+
+
+def test_partitioned_step_equals_one_device():
+  """Split over 4 virtual devices (a circular 4-stage layer, streamed),
+  each device scores its own stage's outputs in the manual region: the
+  loss's sums and every gradient equal the one-device step's."""
+  from gpipe import sharding  # pylint: disable=g-import-not-at-top
+  from gpipe.xla import partitioning  # pylint: disable=g-import-not-at-top
+  if not partitioning.IsAvailable():
+    pytest.skip('needs jax')
+  case = Case(num_stages=4, num_microbatches=4, circular_repeat=2, batch=8,
+              shard_stages_1d=True, backward_schedule='1f1b', stream_io=True)
+  args, _, _ = harness._Inputs(case)  # pylint: disable=protected-access
+  data = _Data(case)
+  tf.random.set_seed(case.seed)
+  layer = case.Params().Instantiate()
+  theta = layer.theta
+  weights = [tf.convert_to_tensor(v).numpy() for v in theta.Flatten()]
+
+  def Step(*flat):
+    w = list(flat[:len(weights)])
+    x, w_out = flat[len(weights):]
+    with tf.GradientTape() as tape:
+      tape.watch(w + [x, w_out])
+      loss = last_stage_loss.LastStageLoss(
+          _Fn, NestedMap(out=w_out),
+          NestedMap(labels=tf.constant(data['labels']),
+                    weights=tf.constant(data['weights'])))
+      sums = layer.FPropWithLoss(theta.Pack(w), loss, x)
+    return [sums.loss, sums.count] + tape.gradient(sums.loss, w + [x, w_out])
+
+  values = weights + [args[0], data['out']]
+  one = tf.function(Step, jit_compile=True)(*[tf.constant(v) for v in values])
+
+  def Partitioned(*flat):
+    with sharding.SpmdPartitioning():
+      return Step(*flat)
+
+  run = partitioning.RunPartitioned(Partitioned, values, 4)
+  for i, (got, want) in enumerate(zip(run.outputs, one)):
+    assert np.abs(want.numpy()).max() > 0, i
+    close.AssertClose(got, want.numpy(), close.FLOAT32, f'output {i}')
+
+
+def test_bad_losses_say_what_to_fix():
+  case = Case(num_stages=2, num_microbatches=2, batch=4,
+              backward_schedule='1f1b')
+  args, _, _ = harness._Inputs(case)  # pylint: disable=protected-access
+  x = tf.constant(args[0])
+  with tf.Graph().as_default():
+    layer = case.Params().Instantiate()
+    x = tf.constant(args[0])
+    for fn, said in (
+        (lambda w, y, i: NestedMap(count=tf.reduce_sum(y)), "'loss'"),
+        (lambda w, y, i: NestedMap(loss=tf.reduce_sum(y, -1)),
+         'must be a float scalar'),
+        (lambda w, y, i: [tf.reduce_sum(y)], 'NestedMap')):
+      with pytest.raises(ValueError, match=said):
+        layer.FPropWithLoss(layer.theta,
+                            last_stage_loss.LastStageLoss(fn), x)
+    with pytest.raises(ValueError, match='loss.inputs'):
+      layer.FPropWithLoss(
+          layer.theta, last_stage_loss.LastStageLoss(_Fn), x,
+          **{last_stage_loss.INPUTS: x})
+
+
+def test_a_body_with_aux_losses_is_refused_under_1f1b():
+  p = Case(num_stages=2, num_microbatches=2, batch=4,
+           backward_schedule='1f1b').Params()
+  p.single_stage_body = reference_bodies.TrainingBody.Params().Set(dim=4)
+  with tf.Graph().as_default():
+    layer = p.Instantiate()
+    fn = lambda w, y, i: NestedMap(loss=tf.reduce_sum(y))
+    with pytest.raises(ValueError, match='aux losses'):
+      layer.FPropWithLoss(layer.theta, last_stage_loss.LastStageLoss(fn),
+                          tf.zeros([4, 3, 4]))
