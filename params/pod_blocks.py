@@ -19,6 +19,7 @@ import numpy as np
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import sharding
+from gpipe.loops import remat
 from lingvo import compat as tf
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.compiler.tf2xla.python import xla as xla_ops
@@ -111,8 +112,13 @@ class BatchMajorStage(BlockStage):
     is_padded = tf.greater(paddings, 0.5)
     if not self.params.remat_blocks:
       theta = self._CastWeights(theta)
-    for block, block_theta in zip(self.blocks, theta.blocks):
+    for i, (block, block_theta) in enumerate(zip(self.blocks, theta.blocks)):
       if self.params.remat_blocks:
+        if i:
+          # Stored per iteration under remat_policy='save_checkpoints' (the
+          # first is the stage's input, which the loop keeps anyway): the
+          # stage's backward then runs each block once, from its input.
+          x = remat.Checkpoint(x)
         x = RecomputedInBackward(
             lambda th, x, b=block: self._Block(b, self._CastWeights(th), x,
                                                is_padded), block_theta, x)

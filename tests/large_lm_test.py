@@ -43,7 +43,8 @@ class _WholeBatchLoss(large_lm.LargeLMTask):
                      num_scored)}, {}
 
 
-def _Cfg(task_cls, remat_blocks, backward_schedule='1f1b', mesh=None):
+def _Cfg(task_cls, remat_blocks, backward_schedule='1f1b', mesh=None,
+         remat_policy=None):
   mesh = mesh or pod_blocks.PodMesh(stages=2, model=2)
   task = lm.CopyLMParams(
       vocab_size=11, model_dim=16, num_heads=2, hidden_dim=32,
@@ -52,7 +53,7 @@ def _Cfg(task_cls, remat_blocks, backward_schedule='1f1b', mesh=None):
       learning_rate=1e-3, max_steps=10, max_seq_len=8, batch_major=True,
       mesh=mesh, remat_blocks=remat_blocks,
       stack_options=dict(backward_schedule=backward_schedule,
-                         stream_io=True),
+                         stream_io=True, remat_policy=remat_policy),
       task_cls=task_cls)
   cfg = base_model.SingleTaskModel.Params(task)
   cfg.input = lm.CopyTaskInput.Params().Set(vocab_size=11, copy_length=4,
@@ -60,11 +61,15 @@ def _Cfg(task_cls, remat_blocks, backward_schedule='1f1b', mesh=None):
   return cfg
 
 
-@pytest.mark.parametrize('backward_schedule', ['1f1b', 'reverse'])
+@pytest.mark.parametrize('backward_schedule,remat_policy', [
+    ('1f1b', 'save_checkpoints'), ('reverse', None)])
 def test_last_stage_or_chunked_loss_and_recomputed_blocks_change_no_number(
-    backward_schedule):
+    backward_schedule, remat_policy):
+  """With 1f1b as the largest LMs train: the blocks' inputs kept per ring
+  entry (save_checkpoints), each block run again once in the backward."""
   loss, grads, values = trainer._LossAndGradients(  # pylint: disable=protected-access
-      _Cfg(large_lm.LargeLMTask, True, backward_schedule), None)
+      _Cfg(large_lm.LargeLMTask, True, backward_schedule,
+           remat_policy=remat_policy), None)
   ref_loss, ref_grads, _ = trainer._LossAndGradients(  # pylint: disable=protected-access
       _Cfg(_WholeBatchLoss, False, backward_schedule), values)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)

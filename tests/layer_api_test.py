@@ -82,8 +82,8 @@ def FProp(p, batch=4, **kwargs):
      r"layer_by_layer must be True, False or None \(the program.s default\), "
      r"got 1 \(int\)"),
     (dict(remat_policy='dots'),
-     r"remat_policy must be one of \('recompute', 'save_dots', 'save_all', "
-     r"None\), got 'dots'"),
+     r"remat_policy must be one of \('recompute', 'save_checkpoints', "
+     r"'save_dots', 'save_all', None\), got 'dots'"),
     (dict(store_body_intermediates=True, remat_policy='save_dots'),
      r"store_body_intermediates=True means remat_policy='save_all'; it "
      r"contradicts remat_policy='save_dots'"),

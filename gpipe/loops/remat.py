@@ -5,11 +5,15 @@ tensors the body's gradient reads. A policy says which of them the forward
 pass stores per iteration; everything else the backward pass recomputes
 from what was stored, the carried buffer and the weights:
 
-    policy      stored per iteration          recomputed per iteration
-    recompute   the buffer (always stored)    the whole forward of the body
-    save_dots   + matmul / einsum outputs     the elementwise rest
-    save_all    + every activation the        nothing of the activations
-                  gradient reads                (but control flow: below)
+    policy            stored per iteration        recomputed per iteration
+    recompute         the buffer (always stored)  the whole forward of the
+                                                  body
+    save_checkpoints  + what the body marks       what its gradient needs
+                        with Checkpoint (e.g.     from them (e.g. each block
+                        each block's input)       again, one at a time)
+    save_dots         + matmul / einsum outputs   the elementwise rest
+    save_all          + every activation the      nothing of the activations
+                        gradient reads              (but control flow: below)
 
 A tf.cond or tf.while_loop inside the body is re-run by the backward pass
 under every policy: its gradient reads intermediate values of its own that
@@ -27,6 +31,8 @@ policy, since the stored values are the ones the recomputation would make.
 """
 
 from typing import Iterable, List
+
+import tensorflow as tf
 
 # Ops whose output is a (batched) matrix product of their inputs; their
 # gradients read the inputs only, so a stored output is never recomputed.
@@ -69,6 +75,37 @@ class Recompute:
     return []
 
 
+# The name of the op that marks a tensor for 'save_checkpoints'.
+CHECKPOINT_NAME = 'remat_checkpoint'
+
+
+def Checkpoint(x):
+  """x, marked to be stored per iteration under remat_policy
+  'save_checkpoints' (an identity; under the other policies nothing
+  changes).
+
+  A body made of blocks that each recompute themselves in the backward
+  pass (e.g. params.pod_blocks.RecomputedInBackward) marks each block's
+  input: its backward pass then runs each block again from its stored
+  input, instead of running the body's whole forward first to make them.
+  """
+  return tf.identity(x, name=CHECKPOINT_NAME)
+
+
+class SaveCheckpoints(Recompute):
+  """Store what the body marks with Checkpoint; recompute the rest."""
+
+  name = 'save_checkpoints'
+
+  def Stored(self, cell) -> List[str]:
+    return _Roots(cell, [
+        t for op in cell.forward_ops
+        if op.type == 'Identity' and
+        op.name.split('/')[-1].startswith(CHECKPOINT_NAME)
+        for t in op.outputs if cell.IsActivation(t)
+    ])
+
+
 class SaveDots(Recompute):
   """Store matmul and einsum outputs; recompute the elementwise rest.
 
@@ -102,7 +139,8 @@ class SaveAll(Recompute):
     return _Roots(cell, read)
 
 
-POLICIES = {p.name: p for p in (Recompute, SaveDots, SaveAll)}
+POLICIES = {p.name: p for p in (Recompute, SaveCheckpoints, SaveDots,
+                                 SaveAll)}
 
 
 def For(name):

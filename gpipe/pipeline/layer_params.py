@@ -80,7 +80,10 @@ def _DefineMemory(p):
       'remat_policy', None,
       'What the forward pass stores per iteration for the backward pass '
       '(`gpipe.loops.remat`): `recompute` (only the buffer: activation '
-      'memory = buffer x iterations, the forward runs twice), `save_dots` '
+      'memory = buffer x iterations, the forward runs twice), '
+      '`save_checkpoints` (also what the body marks with '
+      '`gpipe.loops.remat.Checkpoint`, e.g. each block\'s input, for a '
+      'body whose blocks recompute themselves), `save_dots` '
       '(also the body\'s matmul/einsum outputs; the elementwise rest is '
       'recomputed) or `save_all` (every activation the gradient reads; '
       'nothing is recomputed). Weights are never stored per iteration. '

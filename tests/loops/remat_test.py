@@ -23,7 +23,8 @@ def _CircularCell(theta, state, inputs):
   """A circular stage: picks repeat r's weights, then an MLP on the data.
 
   theta: w1 [R, D, 2D], w2 [R, 2D, D]; state: x [ROWS, D]; inputs: the
-  iteration (int). wide = tanh(x @ w1[r]); x' = x + relu(wide) @ w2[r].
+  iteration (int). wide = tanh(x @ w1[r]); x' = x + relu(wide) @ w2[r],
+  relu(wide) marked with remat.Checkpoint.
   """
   r = inputs['iteration'] % R
   hot = tf.one_hot(r, R)
@@ -31,7 +32,8 @@ def _CircularCell(theta, state, inputs):
   w2 = tf.einsum('r,rhd->hd', hot, theta['w2'], name='select_w2')
   pre = tf.matmul(state, w1, name='dot1')
   wide = tf.tanh(pre, name='wide')
-  out = tf.matmul(tf.nn.relu(wide, name='act'), w2, name='dot2')
+  out = tf.matmul(remat.Checkpoint(tf.nn.relu(wide, name='act')), w2,
+                  name='dot2')
   return state + out, {'aux': tf.reduce_sum(wide * wide)}
 
 
@@ -56,6 +58,12 @@ def test_save_dots_stores_the_data_matmuls_not_the_weight_selections():
   # select_w1/w2 are einsums too, but of weights and the iteration only.
   with tf.Graph().as_default():
     assert _OpNames(_Cell('save_dots').stored) == ['dot1', 'dot2']
+
+
+def test_save_checkpoints_stores_what_the_cell_marks():
+  """The marked relu (its identity followed back to it), nothing else."""
+  with tf.Graph().as_default():
+    assert _OpNames(_Cell('save_checkpoints').stored) == ['act']
 
 
 def test_save_all_stores_what_the_gradient_reads_of_the_data():
@@ -129,7 +137,8 @@ def test_a_product_of_weights_and_a_non_data_state_is_not_stored():
 
 def test_unknown_policy_names_the_choices():
   with pytest.raises(ValueError, match=r"remat_policy must be one of "
-                     r"\('recompute', 'save_dots', 'save_all'\), got 'all'"):
+                     r"\('recompute', 'save_checkpoints', 'save_dots', "
+                     r"'save_all'\), got 'all'"):
     remat.For('all')
 
 
@@ -217,6 +226,6 @@ def test_policies_give_the_same_numbers_bit_for_bit():
                                                        theta['w2'], h0])
     with tf.compat.v1.Session() as sess:
       values = sess.run(results)
-  for policy in ('save_dots', 'save_all'):
+  for policy in ('save_checkpoints', 'save_dots', 'save_all'):
     for got, want in zip(values[policy], values['recompute']):
       np.testing.assert_array_equal(got, want)
