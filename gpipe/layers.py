@@ -52,15 +52,16 @@ from gpipe.lingvo_support import flags_and_seeds
 from gpipe.loops import compiled_loops
 from gpipe import microbatch
 from gpipe.pipeline import layer_by_layer
-from gpipe.pipeline import last_stage_loss
 from gpipe.pipeline import layer_params
 from gpipe.pipeline import layouts
 from gpipe.pipeline import param_checks
 from gpipe.pipeline import per_stage_states
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import repeats
+from gpipe.pipeline import nest
 from gpipe.pipeline import side_outputs
 from gpipe.pipeline import stage_call
+from gpipe.pipeline import stage_ends
 from gpipe.pipeline import stage_runners
 from gpipe.pipeline import unrolled
 from gpipe.pipeline import vectorized_stages
@@ -171,23 +172,61 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
         theta, 'FProp', *args, padded_per_stage_states=[], **kwargs)
 
   @_NotConvertedByAutograph
-  def FPropWithLoss(self, theta, loss, *args, **kwargs):
-    """`loss` (a gpipe.pipeline.last_stage_loss.LastStageLoss) of FProp's
-    outputs, summed over the batch: NestedMap of float32 scalars.
+  def FPropWithLoss(self, theta, loss, *args, first_stage=None, **kwargs):
+    """`loss` (a gpipe.pipeline.stage_ends.LastStageLoss) of FProp's
+    outputs, summed over the batch: NestedMap of float32 scalars. The
+    inputs are args, or what `first_stage` (a FirstStageInput) makes.
 
     Pipelined with backward_schedule='1f1b', the last stage scores each
     microbatch as it finishes and the loss's gradient starts back in the
-    same iteration: one loop computes the loss and its gradient, with no
+    same iteration, and stage 0 makes each microbatch's inputs where it
+    reads it: one loop computes the loss and its gradient, with no
     forward pass before it. Otherwise (the reverse schedule, unrolled, in
-    eval) exactly loss.fn(loss.weights, FProp(...), loss.inputs).
+    eval) exactly loss.fn(loss.weights, FProp(theta, *args, **kwargs),
+    loss.inputs), args = first_stage.fn(weights, inputs) if given.
     """
-    args, kwargs = microbatch.CheckInputs(args, kwargs)
+    if first_stage is not None and args:
+      raise ValueError(
+          f'PipelinedLayer {self.params.name!r}: FPropWithLoss takes its '
+          'inputs as args or made by first_stage, not both; pass no args '
+          'with first_stage.')
     if (self.params.backward_schedule != '1f1b' or self.do_eval or
         self._RunsUnrolled(states=())):
+      if first_stage is not None:
+        args = first_stage.Args(first_stage.weights, first_stage.inputs)
       return loss.Sums(loss.weights, self.FProp(theta, *args, **kwargs),
                        loss.inputs)
+    if first_stage is not None:
+      return self._MadeAndScoredInLoop(theta, loss, first_stage, kwargs)
+    args, kwargs = microbatch.CheckInputs(args, kwargs)
     return self._PipelinedFProp(theta, 'FProp', args, kwargs, {}, [],
                                 loss=loss)
+
+  def _MadeAndScoredInLoop(self, theta, loss, first_stage, kwargs):
+    """FPropWithLoss with a FirstStageInput, 1f1b: the gradient loop
+    alone, stage 0 making each microbatch's inputs, the last stage scoring
+    it (gpipe.pipeline.stage_ends)."""
+    p = self.params
+    # Any of first_stage's inputs stands for the args in the split: it
+    # gives the batch, and the schedule.
+    inputs = self._SplitInputs(
+        tuple(tf.nest.flatten(first_stage.inputs)[:1]),
+        stage_ends.WithInputs(kwargs, loss, first_stage))
+    mb_kwargs, mb_loss, mb_first = stage_ends.SplitOff(inputs.kwargs, loss,
+                                                       first_stage)
+    made = nest.TensorLeaves(first_stage.Args(
+        first_stage.weights,
+        tf.nest.map_structure(lambda x: x[0], mb_first.inputs)))
+    spec = self._LoopSpec(inputs.schedule, 'FProp', made, [], mb_kwargs, {},
+                          mb_loss, mb_first)
+    with tf.name_scope(p.name), compiled_loops.Allowed(
+        p.compile_loops == 'auto'):
+      result = pipeline_loop.Run(
+          spec, self._LoopTheta(theta), [x[None] for x in made.leaves], [],
+          self._layout.NonTrainableValues(theta, spec.var_names))
+      side_outputs.AddStageSummaries(result.summaries, p.num_stages)
+      return self._layout.AfterAssigning(self, spec.var_names, result.vars,
+                                         result.losses)
 
   @_NotConvertedByAutograph
   def FPropFn(self, theta, fn_name, *args, padded_per_stage_states,
@@ -283,8 +322,8 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
           'run it. Call FProp inside tf.function (e.g. a training step under '
           '@tf.function(jit_compile=True) with tf.GradientTape) or in a '
           "tf.Graph; unroll='always' runs eagerly, unpipelined.")
-    inputs = self._SplitInputs(args, last_stage_loss.WithInputs(kwargs, loss))
-    mb_kwargs, mb_loss = last_stage_loss.SplitOff(inputs.kwargs, loss)
+    inputs = self._SplitInputs(args, stage_ends.WithInputs(kwargs, loss))
+    mb_kwargs, mb_loss, _ = stage_ends.SplitOff(inputs.kwargs, loss)
     state_leaves = microbatch.CheckPaddedStates(padded_states,
                                                  inputs.schedule)
     spec = self._LoopSpec(inputs.schedule, fn_name, inputs.args,
@@ -304,7 +343,8 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
         raise
       if result.losses is not None:
         side_outputs.AddStageSummaries(result.summaries, p.num_stages)
-        return result.losses
+        return self._layout.AfterAssigning(self, var_names, result.vars,
+                                           result.losses)
       outputs = [self._PlaceOutput(microbatch.ToBatch(x)) if inputs.split
                  else x for x in result.outputs]
       side_outputs.AddAuxLoss(result.aux_loss,
@@ -323,7 +363,7 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
     return outputs
 
   def _LoopSpec(self, sched, fn_name, args, states, mb_kwargs,
-                kwargs_no_batch, loss=None):
+                kwargs_no_batch, loss=None, first_stage=None):
     """What the loop (or one of its iterations) needs besides tensors."""
     return pipeline_loop.LoopSpec(
         schedule=sched, body=self._body, fn_name=fn_name,
@@ -338,7 +378,7 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
         remat_policy=param_checks.LoopRematPolicy(self.params, self.do_eval),
         skip_bubbles=self.params.skip_bubbles,
         backward_schedule=self.params.backward_schedule,
-        stream_io=self.params.stream_io, loss=loss)
+        stream_io=self.params.stream_io, loss=loss, first_stage=first_stage)
 
   @property
   def vectorizing(self):

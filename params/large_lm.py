@@ -23,12 +23,14 @@ down:
     holds the logits of one sequence, not of its whole batch.
 """
 
+import dataclasses
+
 import numpy as np
 
 import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import recurrent
 from gpipe import sharding
-from gpipe.pipeline import last_stage_loss
+from gpipe.pipeline import stage_ends
 from lingvo import compat as tf
 from lingvo.core import py_utils
 from params import lm_task
@@ -87,40 +89,116 @@ class LargeLMTask(lm_task.PipelinedLMTask):
     [b, t, d] (split by batch over the stage devices), which the loss
     scores chunk by chunk."""
     if self._ScoresAtLastStage():
+      # The vocab-sized weights where they live, split by vocab over every
+      # device of the stack; the pipeline gathers a copy for each stage
+      # (stage_ends.ForTheLoop), one for the embedding and the loss.
+      home = NestedMap(table=self._AtHome(theta.emb.wm),
+                       positions=self._OverStageDevices(theta.pos_emb.wm, 0),
+                       bias=self._AtHome(theta.softmax_bias))
+      loss = self._LastStageLoss(theta, home, input_batch)
+      if self.params.input_dropout_prob:
+        return NestedMap(sums=self.stack.FPropWithLoss(
+            theta.stack, loss, *self._StackInputs(theta, input_batch)))
       return NestedMap(sums=self.stack.FPropWithLoss(
-          theta.stack, self._LastStageLoss(theta, input_batch),
-          *self._StackInputs(theta, input_batch)))
+          theta.stack, loss,
+          first_stage=self._FirstStageInput(home, input_batch)))
     x = self._StackOutputs(theta, input_batch)
     return NestedMap(hidden=self._OverStageDevices(
         self._FinalNorm(theta, x), 0))
+
+  def TrafficShape(self, input_specs):
+    """PipelinedLMTask's, for the ends made in the loop (training with
+    1f1b, no input dropout): the tied table and its bias gathered over the
+    stage axis, each chip its model-axis slice of the vocab; the
+    positions over every axis; per microbatch the embedding's rows and the
+    loss's input gradient reduced over the model axis."""
+    shape = super().TrafficShape(input_specs)
+    sp = self.params.stack
+    if sp.backward_schedule != '1f1b' or self.params.input_dropout_prob:
+      return shape
+    mesh = np.shape(sp.device_mesh) if sp.device_mesh is not None else (
+        sp.num_stages,)
+    roles = shape.axis_roles
+    model = mesh[roles['model']] if 'model' in roles else 1
+    vocab = self.emb.vars.wm.shape.num_elements() + self.params.vocab_size
+    return dataclasses.replace(
+        shape, end_reductions=2 if model > 1 else 0,
+        tables=((vocab / model, tuple(roles[axis] for axis in (
+            'stage', 'data') if axis in roles)),
+                (self.pos_emb.vars.wm.shape.num_elements(),
+                 tuple(range(len(mesh))))))
 
   def _ScoresAtLastStage(self):
     """Whether the stack takes the loss at its last stage: in training,
     with backward_schedule='1f1b' (its one gradient loop then scores)."""
     return self.params.stack.backward_schedule == '1f1b' and not self.do_eval
 
-  def _LastStageLoss(self, theta, input_batch):
+  def _FirstStageInput(self, home, input_batch):
+    """The stack's inputs as stage 0 makes them, a microbatch at a time:
+    its tokens' rows of the tied table (split by vocab over the model
+    axis, the same copy the loss scores with) plus the positions', in the
+    stack's dtype, and the paddings."""
+    return stage_ends.FirstStageInput(
+        self._MicrobatchInputs,
+        weights=NestedMap(table=home.table, positions=home.positions),
+        inputs=NestedMap(ids=input_batch.ids,
+                         paddings=input_batch.paddings))
+
+  def _MicrobatchInputs(self, weights, inputs):
+    """(activations [b, t, d], paddings [b, t]) of a microbatch's ids,
+    looked up in the compute dtype (the rows' sum over the model axis,
+    which splits the table, crosses it so)."""
+    seq_len = py_utils.GetShape(inputs.ids)[1]
+    table = self._OverModelAxis(self._InComputeDtype(weights.table), 0)
+    x = (LookUp(table, inputs.ids) + self._InComputeDtype(
+        tf.gather(weights.positions, tf.range(seq_len))))
+    return tf.cast(x, self.params.stack_dtype), inputs.paddings
+
+  def _InComputeDtype(self, x):
+    """x in the stack body's compute dtype (its fprop_dtype, or float32);
+    a weight's gradient comes back through the cast in its own."""
+    dtype = self.params.stack.single_stage_body.Get('fprop_dtype')
+    return tf.cast(x, dtype or tf.float32)
+
+  def _LastStageLoss(self, theta, home, input_batch):
     """The weighted cross entropy and correct argmaxes of a microbatch, as
     the last stage takes them: final layer norm, the tied table (split by
     vocab over the model axis), the softmax."""
-    return last_stage_loss.LastStageLoss(
+    return stage_ends.LastStageLoss(
         self._MicrobatchScores,
-        weights=NestedMap(final_ln=theta.final_ln,
-                          table=theta.emb.wm, bias=theta.softmax_bias),
+        weights=NestedMap(final_ln=theta.final_ln, table=home.table,
+                          bias=home.bias),
         inputs=NestedMap(labels=input_batch.labels,
                          weights=_ScoredWeights(input_batch)),
         differentiated='xent')
 
   def _MicrobatchScores(self, weights, outputs, inputs):
-    """NestedMap(xent, correct): sums over a microbatch's positions."""
+    """NestedMap(xent, correct): sums over a microbatch's positions, the
+    logits computed in the compute dtype (the hidden state's gradient,
+    reduced over the model axis, crosses it so), the softmax in float32."""
     hidden = self.final_ln.FProp(weights.final_ln,
                                  tf.cast(outputs[0], tf.float32))
-    score = NestedMap(table=self._OverModelAxis(weights.table, 0),
-                      bias=self._OverModelAxis(weights.bias, 0))
-    logits = self._OverModelAxis(self._Score(score, hidden), 2)
+    table = self._OverModelAxis(self._InComputeDtype(weights.table), 0)
+    logits = tf.einsum('...d,vd->...v', self._InComputeDtype(hidden), table)
+    logits = self._OverModelAxis(
+        tf.cast(logits, tf.float32) + self._OverModelAxis(weights.bias, 0),
+        2)
     xent, correct = VocabSplitScores(logits, inputs.labels)
     return NestedMap(xent=tf.reduce_sum(xent * inputs.weights),
                      correct=tf.reduce_sum(correct * inputs.weights))
+
+  def _AtHome(self, w):
+    """A [vocab, ...] weight split by vocab over every device of the stack,
+    the model axis major on a PodMesh: the rows of a model slice live on
+    that slice's devices, so gathering them for each stage crosses the
+    stage (and data) axes only."""
+    sp = self.params.stack
+    if sp.pipeline_stage_mesh_dim is None or np.ndim(sp.device_mesh) != 3:
+      return self._OverStageDevices(w, 0)
+    order = (pod_blocks.PodMesh.MODEL_AXIS, pod_blocks.PodMesh.DATA_AXIS,
+             pod_blocks.PodMesh.STAGE_AXIS)
+    devices = np.reshape(np.transpose(sp.device_mesh, order), [-1])
+    return sharding.MeshSplit(w, devices, [0] + [-1] * (w.shape.rank - 1))
 
   def _OverModelAxis(self, x, dim):
     """x split on `dim` over a PodMesh's model axis (if on one)."""

@@ -276,6 +276,7 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
         max_steps=100000, max_seq_len=2 * self.COPY_LENGTH, batch_major=True,
         fprop_dtype=self.FPROP_DTYPE, stack_dtype=self.FPROP_DTYPE,
         optimizer_tpl=self.Optimizer(), mesh=self.MESH, remat_blocks=True,
+        fused_qkv=True,
         stack_options=dict(backward_schedule='1f1b', stream_io=True,
                            remat_policy='save_checkpoints'),
         task_cls=large_lm.LargeLMTask)

@@ -160,10 +160,10 @@ class PipelinedLMTask(base_model.BaseTask):
         else None,
         compute_bytes=tf.as_dtype(compute or tf.float32).size,
         axis_roles=roles,
-        table_elements=sum(v.shape.num_elements() for v in tables),
-        table_axes=(tuple(range(np.ndim(sp.device_mesh)))
-                    if sp.pipeline_stage_mesh_dim is not None else
-                    (0,) if sp.shard_stages_1d else ()))
+        tables=((sum(v.shape.num_elements() for v in tables),
+                 tuple(range(np.ndim(sp.device_mesh)))
+                 if sp.pipeline_stage_mesh_dim is not None else
+                 (0,) if sp.shard_stages_1d else ()),))
 
   def _TableTheta(self, layer_theta):
     """An embedding table: kept split by rows, looked up gathered.
@@ -373,7 +373,8 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
                  learning_rate, max_steps, max_seq_len=64, batch_major=False,
                  fprop_dtype=None, input_dropout_prob=None,
                  stack_dtype=tf.float32, optimizer_tpl=None, mesh=None,
-                 remat_blocks=False, stack_options=None, task_cls=None):
+                 remat_blocks=False, stack_options=None, task_cls=None,
+                 fused_qkv=False):
   """Task params of the pipelined copy LM (without input params).
 
   Args:
@@ -391,6 +392,8 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
       for the batch-major body; None: the stack as shard_stages_1d says.
     remat_blocks: the batch-major stage recomputes each block in its
       backward pass (pod_blocks.BatchMajorStage.remat_blocks).
+    fused_qkv: the batch-major blocks project queries, keys and values
+      with one weight (pod_blocks.PodBlockParams).
     stack_options: more PipelinedLayer params for the stack (e.g.
       backward_schedule, stream_io).
     task_cls: the task class; None: PipelinedLMTask.
@@ -408,7 +411,7 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
                      'shard_stages_1d=False.')
   if batch_major:
     block = pod_blocks.PodBlockParams(model_dim, num_heads, hidden_dim,
-                                      dropout_prob, fprop_dtype)
+                                      dropout_prob, fprop_dtype, fused_qkv)
     if mesh is not None:
       block = pod_blocks.SplitBlockOverMesh(block)
     stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype,

@@ -246,13 +246,18 @@ def _SwapBatchAndTime(cache):
 
 
 def PodBlockParams(model_dim, num_heads, hidden_dim, dropout_prob,
-                   fprop_dtype=None):
+                   fprop_dtype=None, fused_qkv=False):
   """A pre-LN causal self-attention + feed-forward block, batch-major.
 
   Dropout is Lingvo's deterministic (stateless) kind, seeded by the global
   step: a pipelined body must not draw stateful random numbers (its
   backward pass recomputes the forward), and a resumed run draws the masks
   it would have drawn. Attention logits are scaled by 1/sqrt(head dim).
+
+  fused_qkv: the queries, keys and values projected by one einsum (one
+  weight `qkv` [d, heads, 3 x head dim]): on a model axis the input's
+  gradient is then one reduction, not three (one per projection) that XLA
+  sums after reducing each.
   """
   p = batch_major_attention.TransformerLayer.Params().Set(
       input_dim=model_dim, output_dim=model_dim, num_heads=num_heads,
@@ -261,7 +266,8 @@ def PodBlockParams(model_dim, num_heads, hidden_dim, dropout_prob,
                      atten_dropout_prob=dropout_prob,
                      dropout_tpl=_DeterministicDropout())
   p.tr_atten_tpl.atten_tpl.Set(enable_per_dim_scale=False,
-                               dropout_tpl=_DeterministicDropout())
+                               dropout_tpl=_DeterministicDropout(),
+                               enable_qkv_proj_in_onestep=fused_qkv)
   p.tr_fflayer_tpl.Set(hidden_dim=hidden_dim,
                        residual_dropout_prob=dropout_prob,
                        relu_dropout_prob=dropout_prob,

@@ -218,3 +218,73 @@ def test_the_largest_models_are_as_big_as_they_say():
         task = cfg.task.Instantiate()
     total, _ = lm.ParameterBytes(task)
     assert total / 4 >= 2 * gpipe_params, (name, total / 4)
+
+
+_SMALL_MESH = (2, 1, 4)  # stages, data, model
+
+
+@pytest.fixture(scope='module')
+def small_plan():
+  """lm.LargestMeshSmall planned on 8 devices as [2 stages, 4 model].
+
+  (With a data axis the pipeline's loops sum each iteration's weight
+  gradients over it, the table's among them: docs/planning.md.)"""
+  from gpipe.plan import candidate as candidate_lib  # pylint: disable=g-import-not-at-top
+  from gpipe.plan import roofline  # pylint: disable=g-import-not-at-top
+  from gpipe.plan import targets  # pylint: disable=g-import-not-at-top
+  from gpipe.xla import partitioning  # pylint: disable=g-import-not-at-top
+  if not partitioning.IsAvailable():
+    pytest.skip('needs jax')
+  cls = lm.model_registry.GetClass('lm.LargestMeshSmall')
+  plan = candidate_lib.MakePlan(
+      targets.ModelTarget('lm.LargestMeshSmall'),
+      [targets.Candidate(cls.NUM_MICROBATCHES, 1, 'save_checkpoints',
+                         mesh=_SMALL_MESH)],
+      cls.MESH.num_devices, roofline.CHIPS['v5e'], 16 * 2**30)
+  (report,) = plan.reports
+  return cls, report
+
+
+def test_no_table_sized_collective_runs_in_a_loop(small_plan):
+  """The tied table is gathered for the stages once and its gradient
+  summed once, outside the pipeline's loops: no collective in a loop
+  moves the table, a model slice of it, or its bias (by their shapes)."""
+  from gpipe.xla import hlo_text  # pylint: disable=g-import-not-at-top
+  cls, report = small_plan
+  vocab, dim = cls.VOCAB_SIZE, cls.MODEL_DIM
+  rows = {vocab, vocab // _SMALL_MESH[2]}
+  table_like = lambda s: (s[-2:] in {(r, dim) for r in rows} or
+                          s[-1:] in {(r,) for r in rows})
+  shapes = lambda cs: [s for c in cs for s in hlo_text.ShapesOf(c.shape)]
+  in_loops = [c for c in report.compiled.collectives if c.loop >= 0]
+  assert in_loops and shapes(in_loops)
+  assert not [s for s in shapes(in_loops) if table_like(s)], [
+      (c.shape, c.op_name) for c in in_loops
+      if any(table_like(s) for s in hlo_text.ShapesOf(c.shape))]
+  # Outside them: the table's gather and its gradient's reduction.
+  outside = [c for c in report.compiled.collectives if c.loop < 0]
+  assert [s for s in shapes(outside) if table_like(s)]
+
+
+def test_the_floors_of_the_small_planned_lm_by_hand(small_plan):
+  """The least each axis carries for lm.LargestMeshSmall's step on [2, 1,
+  4], by hand: M = 4 microbatches of 16 / 4 rows x 16 tokens x 32 wide,
+  float32 (A); each of 2 blocks reduces 2 activations over the 4 model
+  devices per pass (a ring: 2 x 3/4 of each), 3 passes, and the ends 2
+  per microbatch; the tied table (40 x 32 and its 40 biases) gathered
+  over the 2 stages, each chip its model quarter; the positions (16 x 32)
+  over all 8."""
+  _, report = small_plan
+  a = 16 // 4 * 16 * 32 * 4
+  ring = 2 * 3 / 4
+  floors = {f.axes: f.parts for f in report.traffic_floors}
+  assert floors == {
+      'stage': {'activations and their gradients, stage to stage':
+                    2 * 4 * a,
+                'tables gathered, their gradients scattered':
+                    1 / 2 * (40 * 32 + 40) / 4 * (4 + 4)},
+      'model': {'the body\'s reductions': 3 * 2 * 2 * 4 * ring * a,
+                'the ends\' reductions': 2 * 4 * ring * a},
+      'stage+model': {'tables gathered, their gradients scattered':
+                          7 / 8 * 16 * 32 * (4 + 4)},
+  }, floors

@@ -165,7 +165,7 @@ def test_each_axis_floor_by_hand(report):
       # forward, backward; 2 model devices: a ring sends each once.
       'model': {'the body\'s reductions': 3 * 2 * M * R * a},
       'data': {'one gradient reduction': gradients},
-      'stage+data+model': {'the table gathered, its gradient scattered':
+      'stage+data+model': {'tables gathered, their gradients scattered':
                                7 / 8 * table * (4 + 4)},
   }, floors
   # What is sent: the loops' per-iteration collectives times their trips,

@@ -32,8 +32,6 @@ policy, since the stored values are the ones the recomputation would make.
 
 from typing import Iterable, List
 
-import tensorflow as tf
-
 # Ops whose output is a (batched) matrix product of their inputs; their
 # gradients read the inputs only, so a stored output is never recomputed.
 DOT_OPS = frozenset([
@@ -89,6 +87,8 @@ def Checkpoint(x):
   input: its backward pass then runs each block again from its stored
   input, instead of running the body's whole forward first to make them.
   """
+  # Imported here: command lines read POLICIES before TensorFlow loads.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   return tf.identity(x, name=CHECKPOINT_NAME)
 
 

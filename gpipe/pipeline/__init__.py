@@ -19,8 +19,8 @@ parts (internal: their names may change).
                        order
     gradient_waves     that gradient's loop: a forward and a backward wave
                        an iteration
-    last_stage_loss    FPropWithLoss: the loss taken at the last stage,
-                       inside that loop
+    stage_ends         FPropWithLoss: the first stage's inputs and the
+                       last stage's loss, made inside that loop
     loop_io            the loop's inputs and outputs: whole, or streamed
     rotating_buffer    the [S, ...] buffer's ops, each with its gradient
     stage_slots        rows a stage reads and writes on its own (and rings)

@@ -18,7 +18,7 @@ input waits in the ring). What the loop carries through its phases:
 Non-trainable values take no gradient: a body's updates of them go
 through `assign`, which cuts the gradient (gpipe.pipeline.stage_vars).
 
-With a LastStageLoss (gpipe.pipeline.last_stage_loss) the loop is the
+With a LastStageLoss (gpipe.pipeline.stage_ends) the loop is the
 whole pass (`RunWithLoss`): no output gradient comes in, the last stage's
 call scores its microbatch inside the cell and is differentiated from
 that, and the forward wave also sums what the forward loop would have

@@ -28,6 +28,7 @@ import tensorflow as tf
 from gpipe.loops import tensor_lists
 from gpipe import microbatch
 from gpipe.pipeline import rotating_buffer
+from gpipe.pipeline import stage_ends
 from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
 
@@ -35,6 +36,8 @@ NestedMap = py_utils.NestedMap
 
 
 def For(spec):
+  if spec.first_stage is not None:
+    return MadeAtStageZero(spec)
   return StreamedIo(spec) if spec.stream_io else WholeIo(spec)
 
 
@@ -399,3 +402,51 @@ class StreamedIo:
   def FinishWritingGradients(self, writing, like):
     del like
     return [self.Home(x) for x in writing]
+
+
+class MadeAtStageZero:
+  """With a FirstStageInput (gpipe.pipeline.stage_ends): stage 0 makes each
+  microbatch's inputs inside the loop's cell, from per-example inputs the
+  cell reads by microbatch, so nothing is read here, no input gradient is
+  written (it goes into the first stage's weights) and, with a
+  LastStageLoss, no output is written either. `native` is one
+  microbatch's inputs [1, ...] per leaf, as the first stage makes them:
+  the buffer's first value (real data) and stage 0's stand-in read, which
+  the cell replaces."""
+
+  def __init__(self, spec):
+    self._spec = spec
+    self._place = spec.placement
+
+  def ToNative(self, mb_leaves):
+    return [tf.stop_gradient(x) for x in mb_leaves]
+
+  def Filler(self, native):
+    spec = self._spec
+    return stage_ends.FirstStageFiller(spec.first_stage, native, spec.runner,
+                                       self._place, spec.schedule.num_stages)
+
+  def StartReading(self, native):
+    del native
+    return []
+
+  def Read(self, native, reading, iteration):
+    """Zeros, each stage's [S, ...] (the cell makes stage 0's input where
+    it reads one; a constant needs no collective)."""
+    del iteration
+    num_stages = self._spec.schedule.num_stages
+    return [self._place.SplitStages(
+        tf.zeros([num_stages] + x.shape.as_list()[1:], x.dtype))
+            for x in native], reading
+
+  def StartWritingGradients(self, like):
+    del like
+    return []
+
+  def WriteGradient(self, writing, rows, d_inputs):
+    del rows, d_inputs
+    return writing
+
+  def FinishWritingGradients(self, writing, like):
+    del writing
+    return [None for _ in like]

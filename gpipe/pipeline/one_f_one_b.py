@@ -48,7 +48,7 @@ from gpipe.loops import remat
 from gpipe.loops import tensor_lists
 from gpipe.loops import while_loops
 from gpipe.pipeline import gradient_waves
-from gpipe.pipeline import last_stage_loss
+from gpipe.pipeline import stage_ends
 from gpipe.pipeline import loop_io
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_step
@@ -72,8 +72,10 @@ def Run(spec, theta, mb_leaves, state_leaves, var_values):
 
   Args: as pipeline_loop.Run's.
   """
-  spec = dataclasses.replace(spec, loss=last_stage_loss.ForTheLoop(
-      spec.loss, spec.runner, spec.placement, spec.schedule.num_stages))
+  loss, first_stage = stage_ends.ForTheLoop(
+      (spec.loss, spec.first_stage), spec.runner, spec.placement,
+      spec.schedule.num_stages)
+  spec = dataclasses.replace(spec, loss=loss, first_stage=first_stage)
   io = loop_io.For(spec)
   native = io.ToNative(mb_leaves)
   cell = _StageCell(spec, theta, io.Filler(native), state_leaves, var_values)
@@ -112,7 +114,7 @@ class _StageCell:
         states=[place.SplitStages(x, 1) for x in state_leaves])
     policy = remat.For(spec.remat_policy)
     if spec.loss is not None and spec.runner.manual_mesh is None:
-      policy = last_stage_loss.Unstored(policy)
+      policy = stage_ends.Unstored(policy)
     self.graph, self.read_variables = self._Build(theta, policy)
     if self.graph.stored and not self._StageMajor():
       logging.info(

@@ -70,8 +70,10 @@ class LoopSpec:
     backward_schedule: 'reverse' or '1f1b' (gpipe.pipeline.one_f_one_b).
     stream_io: whether the inputs and outputs are split over the stages
       (gpipe.pipeline.loop_io).
-    loss: a gpipe.pipeline.last_stage_loss.LastStageLoss (its inputs
+    loss: a gpipe.pipeline.stage_ends.LastStageLoss (its inputs
       microbatched, [M, ...]) the last stage takes, '1f1b' only; None.
+    first_stage: a gpipe.pipeline.stage_ends.FirstStageInput (its inputs
+      microbatched) stage 0 makes its inputs with, with `loss` only; None.
   """
   schedule: schedule_lib.Schedule
   body: stage_call.Body
@@ -91,6 +93,7 @@ class LoopSpec:
   backward_schedule: str = 'reverse'
   stream_io: bool = False
   loss: Any = None
+  first_stage: Any = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

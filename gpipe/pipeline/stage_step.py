@@ -18,7 +18,7 @@ from typing import Dict, List, Tuple
 
 import tensorflow as tf
 
-from gpipe.pipeline import last_stage_loss
+from gpipe.pipeline import stage_ends
 from gpipe.pipeline import nest
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_runners
@@ -64,6 +64,10 @@ def Step(spec, stages, theta, rows, stage_in, state_slots,
     var_values: the carried non-trainable values, [S, (R,) ...].
   """
   per_stage = spec.placement.SplitStages  # [S] vectors live with their stages
+  if spec.first_stage is not None:  # stage 0 makes its fresh inputs
+    stage_in = stage_ends.FirstStageInputs(
+        spec.first_stage, stage_in, rows.reads, rows.microbatch, spec.runner,
+        spec.placement)
   args = spec.args.Rebuild(stage_in)
   num_args = len(args)
   args += tuple(tf.nest.pack_sequence_as(spec.states, state_slots))
@@ -103,9 +107,9 @@ def _LastStageSums(spec, rows, outputs):
              tf.equal(rows.repeat, sched.circular_repeat - 1) &
              tf.equal(tf.range(sched.num_stages), sched.num_stages - 1))
   built = spec.args.Rebuild(outputs)
-  return last_stage_loss.StageSums(
-      spec.loss, spec.loss.inputs, built[0] if len(built) == 1 else built,
-      is_last, rows.microbatch, spec.runner, spec.placement)
+  return stage_ends.StageSums(
+      spec.loss, built[0] if len(built) == 1 else built, is_last,
+      rows.microbatch, spec.runner, spec.placement)
 
 
 def RunStages(spec, stages, theta, rows, args, var_values):

@@ -142,7 +142,10 @@ def _KeyColumns(plan):
   return meshes + backward + [
       ('candidate', 'M', 4, lambda r, i: r.candidate.num_microbatches),
       ('candidate', 'R', 3, lambda r, i: r.candidate.circular_repeat),
-      ('candidate', 'remat', 9, lambda r, i: r.candidate.remat_policy),
+      ('candidate', 'remat', max([9] + [len(c.remat_policy) for c in (
+          [r.candidate for r in plan.reports] +
+          [c for c, _ in plan.skipped])]),
+       lambda r, i: r.candidate.remat_policy),
   ]
 
 

@@ -17,15 +17,18 @@ the elements of a row x their bytes):
             and after the feed-forward layer), in the compute dtype (A'),
             and as many input gradients in the backward pass; passes = 3
             (forward, recomputed forward, backward) where the remat policy
-            recomputes the body, 2 where it stores the dots.
+            recomputes the body, 2 where it stores the dots. Plus e x M x
+            ring(P) x A' for the pipeline's ends: an embedding lookup in a
+            table split by vocab over the model axis reduces its rows, a
+            loss scoring with it reduces its input's gradient (e = 2).
     data    ring(D) x the chip's gradients: one reduction a step.
-    table   the embedding and softmax table split by vocab over n devices:
-            gathered once in the compute dtype and its float32 gradient
-            reduce-scattered once, (n - 1) / n x its elements x (bytes +
-            4). (Moving the tokens' activations to the table's slices
-            instead costs the same per token and row: tokens x width
-            against vocab x width; the table is the smaller for the LMs
-            here.)
+    tables  a vocab-sized table a chip needs E elements of, kept split
+            over n more devices: gathered once in the compute dtype and
+            its float32 gradient reduce-scattered once, (n - 1) / n x E x
+            (bytes + 4), on the axes it is gathered over. (Moving the
+            tokens' activations to the table's slices instead costs
+            tokens x width against vocab x width; the table is the smaller
+            for the LMs here.)
 
 A collective the floor has no part for (e.g. a scalar's all-reduce over
 an axis with no floor) is still counted where it runs.
@@ -51,9 +54,10 @@ class ModelShape:
     compute_bytes: bytes per element of those reductions (the body's
       compute dtype).
     axis_roles: {'stage' | 'data' | 'model': mesh axis}.
-    table_elements: vocab x width of an embedding/softmax table split over
-      `table_axes` (0: none).
-    table_axes: the mesh axes the table is split over.
+    tables: ((elements a chip gathers, the mesh axes it gathers them
+      over), ...) of its vocab-sized tables (embeddings, softmax).
+    end_reductions: per microbatch, activations of its size the
+      pipeline's ends reduce over the model axis (see the module).
   """
   rows: int
   row_elements: int
@@ -61,8 +65,8 @@ class ModelShape:
   model_reductions: int = None
   compute_bytes: int = 4
   axis_roles: dict = dataclasses.field(default_factory=lambda: {'stage': 0})
-  table_elements: int = 0
-  table_axes: tuple = ()
+  tables: tuple = ()
+  end_reductions: int = 0
 
   def AxisNames(self, rank):
     """A name per mesh axis: its role, or 'axis k'."""
@@ -108,31 +112,35 @@ def Floors(shape, schedule, mesh_shape, remat_policy, gradient_bytes):
             2 * m * r * elements * shape.activation_bytes}))
   if size('model') > 1 and shape.model_reductions is not None:
     passes = 2 if remat_policy in ('save_dots', 'save_all') else 3
-    floors.append(Floor(names[roles['model']], {
-        'the body\'s reductions': (passes * shape.model_reductions * m * r *
-                                   _Ring(size('model')) * elements *
-                                   shape.compute_bytes)}))
+    one = _Ring(size('model')) * elements * shape.compute_bytes
+    parts = {'the body\'s reductions':
+                 passes * shape.model_reductions * m * r * one}
+    if shape.end_reductions:
+      parts['the ends\' reductions'] = shape.end_reductions * m * one
+    floors.append(Floor(names[roles['model']], parts))
   if size('data') > 1:
     floors.append(Floor(names[roles['data']], {
         'one gradient reduction': _Ring(size('data')) * gradient_bytes}))
-  table_axes = sorted(a for a in shape.table_axes if mesh_shape[a] > 1)
-  if shape.table_elements and table_axes:
+  for table_elements, table_axes in shape.tables:
+    table_axes = sorted(a for a in table_axes if mesh_shape[a] > 1)
     n = 1
     for a in table_axes:
       n *= mesh_shape[a]
     if n > 1:
-      floors.append(Floor('+'.join(names[a] for a in table_axes),
-                          {'the table gathered, its gradient scattered':
-                               (n - 1) / n * shape.table_elements *
-                               (shape.compute_bytes + GRADIENT_BYTES)}))
+      floors.append(Floor('+'.join(names[a] for a in table_axes), {
+          'tables gathered, their gradients scattered':
+              (n - 1) / n * table_elements *
+              (shape.compute_bytes + GRADIENT_BYTES)}))
   return _Merged(floors)
 
 
 def _Merged(floors):
-  """Floors of the same axes as one."""
+  """Floors of the same axes as one (parts of the same name added)."""
   merged = {}
   for f in floors:
-    merged.setdefault(f.axes, {}).update(f.parts)
+    parts = merged.setdefault(f.axes, {})
+    for what, nbytes in f.parts.items():
+      parts[what] = parts.get(what, 0.0) + nbytes
   return [Floor(axes, parts) for axes, parts in merged.items()]
 
 

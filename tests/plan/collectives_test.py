@@ -91,25 +91,28 @@ def test_a_chip_sends_its_ring_share():
 def test_floors_by_hand():
   """A [2 stages, 2 data, 4 model] mesh, M=4, R=2, 8 rows of 16 tokens x
   32 wide, bfloat16 between stages and in the body, 3 blocks of 2
-  reductions each, a table of 100 x 32 over all 16 chips."""
+  reductions each and the ends' 2, a table of 100 x 32 gathered over all
+  16 chips, another a chip needs 50 x 32 of gathered over the stages."""
   shape = traffic_floor.ModelShape(
       rows=8, row_elements=16 * 32, activation_bytes=2, model_reductions=6,
       compute_bytes=2, axis_roles={'stage': 0, 'data': 1, 'model': 2},
-      table_elements=100 * 32, table_axes=(0, 1, 2))
+      tables=((100 * 32, (0, 1, 2)), (50 * 32, (0,))), end_reductions=2)
   sched = schedule_lib.Schedule(num_stages=2, num_microbatches=4,
                                 circular_repeat=2)
   a = 8 / 4 / 2 * 16 * 32 * 2  # one microbatch on one chip
   floors = {f.axes: f.bytes for f in traffic_floor.Floors(
       shape, sched, (2, 2, 4), 'recompute', gradient_bytes=1000)}
   assert floors == {
-      'stage': 2 * 4 * 2 * a,
-      'model': 3 * 6 * 4 * 2 * (2 * 3 / 4) * a,
+      'stage': 2 * 4 * 2 * a + 1 / 2 * 50 * 32 * (2 + 4),
+      'model': (3 * 6 * 4 * 2 + 2 * 4) * (2 * 3 / 4) * a,
       'data': 1000,
       'stage+data+model': 15 / 16 * 100 * 32 * (2 + 4),
   }
   stored = {f.axes: f.bytes for f in traffic_floor.Floors(
       shape, sched, (2, 2, 4), 'save_dots', gradient_bytes=1000)}
-  assert stored['model'] == pytest.approx(floors['model'] * 2 / 3)
+  ends = 2 * 4 * (2 * 3 / 4) * a
+  assert stored['model'] == pytest.approx((floors['model'] - ends) * 2 / 3 +
+                                          ends)
   # Axes of size 1 split nothing: no floor, and not named in the table's.
   flat = {f.axes for f in traffic_floor.Floors(
       shape, sched, (2, 1, 1), 'recompute', gradient_bytes=1000)}

@@ -1,16 +1,18 @@
-"""FPropWithLoss: the loss taken at the last stage equals the plain stack's.
+"""FPropWithLoss: the ends made in the loop equal the plain stack's.
 
 A LastStageLoss (a softmax cross entropy over a projection of the outputs,
-weighted per position, and a count) is taken by the pipelined layer; the
-references are independent of the layer: the loss's sums computed in
-NumPy on a NumPy loop over the logical layers (values), and TF autodiff of
-the same loss on a plain TF loop over them (gradients of every body
-variable, the input and the loss's own weights), float32, |err| <= 1e-5 +
-1e-5 |ref|. With backward_schedule='1f1b' the last stage scores each
-microbatch inside the gradient loop (no forward loop runs); with the
-reverse schedule the layer returns loss.fn of FProp's outputs. Partitioned
-over 4 virtual devices, each device scores its own stage's outputs and the
-step equals the one-device step.
+weighted per position, and a count) is taken by the pipelined layer, its
+inputs given or made by a FirstStageInput (an embedding lookup, scaled per
+example); the references are independent of the layer: the loss's sums
+computed in NumPy on a NumPy loop over the logical layers (values), and TF
+autodiff of the same loss on a plain TF loop over them (gradients of every
+body variable, the input or the embedding table, and the loss's own
+weights), float32, |err| <= 1e-5 + 1e-5 |ref|. With backward_schedule
+'1f1b' stage 0 makes each microbatch's inputs and the last stage scores it
+inside the gradient loop (no forward loop runs); with the reverse schedule
+the layer returns loss.fn of FProp's outputs. Partitioned over 4 virtual
+devices, each device makes and scores its own stage's and the step equals
+the one-device step.
 """
 
 import types
@@ -20,7 +22,7 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe.pipeline import last_stage_loss
+from gpipe.pipeline import stage_ends
 from gpipe.pipeline import one_f_one_b
 from lingvo.core import py_utils
 from tests import close
@@ -65,51 +67,85 @@ def _Fn(weights, outputs, inputs):
   return NestedMap(_LossSums(_TF, weights, outputs, inputs))
 
 
+def _Made(xp, weights, inputs, body):
+  """The first stage's inputs: the ids' rows of the table, scaled per
+  example; for the multi-input body also their sine and row sums."""
+  x = xp.take(weights['table'], inputs['ids']) * inputs['scale']
+  if body == 'multi':
+    nested = {'a': xp.sin(x), 'b': xp.sum(x, -1)}
+    return (x, None, NestedMap(nested) if xp is _TF else nested)
+  return x
+
+
+_NP.take = lambda t, i: t[i]
+_NP.sin = np.sin
+_TF.take = tf.gather
+_TF.sin = tf.sin
+
+
 def _Data(case):
   rng = np.random.RandomState(case.seed + 7)
   positions = (case.batch,) + tuple(case.example_shape[:-1])
   return dict(
       out=rng.normal(size=(case.dim, VOCAB)).astype(np.float32),
       labels=rng.randint(0, VOCAB, positions).astype(np.int32),
-      weights=rng.uniform(0, 1, positions).astype(np.float32))
+      weights=rng.uniform(0, 1, positions).astype(np.float32),
+      table=rng.uniform(-1, 1, (7, case.dim)).astype(np.float32),
+      ids=rng.randint(0, 7, positions).astype(np.int32),
+      scale=rng.uniform(0.5, 1.5, (case.batch,) + (1,) * len(
+          case.example_shape)).astype(np.float32))
 
 
-def _Build(layer, case, data, args, watch=None):
-  """(pipelined sums, reference sums, [variables, input, loss weight])."""
+def _Build(layer, case, data, args, first, watch=None):
+  """(pipelined sums, reference sums, [variables, the input or the first
+  stage's table, loss weight])."""
   t = lambda v: None if v is None else tf.constant(v)
   t_args = tf.nest.map_structure(t, args)
-  w_out = tf.constant(data['out'])
+  w_out, table = tf.constant(data['out']), tf.constant(data['table'])
   if watch:
-    watch([t_args[0], w_out])
-  loss = last_stage_loss.LastStageLoss(
+    watch([t_args[0], w_out, table])
+  loss = stage_ends.LastStageLoss(
       _Fn, NestedMap(out=w_out),
       NestedMap(labels=tf.constant(data['labels']),
                 weights=tf.constant(data['weights'])))
-  p_args = list(t_args)
-  if case.body == 'multi':
-    p_args[2] = NestedMap(p_args[2])
-  sums = layer.FPropWithLoss(layer.theta, loss, *p_args)
+  first_stage = stage_ends.FirstStageInput(
+      lambda w, inputs: _Made(_TF, w, inputs, case.body),
+      NestedMap(table=table),
+      NestedMap(ids=tf.constant(data['ids']), scale=tf.constant(data['scale'])))
+  if first:
+    t_args = list(first_stage.Args(first_stage.weights, first_stage.inputs))
+    sums = layer.FPropWithLoss(layer.theta, loss, first_stage=first_stage)
+  else:
+    p_args = list(t_args)
+    if case.body == 'multi':
+      p_args[2] = NestedMap(p_args[2])
+    sums = layer.FPropWithLoss(layer.theta, loss, *p_args)
   values = {n: dict(c.items()) for n, c in layer.vars.items()}
   ref_out = harness.SequentialReference(
       reference_bodies.TF, case, harness.PerLayerWeights(case, values),
       t_args, {}, {})
   ref = _Fn(loss.weights, ref_out if case.body == 'multi' else ref_out[0],
             loss.inputs)
-  return sums, ref, tf.nest.flatten(layer.vars) + [t_args[0], w_out]
+  return sums, ref, tf.nest.flatten(layer.vars) + [
+      table if first else t_args[0], w_out]
 
 
-def _Run(case, mode):
+def _Run(case, mode, first=False):
   """NumPy results: sums, ref sums, grads, ref grads, variable values."""
   args, _, _ = harness._Inputs(case)  # pylint: disable=protected-access
   data = _Data(case)
+  if first:
+    made = _Made(_NP, data, data, case.body)
+    args = list(made) if case.body == 'multi' else [made]
   if mode == 'graph':
     with tf.Graph().as_default():
       tf.compat.v1.set_random_seed(case.seed)
       layer = case.Params().Instantiate()
-      sums, ref, xs = _Build(layer, case, data, args)
+      sums, ref, xs = _Build(layer, case, data, args, first)
+      dense = lambda gs: [tf.convert_to_tensor(g) for g in gs]
       fetches = dict(sums=sums, ref=ref,
-                     grads=tf.gradients(sums.loss, xs),
-                     ref_grads=tf.gradients(ref.loss, xs),
+                     grads=dense(tf.gradients(sums.loss, xs)),
+                     ref_grads=dense(tf.gradients(ref.loss, xs)),
                      graph_ops=tf.constant(0))
       with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
@@ -126,9 +162,12 @@ def _Run(case, mode):
     @tf.function(jit_compile=True)
     def Step():
       with tf.GradientTape(persistent=True) as tape:
-        sums, ref, xs = _Build(layer, case, data, args, watch=tape.watch)
-      return dict(sums=sums, ref=ref, grads=tape.gradient(sums.loss, xs),
-                  ref_grads=tape.gradient(ref.loss, xs))
+        sums, ref, xs = _Build(layer, case, data, args, first,
+                               watch=tape.watch)
+      dense = lambda gs: [tf.convert_to_tensor(g) for g in gs]
+      return dict(sums=sums, ref=ref,
+                  grads=dense(tape.gradient(sums.loss, xs)),
+                  ref_grads=dense(tape.gradient(ref.loss, xs)))
 
     res = tf.nest.map_structure(lambda v: v.numpy(), Step())
     res['vars'] = {n: {k: v.numpy() for k, v in c.items()}
@@ -141,8 +180,8 @@ def _Run(case, mode):
   return res
 
 
-def _Check(case, mode):
-  res = _Run(case, mode)
+def _Check(case, mode, first=False):
+  res = _Run(case, mode, first)
   for key in ('loss', 'count'):
     close.AssertClose(res['sums'][key], res['np_ref'][key], close.FLOAT32,
                       f'{key} vs NumPy reference')
@@ -166,13 +205,15 @@ _SWEEP = [(s, m, r) for s in (1, 2, 3, 4) for m in _Counts(s)
 @pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat', _SWEEP,
                          ids=[f'S{s}-M{m}-R{r}' for s, m, r in _SWEEP])
 def test_1f1b_sweep_graph(num_stages, num_microbatches, circular_repeat):
-  """Every shape with the loss at the last stage, streamed and not in
-  turn; no forward loop is built."""
+  """Every shape with the loss at the last stage, its inputs given
+  (streamed and not) or made at stage 0, in turn; no forward loop is
+  built."""
   index = _SWEEP.index((num_stages, num_microbatches, circular_repeat))
   res = _Check(Case(num_stages=num_stages, num_microbatches=num_microbatches,
                     circular_repeat=circular_repeat,
                     batch=2 * num_microbatches, backward_schedule='1f1b',
-                    stream_io=bool(index % 2)), 'graph')
+                    stream_io=bool(index % 2)), 'graph',
+               first=index % 3 == 2)
   assert not [n for n in res['op_names'] if one_f_one_b.FORWARD_LOOP in n]
 
 
@@ -185,21 +226,27 @@ def test_1f1b_sweep_jit(num_stages, num_microbatches, circular_repeat):
   index = _JIT.index((num_stages, num_microbatches, circular_repeat))
   _Check(Case(num_stages=num_stages, num_microbatches=num_microbatches,
               circular_repeat=circular_repeat, batch=2 * num_microbatches,
-              backward_schedule='1f1b', stream_io=bool(index % 2)), 'jit')
+              backward_schedule='1f1b', stream_io=bool(index % 2)), 'jit',
+         first=index % 2 == 0)
 
 
-@pytest.mark.parametrize('mode', ['graph', 'jit'])
-def test_a_body_of_nested_inputs(mode):
+@pytest.mark.parametrize('mode,first', [('graph', False), ('graph', True),
+                                        ('jit', True)])
+def test_a_body_of_nested_inputs(mode, first):
   """The loss sees the outputs in the layer's structure (a tuple with a
-  None and a NestedMap) and reads a nested leaf."""
+  None and a NestedMap) and reads a nested leaf; the first stage makes
+  that structure."""
   _Check(Case(num_stages=3, num_microbatches=4, batch=8, body='multi',
-              backward_schedule='1f1b', stream_io=mode == 'jit'), mode)
+              backward_schedule='1f1b', stream_io=mode == 'jit'), mode,
+         first=first)
 
 
-@pytest.mark.parametrize('policy', ['save_dots', 'save_all'])
-def test_ring_entries_that_keep_activations(policy):
+@pytest.mark.parametrize('policy,first', [('save_dots', False),
+                                          ('save_all', True)])
+def test_ring_entries_that_keep_activations(policy, first):
   _Check(Case(num_stages=3, num_microbatches=5, circular_repeat=2, batch=10,
-              backward_schedule='1f1b', remat_policy=policy), 'graph')
+              backward_schedule='1f1b', remat_policy=policy), 'graph',
+         first=first)
 
 
 @pytest.mark.parametrize('case', [
@@ -209,16 +256,19 @@ def test_ring_entries_that_keep_activations(policy):
     Case(num_stages=3, num_microbatches=2, batch=4,
          backward_schedule='1f1b', unroll='always'),
 ], ids=['reverse', 'reverse-stream_io', '1f1b-unrolled'])
-def test_other_paths_score_the_outputs(case):
+@pytest.mark.parametrize('first', [False, True])
+def test_other_paths_score_the_outputs(case, first):
   """The reverse schedule and the unrolled stack return loss.fn of the
-  outputs, equal to the references too."""
-  _Check(case, 'graph')
+  outputs (of what the first stage makes), equal to the references too."""
+  _Check(case, 'graph', first=first)
 
 
-def test_partitioned_step_equals_one_device():
+@pytest.mark.parametrize('first', [False, True])
+def test_partitioned_step_equals_one_device(first):
   """Split over 4 virtual devices (a circular 4-stage layer, streamed),
-  each device scores its own stage's outputs in the manual region: the
-  loss's sums and every gradient equal the one-device step's."""
+  each device makes its inputs (where it reads them) and scores its own
+  stage's outputs in the manual region: the loss's sums and every
+  gradient equal the one-device step's."""
   from gpipe import sharding  # pylint: disable=g-import-not-at-top
   from gpipe.xla import partitioning  # pylint: disable=g-import-not-at-top
   if not partitioning.IsAvailable():
@@ -234,17 +284,25 @@ def test_partitioned_step_equals_one_device():
 
   def Step(*flat):
     w = list(flat[:len(weights)])
-    x, w_out = flat[len(weights):]
+    x, w_out = flat[len(weights):]  # x: the input, or the first's table
     with tf.GradientTape() as tape:
       tape.watch(w + [x, w_out])
-      loss = last_stage_loss.LastStageLoss(
+      loss = stage_ends.LastStageLoss(
           _Fn, NestedMap(out=w_out),
           NestedMap(labels=tf.constant(data['labels']),
                     weights=tf.constant(data['weights'])))
-      sums = layer.FPropWithLoss(theta.Pack(w), loss, x)
+      if first:
+        sums = layer.FPropWithLoss(
+            theta.Pack(w), loss, first_stage=stage_ends.FirstStageInput(
+                lambda weights, inputs: _Made(_TF, weights, inputs, 'dense'),
+                NestedMap(table=x),
+                NestedMap(ids=tf.constant(data['ids']),
+                          scale=tf.constant(data['scale']))))
+      else:
+        sums = layer.FPropWithLoss(theta.Pack(w), loss, x)
     return [sums.loss, sums.count] + tape.gradient(sums.loss, w + [x, w_out])
 
-  values = weights + [args[0], data['out']]
+  values = weights + [data['table'] if first else args[0], data['out']]
   one = tf.function(Step, jit_compile=True)(*[tf.constant(v) for v in values])
 
   def Partitioned(*flat):
@@ -272,11 +330,15 @@ def test_bad_losses_say_what_to_fix():
         (lambda w, y, i: [tf.reduce_sum(y)], 'NestedMap')):
       with pytest.raises(ValueError, match=said):
         layer.FPropWithLoss(layer.theta,
-                            last_stage_loss.LastStageLoss(fn), x)
+                            stage_ends.LastStageLoss(fn), x)
+    with pytest.raises(ValueError, match='not both'):
+      layer.FPropWithLoss(
+          layer.theta, stage_ends.LastStageLoss(_Fn), x,
+          first_stage=stage_ends.FirstStageInput(lambda w, i: x))
     with pytest.raises(ValueError, match='loss.inputs'):
       layer.FPropWithLoss(
-          layer.theta, last_stage_loss.LastStageLoss(_Fn), x,
-          **{last_stage_loss.INPUTS: x})
+          layer.theta, stage_ends.LastStageLoss(_Fn), x,
+          **{stage_ends.LOSS_INPUTS: x})
 
 
 def test_a_body_with_aux_losses_is_refused_under_1f1b():
@@ -287,5 +349,5 @@ def test_a_body_with_aux_losses_is_refused_under_1f1b():
     layer = p.Instantiate()
     fn = lambda w, y, i: NestedMap(loss=tf.reduce_sum(y))
     with pytest.raises(ValueError, match='aux losses'):
-      layer.FPropWithLoss(layer.theta, last_stage_loss.LastStageLoss(fn),
+      layer.FPropWithLoss(layer.theta, stage_ends.LastStageLoss(fn),
                           tf.zeros([4, 3, 4]))
