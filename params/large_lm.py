@@ -90,11 +90,14 @@ class LargeLMTask(lm_task.PipelinedLMTask):
     scores chunk by chunk."""
     if self._ScoresAtLastStage():
       # The vocab-sized weights where they live, split by vocab over every
-      # device of the stack; the pipeline gathers a copy for each stage
-      # (stage_ends.ForTheLoop), one for the embedding and the loss.
-      home = NestedMap(table=self._AtHome(theta.emb.wm),
-                       positions=self._OverStageDevices(theta.pos_emb.wm, 0),
-                       bias=self._AtHome(theta.softmax_bias))
+      # device of the stack; the pipeline gathers one copy for each stage
+      # (stage_ends.ForTheLoop) for the embedding and the loss, in the
+      # compute dtype (their gradients are summed in float32).
+      home = NestedMap(
+          table=self._InComputeDtype(self._AtHome(theta.emb.wm)),
+          positions=self._InComputeDtype(
+              self._OverStageDevices(theta.pos_emb.wm, 0)),
+          bias=self._AtHome(theta.softmax_bias))
       loss = self._LastStageLoss(theta, home, input_batch)
       if self.params.input_dropout_prob:
         return NestedMap(sums=self.stack.FPropWithLoss(

@@ -158,6 +158,8 @@ class PipelinedLMTask(base_model.BaseTask):
         activation_bytes=tf.as_dtype(p.stack_dtype).size,
         model_reductions=2 * body.Get('num_blocks') if 'num_blocks' in body
         else None,
+        checkpoint_reductions=body.Get('num_blocks') if 'num_blocks' in body
+        else None,
         compute_bytes=tf.as_dtype(compute or tf.float32).size,
         axis_roles=roles,
         tables=((sum(v.shape.num_elements() for v in tables),

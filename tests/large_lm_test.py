@@ -270,7 +270,8 @@ def test_the_floors_of_the_small_planned_lm_by_hand(small_plan):
   """The least each axis carries for lm.LargestMeshSmall's step on [2, 1,
   4], by hand: M = 4 microbatches of 16 / 4 rows x 16 tokens x 32 wide,
   float32 (A); each of 2 blocks reduces 2 activations over the 4 model
-  devices per pass (a ring: 2 x 3/4 of each), 3 passes, and the ends 2
+  devices forward and backward (a ring: 2 x 3/4 of each), one each again
+  when recomputed from its stored input (save_checkpoints), and the ends 2
   per microbatch; the tied table (40 x 32 and its 40 biases) gathered
   over the 2 stages, each chip its model quarter; the positions (16 x 32)
   over all 8."""
@@ -283,7 +284,7 @@ def test_the_floors_of_the_small_planned_lm_by_hand(small_plan):
                     2 * 4 * a,
                 'tables gathered, their gradients scattered':
                     1 / 2 * (40 * 32 + 40) / 4 * (4 + 4)},
-      'model': {'the body\'s reductions': 3 * 2 * 2 * 4 * ring * a,
+      'model': {'the body\'s reductions': (2 * 4 + 2) * 4 * ring * a,
                 'the ends\' reductions': 2 * 4 * ring * a},
       'stage+model': {'tables gathered, their gradients scattered':
                           7 / 8 * 16 * 32 * (4 + 4)},

@@ -161,9 +161,10 @@ def test_each_axis_floor_by_hand(report):
       # Each of M x R stage calls sends its output and input gradient once.
       'stage': {'activations and their gradients, stage to stage':
                     2 * M * R * a},
-      # A block reduces 2 activations per pass: forward, the recomputed
-      # forward, backward; 2 model devices: a ring sends each once.
-      'model': {'the body\'s reductions': 3 * 2 * M * R * a},
+      # A block reduces 2 activations forward and 2 backward, and its
+      # recomputed forward the first (its last feeds only the output); 2
+      # model devices: a ring sends each once.
+      'model': {'the body\'s reductions': 5 * M * R * a},
       'data': {'one gradient reduction': gradients},
       'stage+data+model': {'tables gathered, their gradients scattered':
                                7 / 8 * table * (4 + 4)},

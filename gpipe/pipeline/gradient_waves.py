@@ -61,6 +61,14 @@ def Row(tables, index, place):
                     for n, t in tables.items()})
 
 
+def _Accumulated(dtype):
+  """The dtype a captured tensor's gradient is summed in over the
+  iterations: float32 for a 16-bit float (a weight cast to bfloat16
+  before the loop, say: each iteration's gradient is bfloat16, their sum
+  is kept, and leaves the loop, in float32)."""
+  return tf.float32 if dtype in (tf.bfloat16, tf.float16) else dtype
+
+
 def _ByStage(x, place):
   """[T, S, ...] -> [S, T, ...], stage dim split: rows a stage reads."""
   perm = [1, 0] + list(range(2, x.shape.rank))
@@ -161,7 +169,8 @@ class GradientLoop:
         d_writing=self._io.StartWritingGradients(filler),
         d_theta=[while_loops.ZerosAfter(flat_theta[i], after)
                  for i in diff['theta']],
-        d_captures=[tf.zeros_like(self._captures[i])
+        d_captures=[tf.zeros(self._captures[i].shape,
+                             _Accumulated(self._captures[i].dtype))
                     for i in diff['captures']],
         d_states=[tf.zeros_like(_ByStage(self._states[i], self._place))
                   for i in self._DiffStateInputs()])
@@ -257,7 +266,8 @@ class GradientLoop:
     out.d_buffer = [per_stage(tf.where(_Mask(first, x), tf.zeros_like(x), x))
                     for x in grads.d_x]
     out.d_theta = [a + g for a, g in zip(carry.d_theta, grads.theta)]
-    out.d_captures = [a + g for a, g in zip(carry.d_captures, grads.captures)]
+    out.d_captures = [a + tf.cast(g, a.dtype)
+                      for a, g in zip(carry.d_captures, grads.captures)]
     out.d_states = [self._rows.Add(a, at, g)
                     for a, g in zip(carry.d_states, grads.states)]
     return out

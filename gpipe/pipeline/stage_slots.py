@@ -111,6 +111,11 @@ class Ring:
   temporary; a gather at per-stage slots is kept local by XLA's
   partitioner only where it sees through the indices.) Otherwise a TensorList of `size` [S, ...] entries
   (a write stores a reference, a read copies S rows).
+
+  Under XLA, 16-bit float entries are kept as their 16-bit patterns
+  (uint16; the masked sum picks one entry exactly): XLA:CPU computes no
+  bfloat16, and would keep a bfloat16 ring, and the temporary of its read,
+  in float32, twice what a TPU holds.
   """
 
   def __init__(self, spec, size, placement):
@@ -118,6 +123,9 @@ class Ring:
     self.size = size
     self._place = placement
     self.xla = UnderXla()
+    self._bits = (tf.uint16 if self.xla and spec.dtype in (tf.bfloat16,
+                                                             tf.float16)
+                  else None)
 
   @property
   def num_stages(self):
@@ -131,7 +139,7 @@ class Ring:
     if self.xla:
       shape = self.spec.shape.as_list()
       return self._Placed(tf.zeros(shape[:1] + [self.size] + shape[1:],
-                                   self.spec.dtype))
+                                   self._bits or self.spec.dtype))
     return list_ops.tensor_list_reserve(
         element_shape=self.spec.shape, num_elements=self.size,
         element_dtype=self.spec.dtype)
@@ -140,6 +148,8 @@ class Ring:
     """Every stage's entry [S, ...] into slot `slot` (a scalar)."""
     if self.xla:
       start = [0, slot] + [0] * (self.spec.shape.rank - 1)
+      if self._bits:
+        entry = tf.bitcast(entry, self._bits)
       return self._Placed(xla_ops.dynamic_update_slice(
           ring, entry[:, None], tf.stack(start)))
     return list_ops.tensor_list_set_item(ring, slot, entry)
@@ -150,8 +160,11 @@ class Ring:
       hit = tf.equal(slots[:, None], tf.range(self.size)[None, :])  # [S, size]
       hit = tf.reshape(hit, [self.num_stages, self.size] +
                        [1] * (self.spec.shape.rank - 1))
-      picked = tf.where(hit, ring, tf.zeros([], self.spec.dtype))
-      return self._place.SplitStages(tf.reduce_sum(picked, axis=1))
+      picked = tf.where(hit, ring, tf.zeros([], ring.dtype))
+      entry = tf.reduce_sum(picked, axis=1)
+      if self._bits:
+        entry = tf.bitcast(entry, self.spec.dtype)
+      return self._place.SplitStages(entry)
     rows = [
         list_ops.tensor_list_get_item(ring, slots[s], self.spec.dtype,
                                       element_shape=self.spec.shape)[s]

@@ -11,13 +11,16 @@ the elements of a row x their bytes):
 
     stage   2 M R A: every stage call sends its output to the next stage
             once and its input gradient to the previous one once.
-    model   passes x k x M R x ring(P) x A': a Megatron-style body reduces
-            k activations of a call's size over the model axis in each
-            forward pass (k = 2 a Transformer block: after the attention
-            and after the feed-forward layer), in the compute dtype (A'),
-            and as many input gradients in the backward pass; passes = 3
-            (forward, recomputed forward, backward) where the remat policy
-            recomputes the body, 2 where it stores the dots. Plus e x M x
+    model   (2 k + k') x M R x ring(P) x A': a Megatron-style body
+            reduces k activations of a call's size over the model axis in
+            its forward pass (k = 2 a Transformer block: after the
+            attention and after the feed-forward layer), in the compute
+            dtype (A'), and as many input gradients in the backward pass;
+            a recomputed forward k' more: k - 1 (the call's last reduction
+            feeds only its output, which its backward does not read), the
+            model's own count under 'save_checkpoints' (a block recomputed
+            from its stored input: 1 each), none where the remat policy
+            stores the dots. Plus e x M x
             ring(P) x A' for the pipeline's ends: an embedding lookup in a
             table split by vocab over the model axis reduces its rows, a
             loss scoring with it reduces its input's gradient (e = 2).
@@ -58,6 +61,9 @@ class ModelShape:
       over), ...) of its vocab-sized tables (embeddings, softmax).
     end_reductions: per microbatch, activations of its size the
       pipeline's ends reduce over the model axis (see the module).
+    checkpoint_reductions: per stage-repeat call, reductions the body's
+      backward runs again under remat_policy 'save_checkpoints'; None:
+      as under 'recompute'.
   """
   rows: int
   row_elements: int
@@ -67,6 +73,7 @@ class ModelShape:
   axis_roles: dict = dataclasses.field(default_factory=lambda: {'stage': 0})
   tables: tuple = ()
   end_reductions: int = 0
+  checkpoint_reductions: int = None
 
   def AxisNames(self, rank):
     """A name per mesh axis: its role, or 'axis k'."""
@@ -111,10 +118,15 @@ def Floors(shape, schedule, mesh_shape, remat_policy, gradient_bytes):
         'activations and their gradients, stage to stage':
             2 * m * r * elements * shape.activation_bytes}))
   if size('model') > 1 and shape.model_reductions is not None:
-    passes = 2 if remat_policy in ('save_dots', 'save_all') else 3
+    k = shape.model_reductions
+    again = max(k - 1, 0)
+    if remat_policy in ('save_dots', 'save_all'):
+      again = 0
+    elif (remat_policy == 'save_checkpoints' and
+          shape.checkpoint_reductions is not None):
+      again = shape.checkpoint_reductions
     one = _Ring(size('model')) * elements * shape.compute_bytes
-    parts = {'the body\'s reductions':
-                 passes * shape.model_reductions * m * r * one}
+    parts = {'the body\'s reductions': (2 * k + again) * m * r * one}
     if shape.end_reductions:
       parts['the ends\' reductions'] = shape.end_reductions * m * one
     floors.append(Floor(names[roles['model']], parts))

@@ -119,3 +119,35 @@ def test_1f1b_with_stream_io_holds_a_bounded_share_whatever_m():
       assert temp <= bound, (r, m, temp / mb, bound / mb)
       temps[(r, m)] = temp
     assert temps[(r, 2 * NUM_MICROBATCHES)] <= temps[(r, NUM_MICROBATCHES)]
+
+
+def test_a_bfloat16_ring_keeps_its_entries_in_16_bits():
+  """Under XLA a 1f1b ring of bfloat16 entries (gpipe.pipeline.stage_slots
+  .Ring) keeps them as their 16-bit patterns: what a read picks is the
+  entry written, bit for bit, and XLA:CPU's compiled ring is 16-bit, not
+  the float32 it would widen bfloat16 to."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from gpipe.pipeline import stage_slots  # pylint: disable=g-import-not-at-top
+  from gpipe import sharding  # pylint: disable=g-import-not-at-top
+  stages, size, width = 3, 5, 7
+  rng = np.random.RandomState(0)
+  entries = rng.normal(size=[size, stages, width]).astype(np.float32)
+
+  def WriteAndRead(values):
+    ring = stage_slots.Ring(tf.TensorSpec([stages, width], tf.bfloat16), size,
+                            sharding.StagePlacement(stages))
+    assert ring.xla
+    held = ring.Empty()
+    for slot in range(size):
+      held = ring.Write(held, slot, tf.cast(values[slot], tf.bfloat16))
+    return held, ring.Read(held, tf.constant([4, 0, 2]))
+
+  run = tf.function(WriteAndRead, jit_compile=True)
+  held, read = run(tf.constant(entries))
+  assert held.dtype == tf.uint16 and read.dtype == tf.bfloat16
+  want = entries.astype(tf.bfloat16.as_numpy_dtype)
+  np.testing.assert_array_equal(read.numpy(), want[[4, 0, 2], range(stages)])
+  hlo = run.experimental_get_compiler_ir(tf.constant(entries))('optimized_hlo')
+  assert f'u16[{stages},{size},{width}]' in hlo
+  assert f'f32[{stages},{size},{width}]' not in hlo

@@ -7,6 +7,8 @@ the least each mesh axis must carry from a model's shapes. Both on small
 hand-written cases (no compile).
 """
 
+import dataclasses
+
 import pytest
 
 from gpipe.plan import collectives
@@ -104,15 +106,22 @@ def test_floors_by_hand():
       shape, sched, (2, 2, 4), 'recompute', gradient_bytes=1000)}
   assert floors == {
       'stage': 2 * 4 * 2 * a + 1 / 2 * 50 * 32 * (2 + 4),
-      'model': (3 * 6 * 4 * 2 + 2 * 4) * (2 * 3 / 4) * a,
+      # Each call reduces 6 forward, 6 backward, and its recomputed
+      # forward all but the last: 5.
+      'model': ((2 * 6 + 5) * 4 * 2 + 2 * 4) * (2 * 3 / 4) * a,
       'data': 1000,
       'stage+data+model': 15 / 16 * 100 * 32 * (2 + 4),
   }
   stored = {f.axes: f.bytes for f in traffic_floor.Floors(
       shape, sched, (2, 2, 4), 'save_dots', gradient_bytes=1000)}
-  ends = 2 * 4 * (2 * 3 / 4) * a
-  assert stored['model'] == pytest.approx((floors['model'] - ends) * 2 / 3 +
-                                          ends)
+  assert stored['model'] == pytest.approx(
+      (2 * 6 * 4 * 2 + 2 * 4) * (2 * 3 / 4) * a)
+  # Blocks recomputed from stored inputs: as many again as the model says.
+  checkpointed = {f.axes: f.bytes for f in traffic_floor.Floors(
+      dataclasses.replace(shape, checkpoint_reductions=3), sched,
+      (2, 2, 4), 'save_checkpoints', gradient_bytes=1000)}
+  assert checkpointed['model'] == pytest.approx(
+      ((2 * 6 + 3) * 4 * 2 + 2 * 4) * (2 * 3 / 4) * a)
   # Axes of size 1 split nothing: no floor, and not named in the table's.
   flat = {f.axes for f in traffic_floor.Floors(
       shape, sched, (2, 1, 1), 'recompute', gradient_bytes=1000)}
