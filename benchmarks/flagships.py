@@ -31,12 +31,13 @@ GIB = 2**30
 
 
 def Plan(model, tpu, hbm_gib, candidates=None, layer='gpipe',
-          num_devices=8):
-  """(the plan's JSON or None, the error's last line, wall seconds)."""
+          num_devices=8, extra=()):
+  """(the plan's JSON or None, the error's last line, wall seconds);
+  `extra`: more gpipe.plan arguments."""
   argv = [sys.executable, '-m', 'gpipe.plan', '--model', model,
           '--num_devices', str(num_devices), '--tpu', tpu,
           '--hbm_gib', str(hbm_gib),
-          '--pipeline_layer', layer, '--json']
+          '--pipeline_layer', layer, '--json', *extra]
   if candidates:
     argv += ['--num_microbatches', candidates[0],
              '--circular_repeat', candidates[1]]

@@ -1,19 +1,30 @@
-"""Plans the largest registered LMs on their chips and prints the evidence.
+"""Plans the largest registered LMs on their chips; prints and checks them.
 
-    python -m benchmarks.largest > largest.md
+    python -m benchmarks.largest [--meshes] > largest.md
 
 For lm.LargestOn8x16GiB (8 chips) and lm.LargestOn32x16GiB (32 chips), each
-of 16 GiB, TPU v5e roofline, it runs `python -m gpipe.plan --json` with the
-model's own candidate and prints, beside GPipe's largest Transformer on as
-many accelerators of 16 GB (Huang et al., 2019, Table 1), the bytes per
-chip, the FLOPs ratio, the bubble and the predicted step, then checks what
-a fit means here: recommended, peak at most 90 % of 16 GiB, weights per
-chip at most 1.1 x total / N, FLOPs per chip at most 1.1 x the
-unpartitioned step's / N, bubble at most 0.1. Exits 1 if a check fails.
+of 16 GiB, TPU v5e roofline, it runs `python -m gpipe.plan --json` on the
+model's own candidate (with --meshes, on other meshes of the same chips
+too, ranked by the predicted step) and prints, beside GPipe's largest
+Transformer on as many accelerators of 16 GB (Huang et al., 2019, Table
+1): the bytes per chip, the predicted step in its parts (the model's own
+compute, the bubble, the rest of the compute (a recomputed forward, the
+optimizer), HBM traffic, collectives by mesh axis), and per mesh axis the
+bytes a chip sends against the least it must (gpipe.plan.traffic_floor).
+Then it checks the targets, and exits 1 if one fails:
 
-Each plan compiles the model's whole training step from shapes alone: about
-4 minutes and 7 GB of host memory for the 8-chip model, more for the
-32-chip one.
+    recommended, at a predicted MFU of at least 50 % (collectives not
+    overlapped with anything), peak at most 90 % of 16 GiB, weights per
+    chip at most 1.1 x total / N, FLOPs per chip at most 1.1 x the
+    unpartitioned step's / N, bubble at most 0.1, every set of mesh axes
+    sending at most 1.25 x its floor, and at least 10.6 B (42 B)
+    parameters.
+
+Every byte and FLOP figure is XLA's for the partitioned module compiled for
+CPU devices; the step, its parts and the MFU are the planner's roofline
+model of a v5e chip, predicted, not measured. Each plan compiles the whole
+training step from shapes alone: about 6 minutes and 8 GB of host memory
+for the 8-chip model's candidate, more for the 32-chip one's.
 """
 
 import argparse
@@ -24,13 +35,16 @@ from benchmarks import flagships
 GIB = 2**30
 HBM_GIB = 16
 MODELS = (
-    # (model, chips, GPipe's parameters on as many 16 GB accelerators)
-    ('lm.LargestOn8x16GiB', 8, 5.3e9),
-    ('lm.LargestOn32x16GiB', 32, 21.0e9),
+    # (model, chips, GPipe's parameters on as many 16 GB accelerators,
+    #  the least parameters a largest model must have, other meshes)
+    ('lm.LargestOn8x16GiB', 8, 5.3e9, 10.6e9, ('2x1x4',)),
+    ('lm.LargestOn32x16GiB', 32, 21.0e9, 42e9, ('8x1x4', '32x1x1')),
 )
+TARGETS = dict(mfu=0.5, peak=0.9, weights=1.1, flops=1.1, bubble=0.1,
+               floor=1.25)
 
 
-def _Checks(plan, num_devices):
+def _Checks(plan, num_devices, least_params):
   """[(what, value, bound, ok)] for the recommended candidate."""
   best = plan['recommended']
   if best is None:
@@ -38,22 +52,89 @@ def _Checks(plan, num_devices):
   c = plan['candidates'][best]
   b = c['per_device_bytes']
   weights_share = b['weights'] / (plan['total_weight_bytes'] / num_devices)
-  return [
-      ('peak / 16 GiB', b['peak'] / (HBM_GIB * GIB), 0.9,
-       b['peak'] <= 0.9 * HBM_GIB * GIB),
-      ('weights per chip / (total / N)', weights_share, 1.1,
-       weights_share <= 1.1),
-      ('FLOPs per chip / (unpartitioned / N)', c['flops_ratio'], 1.1,
-       c['flops_ratio'] <= 1.1),
-      ('bubble', c['bubble_fraction'], 0.1, c['bubble_fraction'] <= 0.1),
+  params = plan['total_weight_bytes'] / 4
+  checks = [
+      ('parameters (B)', params / 1e9, least_params / 1e9,
+       params >= least_params),
+      ('predicted MFU', c['predicted']['mfu'], TARGETS['mfu'],
+       c['predicted']['mfu'] >= TARGETS['mfu']),
+      ('peak / 16 GiB', b['peak'] / (HBM_GIB * GIB), TARGETS['peak'],
+       b['peak'] <= TARGETS['peak'] * HBM_GIB * GIB),
+      ('weights per chip / (total / N)', weights_share, TARGETS['weights'],
+       weights_share <= TARGETS['weights']),
+      ('FLOPs per chip / (unpartitioned / N)', c['flops_ratio'],
+       TARGETS['flops'], c['flops_ratio'] <= TARGETS['flops']),
+      ('bubble', c['bubble_fraction'], TARGETS['bubble'],
+       c['bubble_fraction'] <= TARGETS['bubble']),
   ]
+  for axes, ratio in c['collective_sent_over_floor'].items():
+    checks.append((f'{axes}: sent / floor',
+                   float('inf') if ratio is None else ratio,
+                   TARGETS['floor'],
+                   ratio is not None and ratio <= TARGETS['floor']))
+  return checks
 
 
-def _Report(model, num_devices, gpipe_params):
+def _Candidates(plan):
+  """The candidates, fastest predicted first, as table rows."""
+  rows = ['| mesh | M | R | remat | peak GiB | fits | pred. step s | '
+          'pred. MFU |', '|---|---|---|---|---|---|---|---|']
+  order = sorted(range(len(plan['candidates'])),
+                 key=lambda i: plan['candidates'][i]['predicted_step_seconds'])
+  for i in order:
+    c = plan['candidates'][i]
+    rows.append(
+        f"| {'x'.join(map(str, c['mesh_shape']))} | "
+        f"{c['num_microbatches']} | {c['circular_repeat']} | "
+        f"{c['remat_policy']} | {c['per_device_bytes']['peak'] / GIB:.2f} | "
+        f"{'yes' if c['fits'] else 'NO'} | "
+        f"{c['predicted_step_seconds']:.2f}"
+        f"{'*' if i == plan['recommended'] else ''} | "
+        f"{100 * c['predicted']['mfu']:.0f} % |")
+  return rows
+
+
+def _StepParts(c):
+  """The predicted step in its parts, and the collectives by axes."""
+  p = c['predicted']
+  rows = ['| part | seconds |', '|---|---|']
+  for what, key in (('compute', 'compute_seconds'),
+                    ('of it the model', 'model_compute_seconds'),
+                    ('of it the bubble', 'bubble_seconds'),
+                    ('of it recomputation and other',
+                     'other_compute_seconds'),
+                    ('HBM traffic (overlaps compute)',
+                     'memory_traffic_seconds'),
+                    ('collectives (overlap nothing)', 'collective_seconds'),
+                    ('step = max(compute, HBM) + collectives',
+                     'step_seconds')):
+    rows.append(f'| {what} | {p[key]:.3f} |')
+  return rows
+
+
+def _Axes(c, link_bandwidth):
+  """Per set of mesh axes: sent, its floor, the ratio, the seconds."""
+  rows = ['| mesh axes | sent per step | floor | sent / floor | seconds |',
+          '|---|---|---|---|---|']
+  floors = c['collective_floor_per_step']
+  for axes, kinds in c['collective_bytes_sent_per_step'].items():
+    sent = sum(kinds.values())
+    floor = floors.get(axes, {}).get('bytes')
+    ratio = c['collective_sent_over_floor'].get(axes)
+    rows.append(
+        f'| {axes} | {sent / GIB:.3f} GiB | '
+        f"{'-' if floor is None else f'{floor / GIB:.3f} GiB'} | "
+        f"{'no floor' if ratio is None else f'{ratio:.2f}'} | "
+        f'{sent / link_bandwidth:.3f} |')
+  return rows
+
+
+def _Report(model, num_devices, gpipe_params, least_params, meshes):
   """Prints one model's section; returns whether every check holds."""
   print(f'## {model} on {num_devices} x {HBM_GIB} GiB (TPU v5e roofline)\n')
-  plan, error, seconds = flagships.Plan(model, 'v5e', HBM_GIB,
-                                        num_devices=num_devices)
+  plan, error, seconds = flagships.Plan(
+      model, 'v5e', HBM_GIB, num_devices=num_devices,
+      extra=['--mesh', ','.join(meshes)] if meshes else ())
   if plan is None:
     print(f'Not planned: {error}\n')
     return False
@@ -61,21 +142,31 @@ def _Report(model, num_devices, gpipe_params):
   print(f'{params / 1e9:.1f} B parameters ({params / gpipe_params:.2f} x '
         f"GPipe's {gpipe_params / 1e9:.1f} B on {num_devices} accelerators "
         f'of 16 GB); planned in {seconds:.0f} s.\n')
-  print('| M | R | bubble | weights GiB | optim GiB | temp GiB | peak GiB | '
-        f'fits | FLOP/dev / (unp/{num_devices}) | pred. step s | pred. MFU |')
-  print('|---|---|---|---|---|---|---|---|---|---|---|')
-  for c in plan['candidates']:
-    print(flagships.Row(c))
-  print('\n| check | value | bound | holds |\n|---|---|---|---|')
-  checks = _Checks(plan, num_devices)
+  print('\n'.join(_Candidates(plan)))
+  for reason in plan['skipped']:
+    print(f"\nskipped {'x'.join(map(str, reason['mesh_shape'] or []))}: "
+          f"{reason['reason']}")
+  best = plan['recommended']
+  if best is not None:
+    c = plan['candidates'][best]
+    b = c['per_device_bytes']
+    print(f"\nRecommended: mesh {'x'.join(map(str, c['mesh_shape']))}, "
+          f"M={c['num_microbatches']}, R={c['circular_repeat']}, "
+          f"{c['remat_policy']}, {c['backward_schedule']}"
+          f"{' + stream_io' if c['stream_io'] else ''}. Bytes per chip: "
+          f"weights {b['weights'] / GIB:.2f} GiB, optimizer "
+          f"{b['optimizer'] / GIB:.3f} GiB, temporaries "
+          f"{b['temp'] / GIB:.2f} GiB (of them stored for the backward "
+          f"{c['stored_activation_bytes'] / GIB:.2f} GiB), peak "
+          f"{b['peak'] / GIB:.2f} GiB.\n")
+    print('\n'.join(_StepParts(c)) + '\n')
+    link = plan['tpu']['ici_bandwidth'] / (2 * plan['tpu']['ici_ports'])
+    print('\n'.join(_Axes(c, link)) + '\n')
+  print('| check | value | bound | holds |\n|---|---|---|---|')
+  checks = _Checks(plan, num_devices, least_params)
   for what, value, bound, ok in checks:
     shown = value if isinstance(value, str) else f'{value:.3f}'
     print(f"| {what} | {shown} | {bound} | {'yes' if ok else 'NO'} |")
-  best = plan['recommended']
-  if best is not None:
-    print('\nLargest buffers of the recommended candidate:\n')
-    for b in plan['candidates'][best]['largest_buffers']:
-      print(f"- {b['bytes'] / GIB:.2f} GiB `{b['type']}` ({b['op']})")
   print()
   return all(ok for *_, ok in checks)
 
@@ -83,15 +174,28 @@ def _Report(model, num_devices, gpipe_params):
 def main(argv=None):
   parser = argparse.ArgumentParser(prog='python -m benchmarks.largest',
                                    description=__doc__.split('\n\n')[0])
-  parser.add_argument('--only', choices=[m for m, _, _ in MODELS],
+  parser.add_argument('--only', choices=[m[0] for m in MODELS],
                       help='plan this model only')
+  parser.add_argument('--meshes', action='store_true',
+                      help='also plan each model on other meshes of its '
+                      'chips (each a whole compile: several times longer)')
   args = parser.parse_args(argv)
   ok = True
-  for model, num_devices, gpipe_params in MODELS:
+  for model, num_devices, gpipe_params, least, meshes in MODELS:
     if args.only in (None, model):
-      ok &= _Report(model, num_devices, gpipe_params)
+      own = None
+      if args.meshes:
+        own = ['x'.join(map(str, _OwnMesh(model)))] + list(meshes)
+      ok &= _Report(model, num_devices, gpipe_params, least, own)
       sys.stdout.flush()
   return 0 if ok else 1
+
+
+def _OwnMesh(model):
+  """The registered model's own [stages, data, model] mesh."""
+  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
+  import params.lm  # pylint: disable=g-import-not-at-top,unused-import
+  return model_registry.GetClass(model).MESH.device_mesh.shape
 
 
 if __name__ == '__main__':

@@ -93,10 +93,13 @@ class LargeLMTask(lm_task.PipelinedLMTask):
       # device of the stack; the pipeline gathers one copy for each stage
       # (stage_ends.ForTheLoop) for the embedding and the loss, in the
       # compute dtype (their gradients are summed in float32).
+      # The positions (every stage's whole, not split by the model axis)
+      # gathered whole first: made whole after the stacking, the gather
+      # would move a copy per stage.
       home = NestedMap(
           table=self._InComputeDtype(self._AtHome(theta.emb.wm)),
-          positions=self._InComputeDtype(
-              self._OverStageDevices(theta.pos_emb.wm, 0)),
+          positions=sharding.Replicate(self._InComputeDtype(
+              self._OverStageDevices(theta.pos_emb.wm, 0))),
           bias=self._AtHome(theta.softmax_bias))
       loss = self._LastStageLoss(theta, home, input_batch)
       if self.params.input_dropout_prob:
@@ -111,10 +114,10 @@ class LargeLMTask(lm_task.PipelinedLMTask):
 
   def TrafficShape(self, input_specs):
     """PipelinedLMTask's, for the ends made in the loop (training with
-    1f1b, no input dropout): the tied table and its bias gathered over the
-    stage axis, each chip its model-axis slice of the vocab; the
-    positions over every axis; per microbatch the embedding's rows and the
-    loss's input gradient reduced over the model axis."""
+    1f1b, no input dropout): the tied table gathered over the stage axis,
+    each chip its model-axis slice of the vocab (_AtHome); the positions
+    over every axis; per microbatch the embedding's rows and the loss's
+    input gradient reduced over the model axis."""
     shape = super().TrafficShape(input_specs)
     sp = self.params.stack
     if sp.backward_schedule != '1f1b' or self.params.input_dropout_prob:
@@ -126,8 +129,7 @@ class LargeLMTask(lm_task.PipelinedLMTask):
     vocab = self.emb.vars.wm.shape.num_elements() + self.params.vocab_size
     return dataclasses.replace(
         shape, end_reductions=2 if model > 1 else 0,
-        tables=((vocab / model, tuple(roles[axis] for axis in (
-            'stage', 'data') if axis in roles)),
+        tables=((vocab / model, (roles['stage'],)),
                 (self.pos_emb.vars.wm.shape.num_elements(),
                  tuple(range(len(mesh))))))
 
@@ -166,13 +168,21 @@ class LargeLMTask(lm_task.PipelinedLMTask):
   def _LastStageLoss(self, theta, home, input_batch):
     """The weighted cross entropy and correct argmaxes of a microbatch, as
     the last stage takes them: final layer norm, the tied table (split by
-    vocab over the model axis), the softmax."""
+    vocab over the model axis), the softmax.
+
+    Each position weighs its weight over the batch's sum, so that the sums
+    are the batch's means, the task's loss itself: its gradient comes in
+    as 1, and the pipeline's gradients need no scaling after the loop (a
+    copy of every gradient where XLA does not fuse it away)."""
+    weights = _ScoredWeights(input_batch)
     return stage_ends.LastStageLoss(
         self._MicrobatchScores,
-        weights=NestedMap(final_ln=theta.final_ln, table=home.table,
-                          bias=home.bias),
+        # The final layer norm whole on every chip (two [d] vectors): split
+        # by propagation, the stages' copies would gather it.
+        weights=NestedMap(final_ln=theta.final_ln.Transform(
+            sharding.Replicate), table=home.table, bias=home.bias),
         inputs=NestedMap(labels=input_batch.labels,
-                         weights=_ScoredWeights(input_batch)),
+                         weights=weights / tf.reduce_sum(weights)),
         differentiated='xent')
 
   def _MicrobatchScores(self, weights, outputs, inputs):
@@ -191,17 +201,19 @@ class LargeLMTask(lm_task.PipelinedLMTask):
                      correct=tf.reduce_sum(correct * inputs.weights))
 
   def _AtHome(self, w):
-    """A [vocab, ...] weight split by vocab over every device of the stack,
-    the model axis major on a PodMesh: the rows of a model slice live on
-    that slice's devices, so gathering them for each stage crosses the
-    stage (and data) axes only."""
+    """A [vocab, ...] weight as it lives on a PodMesh: split by vocab over
+    the model axis (each chip holds its model slice's rows, which its
+    stages use) and, a 2-D table, by width over the stage axis, so that
+    the pipeline's copy for each stage gathers it over the stage axis
+    alone and reduce-scatters its gradient back
+    (stage_ends.ForTheLoop); elsewhere split by vocab over every device."""
     sp = self.params.stack
     if sp.pipeline_stage_mesh_dim is None or np.ndim(sp.device_mesh) != 3:
       return self._OverStageDevices(w, 0)
-    order = (pod_blocks.PodMesh.MODEL_AXIS, pod_blocks.PodMesh.DATA_AXIS,
-             pod_blocks.PodMesh.STAGE_AXIS)
-    devices = np.reshape(np.transpose(sp.device_mesh, order), [-1])
-    return sharding.MeshSplit(w, devices, [0] + [-1] * (w.shape.rank - 1))
+    mapping = [pod_blocks.PodMesh.MODEL_AXIS] + [-1] * (w.shape.rank - 1)
+    if w.shape.rank == 2:
+      mapping[1] = pod_blocks.PodMesh.STAGE_AXIS
+    return sharding.MeshSplit(w, sp.device_mesh, mapping)
 
   def _OverModelAxis(self, x, dim):
     """x split on `dim` over a PodMesh's model axis (if on one)."""
@@ -218,14 +230,15 @@ class LargeLMTask(lm_task.PipelinedLMTask):
 
   def ComputeLoss(self, theta, predictions, input_batch):
     weights = _ScoredWeights(input_batch)
-    if 'sums' in predictions:
-      xent, correct = predictions.sums.xent, predictions.sums.correct
+    num_scored = tf.reduce_sum(weights)
+    if 'sums' in predictions:  # means already (_LastStageLoss)
+      loss, accuracy = predictions.sums.xent, predictions.sums.correct
     else:
       xent, correct = self._ChunkedScores(theta, predictions.hidden,
                                           input_batch.labels, weights)
-    num_scored = tf.reduce_sum(weights)
-    metrics = {'loss': (xent / num_scored, num_scored),
-               'accuracy': (correct / num_scored, num_scored)}
+      loss, accuracy = xent / num_scored, correct / num_scored
+    metrics = {'loss': (loss, num_scored),
+               'accuracy': (accuracy, num_scored)}
     metrics.update(py_utils.GetTpuSummaryTensors())
     return metrics, {}
 

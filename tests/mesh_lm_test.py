@@ -228,6 +228,9 @@ def test_device_groups_read_both_spellings_and_name_axes():
   c = hlo_text.Collective('all-gather', 'f32[2]', 'c', 0,
                               groups=((0, 2, 1, 3), (4, 6, 5, 7)))
   assert c.MeshAxes((2, 2, 2)) == (1, 2)
+  # No groups named: every device, so every axis of more than one.
+  c = hlo_text.Collective('all-gather', 'f32[2]', 'c', 0)
+  assert c.MeshAxes((2, 1, 4)) == (0, 2) and c.MeshAxes((8,)) == (0,)
   assert hlo_text.DeviceGroups('%a = f32[2] add(%x, %y)') == ()
 
 

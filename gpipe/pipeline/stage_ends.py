@@ -218,8 +218,7 @@ def ForTheLoop(ends, runner, placement, num_stages):
     if id(w) not in stacked:
       value = tf.convert_to_tensor(w)
       if runner.manual_mesh is not None:
-        value = placement.SplitStages(
-            tf.broadcast_to(value[None], [num_stages] + value.shape.as_list()))
+        value = _StackedOverStages(value, placement, num_stages)
       stacked[id(w)] = value
     return stacked[id(w)]
 
@@ -229,6 +228,42 @@ def ForTheLoop(ends, runner, placement, num_stages):
       end, weights=tf.nest.map_structure(ForLoop, end.weights),
       inputs=nest.MapTensors(placement.ReplicateLoopDim, end.inputs))
           for end in ends]
+
+
+def _StackedOverStages(value, placement, num_stages):
+  """[S, ...] copies of `value` split over the stage devices, whose
+  gradient (each stage's, summed) is reduce-scattered over them along the
+  last dim of a matrix (or more) where S divides it (a vector's is summed
+  whole: small, and kept whole, as a norm's scale is): written as the
+  exchange of each device's
+  parts of its own stage's gradient (an all-to-all) and a sum on every
+  device, so that no compiler has to find the reduce-scatter in an
+  all-reduce of the whole (XLA's SPMD partitioner writes one so). A value
+  kept split so over the stages (its last dim) is gathered by the copy,
+  once, and gets its gradient back split the same way."""
+  shape = value.shape.as_list()
+  last = shape[-1] if len(shape) >= 2 else None
+
+  @tf.custom_gradient
+  def Stacked(v):
+
+    def Grad(dy):
+      # Each stage's gradient where the loop left it (pinned: else the
+      # partitioner would lay the loop's sum out for the exchange below
+      # and exchange in every iteration).
+      dy = placement.SplitStages(dy)
+      if not last or last % num_stages:
+        return tf.reduce_sum(dy, 0)
+      parts = tf.reshape(dy, [num_stages] + shape[:-1] +
+                         [num_stages, last // num_stages])
+      parts = placement.SplitStages(parts, len(shape))  # the all-to-all
+      summed = tf.reduce_sum(parts, 0)
+      return placement.SplitStages(tf.reshape(summed, shape), len(shape) - 1)
+
+    return placement.SplitStages(
+        tf.broadcast_to(v[None], [num_stages] + shape)), Grad
+
+  return Stacked(value)
 
 
 def FirstStageFiller(first, made, runner, placement, num_stages):

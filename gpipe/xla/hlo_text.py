@@ -65,10 +65,11 @@ class Collective:
   def MeshAxes(self, mesh_shape):
     """The device-mesh axes it runs along: those on which the devices of
     a group (or a permute's source and target) differ, e.g. (0,) for the
-    rotation over a [stages, model] mesh's stage axis. () when it names no
-    groups (all devices in one group on a 1-D mesh: (0,))."""
+    rotation over a [stages, model] mesh's stage axis. Naming no groups,
+    it runs over every device: every axis of more than one."""
     if not self.groups:
-      return tuple(range(len(mesh_shape))) if len(mesh_shape) == 1 else ()
+      return tuple(a for a, n in enumerate(mesh_shape)
+                   if n > 1 or len(mesh_shape) == 1)
     axes = set()
     for group in self.groups:
       coords = [np.unravel_index(d, mesh_shape) for d in group]
@@ -111,7 +112,8 @@ _PROMOTED_RE = re.compile(r'\bto_apply=%?[\w.\-]*_promoted\b')
 _DEF_RE = re.compile(
     r'^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s'
     r'(?P<op>[a-z][a-z0-9\-]*)\((?P<args>[^)]*)\)')
-_UNCHANGED_OPS = ('bitcast', 'copy', 'reshape')
+# Ops that keep where a value's dtype came from (a broadcast copies it).
+_UNCHANGED_OPS = ('bitcast', 'copy', 'reshape', 'broadcast')
 
 
 def DeviceGroups(line):
@@ -368,7 +370,8 @@ def WidenedElements(definitions, computation, line):
   """Per element of a collective's result: whether XLA:CPU widened it from
   bfloat16 (Collective.wire_bytes): its reduction renamed `..._promoted`,
   or its operand a float32 made by converting a bfloat16 (a convert, or a
-  fusion ending in one), as XLA:CPU's float normalization inserts."""
+  fusion ending in one, through bitcasts, copies, reshapes and
+  broadcasts), as XLA:CPU's float normalization inserts."""
   match = _DEF_RE.match(line)
   if not match:
     return ()

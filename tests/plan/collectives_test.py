@@ -19,8 +19,8 @@ from gpipe.xla import hlo_text
 # What XLA:CPU makes of bfloat16 collectives: an all-reduce widened by
 # all-reduce-promotion (its reduction renamed ..._promoted), a permute fed
 # by a fusion that converts a bfloat16 to float32, a tuple all-reduce of
-# one converted element and one float32 element, and a float32 permute
-# of a genuine float32.
+# one converted element and one float32 element, a float32 permute of a
+# genuine float32, and an all-gather of a converted bfloat16 broadcast.
 _HLO = """
 %add.clone_promoted (a: f32[], b: f32[]) -> f32[] {
   %a = f32[] parameter(0)
@@ -34,16 +34,25 @@ _HLO = """
   ROOT %s.1 = f32[] add(%a.1, %b.1)
 }
 
+%fused_convert_broadcast (q: bf16[4]) -> f32[2,4] {
+  %q = bf16[4]{0} parameter(0)
+  %c2 = f32[4]{0} convert(%q)
+  ROOT %b = f32[2,4]{1,0} broadcast(%c2), dimensions={1}
+}
+
 %fused_convert (p: bf16[2,8]) -> f32[16] {
   %p = bf16[2,8]{1,0} parameter(0)
   %c = f32[2,8]{1,0} convert(%p)
   ROOT %r = f32[16]{0} bitcast(%c)
 }
 
-ENTRY %main (x: bf16[2,8], y: f32[16], z: f32[4]) -> f32[16] {
+ENTRY %main (x: bf16[2,8], y: f32[16], z: f32[4], w: bf16[4]) -> f32[16] {
   %x = bf16[2,8]{1,0} parameter(0)
   %y = f32[16]{0} parameter(1)
   %z = f32[4]{0} parameter(2)
+  %w = bf16[4]{0} parameter(3)
+  %wide2 = f32[2,4]{1,0} fusion(%w), kind=kLoop, calls=%fused_convert_broadcast
+  %ag.1 = f32[2,16]{1,0} all-gather(%wide2), channel_id=5, replica_groups={{0,1,2,3}}, dimensions={1}
   %widened = f32[16]{0} fusion(%x), kind=kLoop, calls=%fused_convert
   %ar.1 = f32[16]{0} all-reduce(%y), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add.clone_promoted
   %cp.1 = f32[16]{0} collective-permute(%widened), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
@@ -55,10 +64,11 @@ ENTRY %main (x: bf16[2,8], y: f32[16], z: f32[4]) -> f32[16] {
 
 
 def _Collectives():
-  """The module's four, by name."""
+  """The module's five, by name."""
   found, _ = hlo_text.AnalyzeHlo(_HLO)
-  assert [c.kind for c in found] == ['all-reduce', 'collective-permute'] * 2
-  return dict(zip(('ar.1', 'cp.1', 'ar.2', 'cp.2'), found))
+  assert [c.kind for c in found] == ['all-gather'] + [
+      'all-reduce', 'collective-permute'] * 2
+  return dict(zip(('ag.1', 'ar.1', 'cp.1', 'ar.2', 'cp.2'), found))
 
 
 def test_widened_bfloat16_counts_at_its_own_bytes():
@@ -71,6 +81,8 @@ def test_widened_bfloat16_counts_at_its_own_bytes():
   assert c['ar.2'].wire_bytes == 32 + 16
   assert c['cp.2'].widened == (False,)
   assert c['cp.2'].wire_bytes == c['cp.2'].bytes == 64
+  # Converted, then broadcast: still bfloat16's bytes.
+  assert c['ag.1'].widened == (True,) and c['ag.1'].wire_bytes == 64
 
 
 def test_a_chip_sends_its_ring_share():
