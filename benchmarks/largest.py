@@ -38,7 +38,7 @@ MODELS = (
     # (model, chips, GPipe's parameters on as many 16 GB accelerators,
     #  the least parameters a largest model must have, other meshes)
     ('lm.LargestOn8x16GiB', 8, 5.3e9, 10.6e9, ('2x1x4',)),
-    ('lm.LargestOn32x16GiB', 32, 21.0e9, 42e9, ('8x1x4', '32x1x1')),
+    ('lm.LargestOn32x16GiB', 32, 21.0e9, 42e9, ('16x1x2', '32x1x1')),
 )
 TARGETS = dict(mfu=0.5, peak=0.9, weights=1.1, flops=1.1, bubble=0.1,
                floor=1.25)
@@ -185,7 +185,8 @@ def main(argv=None):
     if args.only in (None, model):
       own = None
       if args.meshes:
-        own = ['x'.join(map(str, _OwnMesh(model)))] + list(meshes)
+        own_mesh = 'x'.join(map(str, _OwnMesh(model)))
+        own = [own_mesh] + [m for m in meshes if m != own_mesh]
       ok &= _Report(model, num_devices, gpipe_params, least, own)
       sys.stdout.flush()
   return 0 if ok else 1
