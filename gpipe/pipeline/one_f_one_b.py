@@ -172,18 +172,8 @@ def _Pipelined(cell, io, theta, native, state_leaves, var_values):
   graph = cell.graph
   diff_caps = graph.differentiable['captures']
   structure = (theta, native, state_leaves, var_values)
-  sizes = [len(tf.nest.flatten(x)) for x in structure]
+  Unflatten = _Unflattener(graph, structure)
   result_structure = []
-
-  def Unflatten(flat):
-    parts, rest = [], list(flat)
-    for like, n in zip(structure, sizes):
-      parts.append(tf.nest.pack_sequence_as(like, rest[:n]))
-      rest = rest[n:]
-    caps = list(graph.captures)
-    for i, c in zip(diff_caps, rest):
-      caps[i] = c
-    return parts + [caps]
 
   compiles = compiled_loops.IsAllowed()  # for the gradient's loops too
 
@@ -215,6 +205,27 @@ def _Pipelined(cell, io, theta, native, state_leaves, var_values):
   return tf.nest.pack_sequence_as(result_structure[0], flat_out)
 
 
+def _Unflattener(graph, structure):
+  """flat -> the parts of `structure` (theta, native inputs, states, the
+  vars' values) and the cell's captures with the differentiable ones
+  replaced by the rest of flat: how a custom gradient's flat arguments
+  come back apart."""
+  diff_caps = graph.differentiable['captures']
+  sizes = [len(tf.nest.flatten(x)) for x in structure]
+
+  def Unflatten(flat):
+    parts, rest = [], list(flat)
+    for like, n in zip(structure, sizes):
+      parts.append(tf.nest.pack_sequence_as(like, rest[:n]))
+      rest = rest[n:]
+    caps = list(graph.captures)
+    for i, c in zip(diff_caps, rest):
+      caps[i] = c
+    return parts + [caps]
+
+  return Unflatten
+
+
 def _WithLoss(cell, io, theta, native, var_values):
   """The gradient loop alone, scoring each microbatch at the last stage
   (gradient_waves.GradientLoop.RunWithLoss), as a custom gradient: its
@@ -230,18 +241,8 @@ def _WithLoss(cell, io, theta, native, var_values):
         'and a loss of your own) for a body with aux losses.')
   diff_caps = graph.differentiable['captures']
   structure = (theta, native, [], var_values)
-  sizes = [len(tf.nest.flatten(x)) for x in structure]
+  Unflatten = _Unflattener(graph, structure)
   values_structure = []
-
-  def Unflatten(flat):
-    parts, rest = [], list(flat)
-    for like, n in zip(structure, sizes):
-      parts.append(tf.nest.pack_sequence_as(like, rest[:n]))
-      rest = rest[n:]
-    caps = list(graph.captures)
-    for i, c in zip(diff_caps, rest):
-      caps[i] = c
-    return parts + [caps]
 
   compiles = compiled_loops.IsAllowed()
 
