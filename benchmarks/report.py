@@ -116,6 +116,13 @@ def Markdown(cfg, overhead, failures, memory, remat_rows, compile_rows,
       'residual MLP block; sections 1-2: ' + '; '.join(
           f'{b.name}, width {b.dim}, hidden {b.hidden}, batch {b.batch}'
           for b in cfg.bodies) + '; sections 3-6 say their own.', '']
+  lines += [
+      'Nothing here is predicted. The pod-scale figures (the step time and '
+      'MFU of the planned flagships and largest LMs) are predictions of the '
+      "planner's roofline model of a TPU from the step XLA compiles for "
+      'virtual CPU devices, not measurements: [docs/flagships.md]'
+      '(docs/flagships.md) (`python -m benchmarks.flagships`, '
+      '`python -m benchmarks.largest`).', '']
   lines += _OverheadTable(overhead)
   lines += _LingvoTable(overhead, failures)
   lines += _MemoryTable(cfg, memory)
