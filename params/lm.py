@@ -239,9 +239,8 @@ class CopyLMMeshSmallData(CopyLMMeshSmall):
 @model_registry.RegisterSingleTaskModel
 class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
   """The largest LM that fits 8 chips of 16 GiB: 10.6 billion parameters,
-  twice GPipe's 5.3 B on 8 accelerators of 16 GB. Planned: 12.9 GiB per
-  chip at the peak, 81 % of 16 GiB, a step predicted at 57 % MFU on TPU
-  v5e (docs/flagships.md).
+  twice GPipe's 5.3 B on 8 accelerators of 16 GB. Its planned peak per
+  chip and predicted step: docs/flagships.md.
 
   52 batch-major causal Transformer blocks of width 4096 (32 heads of 128,
   feed-forward 16384), vocab 32000 (one table for the embedding and the
@@ -257,7 +256,7 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
   inside the pipeline's loop at its first and last stages (FPropWithLoss).
   No dropout (a mesh body draws no random numbers, see
   CopyLMPod8x4). `python -m gpipe.plan --model lm.LargestOn8x16GiB
-  --num_devices 8 --hbm_gib 16 --tpu v5e` plans it (about 6 minutes);
+  --num_devices 8 --hbm_gib 16 --tpu v5e` plans it (minutes);
   `python -m benchmarks.largest` plans both largest LMs and checks them.
   """
   MESH = pod_blocks.PodMesh(stages=4, model=2)
@@ -288,9 +287,8 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
 @model_registry.RegisterSingleTaskModel
 class LargestOn32x16GiB(LargestOn8x16GiB):
   """The largest LM that fits 32 chips of 16 GiB: 43.7 billion parameters,
-  twice GPipe's 21.0 B on 32 accelerators of 16 GB. Planned: 14.8 GiB per
-  chip at the peak, 92 % of 16 GiB, a step predicted at 50 % MFU on TPU
-  v5e (docs/flagships.md).
+  twice GPipe's 21.0 B on 32 accelerators of 16 GB. Its planned peak per
+  chip and predicted step: docs/flagships.md.
 
   96 blocks of width 6144 (48 heads of 128, feed-forward 24576), as
   LargestOn8x16GiB otherwise: 8 stages of 12 blocks on a [8 stages, 4
