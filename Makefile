@@ -19,7 +19,7 @@ demo: $(VENV)/.installed
 # --reruns 1 --rerun-except .: a test that crashes its worker (a segfault in
 # TensorFlow's runtime) runs once more in a new one; a failure is final.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist worksteal --reruns 1 --rerun-except . tests
+	$(PY) -m pytest -q -n 2 --dist worksteal --reruns 1 --rerun-except . --durations=10 tests
 
 clean:
 	rm -rf $(VENV)
