@@ -378,7 +378,9 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
         remat_policy=param_checks.LoopRematPolicy(self.params, self.do_eval),
         skip_bubbles=self.params.skip_bubbles,
         backward_schedule=self.params.backward_schedule,
-        stream_io=self.params.stream_io, loss=loss, first_stage=first_stage)
+        stream_io=self.params.stream_io,
+        ring_split_mesh_dim=self.params.ring_split_mesh_dim, loss=loss,
+        first_stage=first_stage)
 
   @property
   def vectorizing(self):

@@ -24,6 +24,8 @@ iterations, R circular repeats):
     ([T, S, mb, ...] 'reverse';
     the rings [S, 2RS-1, mb, ...]
     '1f1b')
+    with ring_split_mesh_dim       and one dim over    1/n per device, an
+                                   that axis           entry gathered to read
   outputs [M, mb, ...]             replicated          leave the pipeline
     with stream_io                 dim 0 split         1/S per device
   loop counters, indices           replicated          kept out of the manual

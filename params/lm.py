@@ -266,6 +266,7 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
   NUM_MICROBATCHES = 32
   BATCH_SIZE = 32
   FPROP_DTYPE = tf.bfloat16
+  RING_SPLIT_MESH_DIM = None  # the rings' entries whole on each chip
 
   def Task(self):
     return CopyLMParams(
@@ -280,7 +281,8 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
         optimizer_tpl=self.Optimizer(), mesh=self.MESH, remat_blocks=True,
         fused_qkv=True,
         stack_options=dict(backward_schedule='1f1b', stream_io=True,
-                           remat_policy='save_checkpoints'),
+                           remat_policy='save_checkpoints',
+                           ring_split_mesh_dim=self.RING_SPLIT_MESH_DIM),
         task_cls=large_lm.LargeLMTask)
 
 
@@ -309,9 +311,11 @@ class LargestMeshSmall(LargestOn8x16GiB):
   heads), float32, 16 sequences of 16 tokens in 4 microbatches, the loss
   taken at the last stage (`python -m gpipe.check_partitioning --model
   lm.LargestMeshSmall` runs a training step partitioned on 8 virtual
-  devices against the same step on one).
+  devices against the same step on one). Its rings are split over the
+  model axis, as LargestOn32x16GiB's.
   """
   MESH = pod_blocks.PodMesh(stages=2, data=2, model=2)
+  RING_SPLIT_MESH_DIM = pod_blocks.PodMesh.MODEL_AXIS
   MODEL_DIM = 32
   HEAD_DIM = 8
   BLOCKS_PER_STAGE = 2

@@ -289,3 +289,21 @@ def test_the_floors_of_the_small_planned_lm_by_hand(small_plan):
       'stage+model': {'tables gathered, their gradients scattered':
                           7 / 8 * 16 * 32 * (4 + 4)},
   }, floors
+
+
+def test_the_rings_split_over_the_model_axis(small_plan):
+  """ring_split_mesh_dim: on each chip the rings ([1 stage, 2S - 1 = 3
+  slots, ...entry]) hold a quarter (4 model devices) of each entry, split
+  on its largest dim: the stage input [4 rows, 16 tokens, 32 wide] on its
+  width, the stored block input [64 tokens, 32] on its tokens, the
+  stage's [4, 16] position weights on its tokens; no ring holds a whole
+  entry, and the backward loops gather entries over the model axis only."""
+  import re  # pylint: disable=g-import-not-at-top
+  cls, report = small_plan
+  assert cls.RING_SPLIT_MESH_DIM == 2
+  rings = set(re.findall(r'f32\[1,3,[\d,]*\]', report.compiled.hlo))
+  assert rings == {'f32[1,3,4,16,8]', 'f32[1,3,16,32]', 'f32[1,3,4,4]'}, rings
+  gathers = [c for c in report.compiled.collectives
+             if c.loop >= 0 and c.kind == 'all-gather']
+  assert gathers and {c.MeshAxes(_SMALL_MESH) for c in gathers} == {(2,)}, [
+      (c.shape, c.MeshAxes(_SMALL_MESH)) for c in gathers]

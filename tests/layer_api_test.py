@@ -97,6 +97,22 @@ def FProp(p, batch=4, **kwargs):
      r'microbatch_size must be None or an integer >= 1, got True \(bool\)'),
     (dict(pipeline_stage_mesh_dim='0', device_mesh=np.arange(2)),
      r"pipeline_stage_mesh_dim must be None or an integer, got '0'"),
+    (dict(ring_split_mesh_dim=1.0),
+     r'ring_split_mesh_dim must be None or an integer, got 1.0 \(float\)'),
+    (dict(ring_split_mesh_dim=1, pipeline_stage_mesh_dim=0,
+          device_mesh=np.arange(4).reshape(2, 2)),
+     r"ring_split_mesh_dim=1 splits the rings of backward_schedule='1f1b' "
+     r".*got backward_schedule='reverse' and pipeline_stage_mesh_dim=0\. "
+     r'Set both'),
+    (dict(ring_split_mesh_dim=1, backward_schedule='1f1b'),
+     r'got backward_schedule=.1f1b. and pipeline_stage_mesh_dim=None'),
+    (dict(ring_split_mesh_dim=0, pipeline_stage_mesh_dim=0,
+          backward_schedule='1f1b', device_mesh=np.arange(4).reshape(2, 2)),
+     r'ring_split_mesh_dim=0 must be an axis of device_mesh \(shape \(2, 2\)\) '
+     r'other than pipeline_stage_mesh_dim=0'),
+    (dict(ring_split_mesh_dim=2, pipeline_stage_mesh_dim=0,
+          backward_schedule='1f1b', device_mesh=np.arange(4).reshape(2, 2)),
+     r'ring_split_mesh_dim=2 must be an axis of device_mesh'),
 ])
 def test_bad_params_raise_at_construction(overrides, pattern):
   with tf.Graph().as_default():

@@ -232,6 +232,16 @@ def test_device_groups_read_both_spellings_and_name_axes():
   c = hlo_text.Collective('all-gather', 'f32[2]', 'c', 0)
   assert c.MeshAxes((2, 1, 4)) == (0, 2) and c.MeshAxes((8,)) == (0,)
   assert hlo_text.DeviceGroups('%a = f32[2] add(%x, %y)') == ()
+  # The mesh-axes spelling: ids row-major over the named axes, a group
+  # per setting of the axes not in braces.
+  line = ("all-gather(%x), replica_groups=mesh['axis_0'=2,'axis_1'=2,"
+          "'axis_2'=2] {'axis_2'}, dimensions={2}")
+  assert hlo_text.DeviceGroups(line) == ((0, 1), (2, 3), (4, 5), (6, 7))
+  line = "replica_groups=mesh['a'=2,'b'=2,'c'=2] {'a','c'}"
+  assert hlo_text.DeviceGroups(line) == ((0, 1, 4, 5), (2, 3, 6, 7))
+  line = "replica_groups=mesh['a'=4,'b'=2] {'a':(1)2}"
+  with pytest.raises(ValueError, match='sub-axes'):
+    hlo_text.DeviceGroups(line)
 
 
 def test_tf_annotations_reach_the_planners_arguments():

@@ -103,7 +103,8 @@ class GradientLoop:
     entry = lambda x: tf.TensorSpec(x.shape, x.dtype)
     size = self._waves.ring_size
     self._rows = stage_slots.For(place, cell.spec.runner.manual_mesh)
-    ring = lambda spec: stage_slots.Ring(spec, size, place)
+    ring = lambda spec: stage_slots.Ring(spec, size, place,
+                                         cell.spec.ring_split_mesh_dim)
     self._rings = NestedMap(
         buffer=[ring(entry(x)) for x in cell.state0.buffer],
         vars=[ring(entry(x)) for x in self._var_values],

@@ -122,6 +122,16 @@ def _DefineMemory(p):
       'that no chip holds the whole batch; the `[B, ...]` outputs come back '
       'split over the stage devices on the batch dim. Per-example kwargs '
       'stay whole.')
+  p.Define(
+      'ring_split_mesh_dim', None,
+      'With `backward_schedule=\'1f1b\'` and `pipeline_stage_mesh_dim`: '
+      'also split each entry of the 1f1b rings (the stored stage inputs and '
+      'checkpoints) over this other axis of `device_mesh`, one over which '
+      'they are whole (a model axis), on the entry\'s largest dim that '
+      'divides: the rings take 1/n of the memory on each of its n devices, '
+      'for one all-gather of an entry over the axis when the backward wave '
+      'reads it (`gpipe.pipeline.stage_slots.SplitRingLayout`). None: '
+      'entries whole.')
 
 
 def _DefineOneDevice(p):

@@ -23,7 +23,8 @@ _CHOICES = {
 _BOOL_PARAMS = ('shard_stages_1d', 'per_stage_vars',
                 'store_body_intermediates', 'stream_io')
 _INT_PARAMS = ('num_stages', 'circular_repeat', 'num_microbatches',
-               'microbatch_size', 'pipeline_stage_mesh_dim')
+               'microbatch_size', 'pipeline_stage_mesh_dim',
+               'ring_split_mesh_dim')
 
 
 def Check(p):
@@ -44,12 +45,11 @@ def Check(p):
     if not isinstance(value, (bool, np.bool_, type(None))):
       raise ValueError(f'{name} must be True, False or None ({none_means}),'
                        f' got {value!r} ({type(value).__name__}).')
-  if p.pipeline_stage_mesh_dim is not None and not schedule_lib.IsInteger(
-      p.pipeline_stage_mesh_dim):
-    raise ValueError(
-        'pipeline_stage_mesh_dim must be None or an integer, got '
-        f'{p.pipeline_stage_mesh_dim!r} '
-        f'({type(p.pipeline_stage_mesh_dim).__name__}).')
+  for name in ('pipeline_stage_mesh_dim', 'ring_split_mesh_dim'):
+    value = p.Get(name)
+    if value is not None and not schedule_lib.IsInteger(value):
+      raise ValueError(f'{name} must be None or an integer, got {value!r} '
+                       f'({type(value).__name__}).')
   for name, choices in _CHOICES.items():
     if p.Get(name) not in choices:
       raise ValueError(f'{name} must be one of {choices}, got '
@@ -78,6 +78,12 @@ def Check(p):
         'defines its own stacked variables. Unset per_stage_vars or use '
         'single_stage_body.')
   microbatch.CheckMicrobatchParams(p.num_microbatches, p.microbatch_size)
+  _CheckMesh(p)
+  _CheckRingSplit(p)
+
+
+def _CheckMesh(p):
+  """The stage placement's params."""
   if p.shard_stages_1d and p.pipeline_stage_mesh_dim is not None:
     raise ValueError(
         'Set at most one of shard_stages_1d and pipeline_stage_mesh_dim; got '
@@ -98,6 +104,26 @@ def Check(p):
           f'device_mesh axis {p.pipeline_stage_mesh_dim} has '
           f'{mesh.shape[p.pipeline_stage_mesh_dim]} devices but num_stages='
           f'{p.num_stages}; they must be equal.')
+
+
+def _CheckRingSplit(p):
+  """ring_split_mesh_dim: another axis of the stages' mesh, under 1f1b."""
+  axis = p.ring_split_mesh_dim
+  if axis is None:
+    return
+  if p.backward_schedule != '1f1b' or p.pipeline_stage_mesh_dim is None:
+    raise ValueError(
+        f'ring_split_mesh_dim={axis} splits the rings of '
+        "backward_schedule='1f1b' over an axis of the stages' device_mesh; "
+        f'got backward_schedule={p.backward_schedule!r} and '
+        f'pipeline_stage_mesh_dim={p.pipeline_stage_mesh_dim}. Set both, '
+        'or leave ring_split_mesh_dim None.')
+  mesh = np.asarray(p.device_mesh)
+  if not 0 <= axis < mesh.ndim or axis == p.pipeline_stage_mesh_dim:
+    raise ValueError(
+        f'ring_split_mesh_dim={axis} must be an axis of device_mesh (shape '
+        f'{mesh.shape}) other than pipeline_stage_mesh_dim='
+        f'{p.pipeline_stage_mesh_dim}.')
 
 
 def Normalize(p):

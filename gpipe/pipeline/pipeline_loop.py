@@ -70,6 +70,8 @@ class LoopSpec:
     backward_schedule: 'reverse' or '1f1b' (gpipe.pipeline.one_f_one_b).
     stream_io: whether the inputs and outputs are split over the stages
       (gpipe.pipeline.loop_io).
+    ring_split_mesh_dim: the mesh axis the 1f1b rings' entries are split
+      over too (gpipe.pipeline.stage_slots.SplitRingLayout), or None.
     loss: a gpipe.pipeline.stage_ends.LastStageLoss (its inputs
       microbatched, [M, ...]) the last stage takes, '1f1b' only; None.
     first_stage: a gpipe.pipeline.stage_ends.FirstStageInput (its inputs
@@ -92,6 +94,7 @@ class LoopSpec:
   skip_bubbles: Optional[bool] = False
   backward_schedule: str = 'reverse'
   stream_io: bool = False
+  ring_split_mesh_dim: Optional[int] = None
   loss: Any = None
   first_stage: Any = None
 

@@ -17,6 +17,7 @@ TensorFlow's own kernel copies the whole tensor, so the ring of stage
 inputs, written every iteration, is a TensorList outside XLA (`Ring`).
 """
 
+import numpy as np
 import tensorflow as tf
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.compiler.tf2xla.python import xla as xla_ops
@@ -118,10 +119,11 @@ class Ring:
   in float32, twice what a TPU holds.
   """
 
-  def __init__(self, spec, size, placement):
+  def __init__(self, spec, size, placement, split_mesh_dim=None):
     self.spec = spec  # a tf.TensorSpec of one entry, [S, ...]
     self.size = size
     self._place = placement
+    self._layout = RingLayout.For(spec, placement, split_mesh_dim)
     self.xla = UnderXla()
     self._bits = (tf.uint16 if self.xla and spec.dtype in (tf.bfloat16,
                                                              tf.float16)
@@ -132,7 +134,7 @@ class Ring:
     return self.spec.shape.as_list()[0]
 
   def _Placed(self, ring):
-    return self._place.SplitStages(ring, 0)
+    return self._layout.PlaceRing(ring)
 
   def Empty(self):
     """The ring before its first write (entries zero)."""
@@ -148,6 +150,7 @@ class Ring:
     """Every stage's entry [S, ...] into slot `slot` (a scalar)."""
     if self.xla:
       start = [0, slot] + [0] * (self.spec.shape.rank - 1)
+      entry = self._layout.PlaceEntry(entry)
       if self._bits:
         entry = tf.bitcast(entry, self._bits)
       return self._Placed(xla_ops.dynamic_update_slice(
@@ -164,10 +167,82 @@ class Ring:
       entry = tf.reduce_sum(picked, axis=1)
       if self._bits:
         entry = tf.bitcast(entry, self.spec.dtype)
-      return self._place.SplitStages(entry)
+      return self._layout.PlaceEntry(entry)
     rows = [
         list_ops.tensor_list_get_item(ring, slots[s], self.spec.dtype,
                                       element_shape=self.spec.shape)[s]
         for s in range(self.num_stages)
     ]
     return tf.stack(rows)
+
+
+class RingLayout:
+  """Where a ring [S, size, ...] and its entries [S, ...] live: the stage
+  dim split over the stage devices, the rest as the partitioner decides
+  (each device holds its own stages' entries, whole)."""
+
+  def __init__(self, placement):
+    self._place = placement
+
+  @staticmethod
+  def For(spec, placement, split_mesh_dim):
+    """The layout of a ring of `spec` entries: split over `split_mesh_dim`
+    of the placement's mesh too where that is asked for and an entry dim
+    divides over it (ring_split_mesh_dim), else the stage dim only."""
+    if split_mesh_dim is None or placement.mesh is None:
+      return RingLayout(placement)
+    device_mesh, stage_axis = placement.mesh
+    n = np.shape(device_mesh)[split_mesh_dim]
+    shape = spec.shape.as_list()[1:]
+    dims = [d for d, size in enumerate(shape, 1) if size % n == 0]
+    if n == 1 or not dims:
+      return RingLayout(placement)
+    return SplitRingLayout(placement, device_mesh, stage_axis,
+                           split_mesh_dim, max(dims, key=lambda d: shape[d - 1]))
+
+  def PlaceRing(self, ring):
+    return self._place.SplitStages(ring, 0)
+
+  def PlaceEntry(self, entry):
+    return self._place.SplitStages(entry)
+
+
+class SplitRingLayout(RingLayout):
+  """ring_split_mesh_dim: each device keeps 1/n of its stage's entries.
+
+  The ring's entry dim `dim` (the largest that divides) is split over mesh
+  axis `split_mesh_dim` (n devices, over which the entries are whole: a
+  model axis), so what the 1f1b rings store shrinks n-fold:
+
+      entry [S, mb, t, d] whole    --write: each device slices its 1/n-->
+      ring  [S, size, mb, t, d/n]  --read: all-gather over the axis-->
+      entry [S, mb, t, d] whole
+
+  A write costs nothing; a read is one all-gather of an entry over the
+  axis, once per entry and backward iteration. Entries are pinned whole on
+  that dim where they are written and read, so that the split does not
+  spread into the stage's own activations.
+  """
+
+  def __init__(self, placement, device_mesh, stage_axis, split_mesh_dim,
+               dim):
+    super().__init__(placement)
+    self._mesh = device_mesh
+    self._axes = (stage_axis, split_mesh_dim)
+    self._dim = dim  # in the entry [S, ...]
+
+  def PlaceRing(self, ring):
+    return self._Annotated(ring, {0: self._axes[0], 1: -1,
+                                  self._dim + 1: self._axes[1]})
+
+  def PlaceEntry(self, entry):
+    return self._Annotated(entry, {0: self._axes[0], self._dim: -1})
+
+  def _Annotated(self, x, mapped):
+    """x with the dims of `mapped` ({dim: mesh axis, or -1 for whole}) so,
+    the others left to the partitioner."""
+    rank = x.shape.rank
+    mapping = [mapped.get(d, -1) for d in range(rank)]
+    return sharding.MeshSplit(
+        x, self._mesh, mapping,
+        unspecified_dims=[d for d in range(rank) if d not in mapped])

@@ -101,7 +101,8 @@ _CALLEE_RE = re.compile(
 _BRANCHES_RE = re.compile(r'branch_computations=\{([^}]*)\}')
 _GROUPS_RE = re.compile(
     r'(?:replica_groups|source_target_pairs)=(\{(?:\{[\d,]*\},?)*\}|'
-    r'\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?)')
+    r'\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?|'
+    r"mesh\[[^\]]*\] \{[^}]*\})")
 # A while instruction: its name and its operand (the initial tuple).
 WHILE_RE = re.compile(r'^\s*%?([\w.\-]+)\s*=.*\swhile\(%?([\w.\-]+)\)')
 # The body computation a while instruction names.
@@ -122,12 +123,15 @@ def DeviceGroups(line):
   Reads both spellings: explicit `{{0,1},{2,3}}` (and a permute's
   `source_target_pairs`) and XLA's iota form `[2,2]<=[4]` or
   `[2,4]<=[4,2]T(1,0)` (iota over the bracketed dims, transposed, reshaped
-  to [groups, size]).
+  to [groups, size]) and the mesh-axes form
+  `mesh['axis_0'=4,'axis_1'=2] {'axis_1'}` (_MeshAxesGroups).
   """
   match = _GROUPS_RE.search(line)
   if not match:
     return ()
   text = match.group(1)
+  if text.startswith('mesh'):
+    return _MeshAxesGroups(text)
   if text.startswith('{'):
     return tuple(tuple(int(d) for d in g.split(',') if d)
                  for g in re.findall(r'\{([\d,]*)\}', text[1:-1]))
@@ -138,6 +142,25 @@ def DeviceGroups(line):
   if perm:
     ids = ids.transpose(ints(perm))
   return tuple(tuple(int(d) for d in g) for g in ids.reshape(ints(shape)))
+
+
+def _MeshAxesGroups(text):
+  """`mesh['axis_0'=4,'axis_1'=1,'axis_2'=2] {'axis_2'}` -> device groups:
+  the devices (ids row-major over the named axes) that differ only along
+  the axes in braces."""
+  mesh, grouped = re.match(r"mesh\[([^\]]*)\] \{([^}]*)\}", text).groups()
+  axes = re.findall(r"'([^']+)'=(\d+)", mesh)
+  names = re.findall(r"'([^']+)'(:?)", grouped)
+  if any(sub for _, sub in names) or len(axes) != mesh.count('='):
+    raise ValueError(f'Replica groups {text!r}: sub-axes and device lists '
+                     'are not read here; only whole axes of an iota mesh.')
+  order = [n for n, _ in axes]
+  inner = [order.index(n) for n, _ in names]
+  outer = [a for a in range(len(axes)) if a not in inner]
+  ids = np.arange(int(np.prod([int(s) for _, s in axes]))).reshape(
+      [int(s) for _, s in axes]).transpose(outer + inner)
+  size = int(np.prod([int(axes[a][1]) for a in inner]))
+  return tuple(tuple(int(d) for d in g) for g in ids.reshape(-1, size))
 
 
 def _ParseComputations(hlo_text):
