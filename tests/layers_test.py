@@ -10,6 +10,7 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
+from tests import covering
 from tests import pipeline_harness as harness
 
 Case = harness.Case
@@ -24,10 +25,21 @@ def _MicrobatchCounts(num_stages):
   return sorted(counts)
 
 
-_SWEEP = [(s, m, r)
-          for s in (1, 2, 3, 4)
-          for m in _MicrobatchCounts(s)
-          for r in (1, 2, 3)]
+def _MicrobatchKind(s, m):
+  return ('1' if m == 1 else '<S' if m < s else '=S' if m == s else
+          'S+1' if m == s + 1 else 'many')
+
+
+_FULL_SWEEP = [(s, m, r)
+               for s in (1, 2, 3, 4)
+               for m in _MicrobatchCounts(s)
+               for r in (1, 2, 3)]
+# Pairwise (covering.py): every S with every kind of M, every S and every
+# kind of M with every R (18 of the product's 51); and M=4 not a multiple
+# of S=3 with R=2, the circular schedule that pads a segment.
+_SWEEP_FEATURES = (lambda c: c[0], lambda c: _MicrobatchKind(c[0], c[1]),
+                   lambda c: c[2])
+_SWEEP = covering.Pairwise(_FULL_SWEEP, _SWEEP_FEATURES, must=[(3, 4, 2)])
 
 
 @pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat', _SWEEP,
@@ -59,23 +71,28 @@ def test_schedule_sweep_jit(num_stages, num_microbatches, circular_repeat):
 
 # Body kind x per_stage_vars x circular_repeat x shard_stages_1d, with M=4 not
 # a multiple of S=3 (so circular schedules pad a segment).
+# Pairwise over (body, R, shard, mode): 9 of the product's 36.
 _BODIES = [('dense', False), ('dense', True), ('stage_parallel', False)]
-_CONFIGS = [(body, per_stage, r, shard)
-            for body, per_stage in _BODIES
-            for r in (1, 2, 3)
-            for shard in (False, True)]
+_FULL_CONFIGS = [(body, per_stage, r, shard, mode)
+                 for body, per_stage in _BODIES
+                 for r in (1, 2, 3)
+                 for shard in (False, True)
+                 for mode in MODES]
+_CONFIGS = covering.Pairwise(
+    _FULL_CONFIGS, (lambda c: c[:2], lambda c: c[2], lambda c: c[3],
+                    lambda c: c[4]))
 
 
 def _ConfigId(config):
-  body, per_stage, r, shard = config
+  body, per_stage, r, shard, mode = config
   return (f'{body}{"-per_stage_vars" if per_stage else ""}-R{r}'
-          f'{"-shard_stages_1d" if shard else ""}')
+          f'{"-shard_stages_1d" if shard else ""}-{mode}')
 
 
-@pytest.mark.parametrize('mode', MODES)
-@pytest.mark.parametrize('config', _CONFIGS, ids=[_ConfigId(c) for c in _CONFIGS])
-def test_config_matrix(config, mode):
-  body, per_stage, r, shard = config
+@pytest.mark.parametrize('config', _CONFIGS,
+                         ids=[_ConfigId(c) for c in _CONFIGS])
+def test_config_matrix(config):
+  body, per_stage, r, shard, mode = config
   harness.CheckCase(
       Case(
           body=body,
@@ -88,9 +105,14 @@ def test_config_matrix(config, mode):
           kwargs=True), mode)
 
 
-@pytest.mark.parametrize('mode', MODES)
-@pytest.mark.parametrize('circular_repeat', [1, 2])
-@pytest.mark.parametrize('body,per_stage', _BODIES)
+# Pairwise over (body, R, mode): 6 of the product's 12.
+_MESH_DIM_CASES = covering.Pairwise(
+    [(b, p, r, mode) for b, p in _BODIES for r in (1, 2) for mode in MODES],
+    (lambda c: c[:2], lambda c: c[2], lambda c: c[3]))
+
+
+@pytest.mark.parametrize('body,per_stage,circular_repeat,mode',
+                         _MESH_DIM_CASES)
 def test_pipeline_stage_mesh_dim(body, per_stage, circular_repeat, mode):
   harness.CheckCase(
       Case(
@@ -192,15 +214,16 @@ def test_premicrobatched_inputs_unrolled_need_a_shared_leading_dim():
       layer.FProp(layer.theta, tf.zeros([3, 2, 4]), scale=tf.zeros([2, 2, 4]))
 
 
-# Every storing policy x body x shape in graph mode; under jit each policy
-# with each body once, the shapes rotating (XLA compiles the stored stacks
-# per body, not per shape).
+# In graph mode every pair of storing policy, body and shape (9 of the
+# product's 18); under jit each policy with each body once, the shapes
+# rotating (XLA compiles the stored stacks per body, not per shape).
 _REMAT_BODIES = ('dense', 'multi', 'stage_parallel')
 _REMAT_SHAPES = ((3, 4, 2), (4, 6, 1), (2, 5, 1))
 _REMAT_CASES = (
-    [(policy, body, shape, 'graph')
-     for policy in ('save_dots', 'save_all')
-     for body in _REMAT_BODIES for shape in _REMAT_SHAPES] +
+    covering.Pairwise([(policy, body, shape, 'graph')
+                       for policy in ('save_dots', 'save_all')
+                       for body in _REMAT_BODIES for shape in _REMAT_SHAPES],
+                      (lambda c: c[0], lambda c: c[1], lambda c: c[2])) +
     [(policy, body, _REMAT_SHAPES[(i + j) % len(_REMAT_SHAPES)], 'jit')
      for i, policy in enumerate(('save_dots', 'save_all'))
      for j, body in enumerate(_REMAT_BODIES)])
