@@ -4,7 +4,9 @@ Every case compares the pipelined layer with the references of
 tests/pipeline_harness.py (a NumPy loop over the logical layers for the
 forward pass, TF autodiff of a plain TF loop for the gradients of every
 variable and the input), float32, |err| <= 1e-5 + 1e-5 * |ref|. The sweeps
-cross both Params with the shapes and layouts of layers_test.
+cross both Params with the shapes and layouts of layers_test: pairwise
+coverings (tests/covering.py), every two settings' values together at
+least once.
 """
 
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
+from tests import covering
 from tests import pipeline_harness as harness
 
 Case = harness.Case
@@ -35,17 +38,26 @@ def _MicrobatchCounts(num_stages):
   return sorted(counts)
 
 
-_SWEEP = [(s, m, r) for s in (1, 2, 3, 4) for m in _MicrobatchCounts(s)
-          for r in (1, 2, 3)]
+def _MicrobatchKind(s, m):
+  return ('1' if m == 1 else '<S' if m < s else '=S' if m == s else
+          'S+1' if m == s + 1 else 'many')
 
 
-@pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat', _SWEEP,
-                         ids=[f'S{s}-M{m}-R{r}' for s, m, r in _SWEEP])
-def test_sweep_graph(num_stages, num_microbatches, circular_repeat):
-  # Each shape under one of the three (schedule, io) pairs, in turn.
-  index = _SWEEP.index((num_stages, num_microbatches, circular_repeat))
+_FULL_SWEEP = [(s, m, r, io) for s in (1, 2, 3, 4) for m in _MicrobatchCounts(s)
+               for r in (1, 2, 3) for io in range(len(_IO))]
+# Pairwise (covering.py) over S, the kind of M, R and the (schedule, io)
+# pair: every two of them together at least once.
+_SWEEP_FEATURES = (lambda c: c[0], lambda c: _MicrobatchKind(c[0], c[1]),
+                   lambda c: c[2], lambda c: c[3])
+_SWEEP = covering.Pairwise(_FULL_SWEEP, _SWEEP_FEATURES)
+
+
+@pytest.mark.parametrize(
+    'num_stages,num_microbatches,circular_repeat,io', _SWEEP,
+    ids=[f'S{s}-M{m}-R{r}-{_IO_IDS[io]}' for s, m, r, io in _SWEEP])
+def test_sweep_graph(num_stages, num_microbatches, circular_repeat, io):
   harness.CheckCase(
-      _Case(_IO[index % len(_IO)], num_stages=num_stages,
+      _Case(_IO[io], num_stages=num_stages,
             num_microbatches=num_microbatches,
             circular_repeat=circular_repeat, batch=2 * num_microbatches),
       'graph')
@@ -68,18 +80,19 @@ def test_sweep_jit(num_stages, num_microbatches, circular_repeat):
       'jit')
 
 
-def _EachPairInGraphModeOneUnderJit(cases):
-  """pytest params: every case with every (schedule, io) pair in graph
-  mode, and under jit with one pair each, in turn."""
-  params = []
-  for i, (case_id, case) in enumerate(cases):
-    for io, io_id in zip(_IO, _IO_IDS):
-      params.append(pytest.param(case, io, 'graph',
-                                 id=f'{case_id}-{io_id}-graph'))
-    io = i % len(_IO)
-    params.append(pytest.param(case, _IO[io], 'jit',
-                               id=f'{case_id}-{_IO_IDS[io]}-jit'))
-  return params
+def _Covering(cases, features=None):
+  """pytest params: (case, (schedule, io) pair, mode) such that every two
+  of the case's `features`, the pair and the mode meet at least once
+  (covering.py); without features, every case with every pair."""
+  full = [(i, io, mode) for i in range(len(cases)) for io in range(len(_IO))
+          for mode in MODES]
+  case_features = ([lambda r: r[0]] if features is None else
+                   [lambda r, f=f: f(cases[r[0]][1]) for f in features])
+  rows = covering.Pairwise(full, [lambda r: r[1], lambda r: r[2]] +
+                           case_features)
+  return [pytest.param(cases[i][1], _IO[io], mode,
+                       id=f'{cases[i][0]}-{_IO_IDS[io]}-{mode}')
+          for i, io, mode in rows]
 
 
 # Body kind x per_stage_vars x circular_repeat x shard_stages_1d, M=4 not a
@@ -91,8 +104,9 @@ _LAYOUTS = [
     for r in (1, 2) for s in (False, True)]
 
 
-@pytest.mark.parametrize('layout,io,mode',
-                         _EachPairInGraphModeOneUnderJit(_LAYOUTS))
+@pytest.mark.parametrize('layout,io,mode', _Covering(
+    _LAYOUTS, [lambda c: (c['body'], c['per_stage_vars']),
+               lambda c: c['circular_repeat'], lambda c: c['shard_stages_1d']]))
 def test_layouts(layout, io, mode):
   harness.CheckCase(
       _Case(io, num_stages=3, num_microbatches=4, batch=8, kwargs=True,
@@ -117,18 +131,21 @@ _SHAPES = [
 ]
 
 
-@pytest.mark.parametrize('shape,io,mode',
-                         _EachPairInGraphModeOneUnderJit(_SHAPES))
+@pytest.mark.parametrize('shape,io,mode', _Covering(_SHAPES))
 def test_inputs_and_meshes(shape, io, mode):
   harness.CheckCase(_Case(io, **shape), mode)
 
 
-# What a ring entry keeps (remat_policy), vectorized stages and one by one.
-_POLICIES = [(policy, body, vectorize)
-             for policy in ('save_dots', 'save_all')
-             for body in ('dense', 'multi', 'stage_parallel')
-             for vectorize in ('auto', 'never')
-             if not (body == 'stage_parallel' and vectorize == 'never')]
+# What a ring entry keeps (remat_policy), vectorized stages and one by one:
+# every two of policy, body and vectorize_stages together (a stage-parallel
+# body is vectorized).
+_POLICIES = covering.Pairwise(
+    [(policy, body, vectorize)
+     for policy in ('save_dots', 'save_all')
+     for body in ('dense', 'multi', 'stage_parallel')
+     for vectorize in ('auto', 'never')
+     if not (body == 'stage_parallel' and vectorize == 'never')],
+    [lambda c: c[0], lambda c: c[1], lambda c: c[2]])
 
 
 @pytest.mark.parametrize(
