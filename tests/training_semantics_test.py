@@ -248,13 +248,11 @@ def _CasesAndModes(cases, jit_cases):
 
 @pytest.mark.parametrize('case, mode', _CasesAndModes(SWEEP, SWEEP[2:]))
 def test_aux_losses_and_summaries_equal_the_reference(case, mode):
-  _AssertMatches(Run(case, mode))
-
-
-@pytest.mark.parametrize('case, mode', _CasesAndModes(SWEEP[2:6], SWEEP[4:6]))
-def test_bubbles_cannot_poison_anything(case, mode):
-  # x / x is NaN on zeros: bubbles must never compute on zeros, and masking
-  # must keep their (finite) values out of every result.
+  """And the bubbles cannot poison anything: the body multiplies by x / x,
+  NaN on zeros (bubbles must never compute on zeros, and masking must keep
+  their finite values out of every result), exactly 1 on real data (in
+  the value and, cut from the gradient, in the gradient), so the numbers
+  are the plain body's."""
   _AssertMatches(Run(dataclasses.replace(case, divide_by_input=True), mode))
 
 
