@@ -20,6 +20,7 @@ decided once per layer with one log line saying why ('auto'), or is
 refused naming the fix ('always').
 """
 
+import copy
 import logging
 
 import numpy as np
@@ -121,9 +122,26 @@ def _Run(layer, args, kwargs, with_shift, watch=None):
   return outs, loss + aux_loss, aux_loss, summaries, args
 
 
+# The default layer's results by (Params' text, batch, kwargs, mode): the
+# same layouts' default layer is what skip_bubbles_test and
+# layer_by_layer_test compare with too, built once per process.
+_DEFAULT_RESULTS = {}
+
+
 def _Results(params, batch, with_kwargs, mode, vectorize):
-  """Everything the layer gives, as NumPy, with vectorize_stages set."""
+  """Everything the layer gives, as NumPy, with vectorize_stages set (the
+  default layer's, 'auto', built once per process: a deep copy each time)."""
   params = params.Copy().Set(vectorize_stages=vectorize)
+  if vectorize != 'auto':
+    return _Build(params, batch, with_kwargs, mode)
+  key = (params.ToText(), batch, with_kwargs, mode)
+  if key not in _DEFAULT_RESULTS:
+    _DEFAULT_RESULTS[key] = _Build(params, batch, with_kwargs, mode)
+  return copy.deepcopy(_DEFAULT_RESULTS[key])
+
+
+def _Build(params, batch, with_kwargs, mode):
+  """_Results, built."""
   args_np, kwargs_np = _Inputs(params, batch, with_kwargs)
   with_shift = (with_kwargs and
                 params.single_stage_body.cls is reference_bodies.DenseBody)
