@@ -13,6 +13,12 @@ unchanged (in a copy too): a test that fails anyway catches nothing.
     .venv/bin/python tools/mutants.py            # every bug (about 10 min)
     .venv/bin/python tools/mutants.py --list     # what is in the set
     .venv/bin/python tools/mutants.py --only plan-fit-on-temp,decode-stage-0
+    .venv/bin/python tools/mutants.py --quick    # survivors: whole suite
+
+With --quick, a bug its named tests miss is run against the whole suite
+(`tests/`, stopping at the first failure; the unchanged suite is run once
+first, if any bug needs it): caught there, its entry should name the test
+that caught it.
 
 Exits 1 if a bug got through, or if a replacement no longer matches the
 code (update the entry with the code). When a feature lands, add the bugs
@@ -228,6 +234,11 @@ def _Apply(dest, bug):
   return ''
 
 
+# The whole suite, for --quick's survivors: one worker (the machine's
+# other core is left to whatever else runs), first failure ends it.
+SUITE = ('-n', '1', 'tests')
+
+
 def _RunTests(dest, tests, log):
   """Runs pytest on `tests` in the copy; its exit status."""
   env = dict(os.environ, PYTHONPATH=str(dest))
@@ -238,9 +249,9 @@ def _RunTests(dest, tests, log):
         stderr=subprocess.STDOUT).returncode
 
 
-def _InCopy(bug, logs, mutate):
-  """Runs the bug's tests in a fresh copy (with the bug if `mutate`);
-  (exit status or None, problem)."""
+def _InCopy(bug, logs, mutate, tests=None, suffix=''):
+  """Runs the bug's tests (or `tests`) in a fresh copy, with the bug if
+  `mutate`; (exit status or None, problem)."""
   with tempfile.TemporaryDirectory(prefix='gpipe-bug-') as tmp:
     dest = pathlib.Path(tmp)
     _Copy(dest)
@@ -248,8 +259,31 @@ def _InCopy(bug, logs, mutate):
       problem = _Apply(dest, bug)
       if problem:
         return None, problem
-    suffix = 'bug' if mutate else 'unchanged'
-    return _RunTests(dest, bug.tests, logs / f'{bug.name}.{suffix}.log'), ''
+    suffix = ('bug' if mutate else 'unchanged') + suffix
+    return _RunTests(dest, bug.tests if tests is None else tests,
+                     logs / f'{bug.name}.{suffix}.log'), ''
+
+
+def _Verdict(bug, logs, quick, suite_passes):
+  """'caught', 'caught by the suite', 'GOT THROUGH', 'STALE' or 'TESTS
+  FAIL UNCHANGED', and the problem; `suite_passes()` says (once) whether
+  the unchanged suite passes."""
+  status, problem = _InCopy(bug, logs, mutate=False)
+  if status != 0:
+    return 'TESTS FAIL UNCHANGED', problem
+  status, problem = _InCopy(bug, logs, mutate=True)
+  if problem:
+    return 'STALE', problem
+  if status not in (0, 5):
+    return 'caught', ''
+  if not quick:
+    return 'GOT THROUGH', ''
+  if not suite_passes():
+    return 'GOT THROUGH', 'and the unchanged suite fails: see its log'
+  status, _ = _InCopy(bug, logs, mutate=True, tests=SUITE, suffix='.suite')
+  if status not in (0, 5):
+    return 'caught by the suite', 'not by its tests: name the one that did'
+  return 'GOT THROUGH', 'the whole suite too'
 
 
 def main(argv=None):
@@ -258,6 +292,9 @@ def main(argv=None):
                       help='list the bugs and the tests meant to catch them')
   parser.add_argument('--only', default='',
                       help='comma-separated bug names (default: all)')
+  parser.add_argument('--quick', action='store_true',
+                      help="each bug against its named tests, then, if "
+                      'they miss it, against the whole suite')
   parser.add_argument('--logs', default='',
                       help='directory for each run\'s pytest output '
                       '(default: a temporary one, named at the end)')
@@ -278,16 +315,18 @@ def main(argv=None):
   logs = pathlib.Path(args.logs or tempfile.mkdtemp(prefix='gpipe-bugs-'))
   logs.mkdir(parents=True, exist_ok=True)
   failures = []
+  suite = []  # the unchanged suite's exit status, once run
+
+  def SuitePasses():
+    if not suite:
+      suite.append(_InCopy(Bug('suite', '', '', '', '', SUITE), logs,
+                           mutate=False)[0])
+    return suite[0] == 0
+
   for bug in bugs:
     began = time.time()
-    status, problem = _InCopy(bug, logs, mutate=False)
-    if status != 0:
-      verdict = 'TESTS FAIL UNCHANGED'
-    else:
-      status, problem = _InCopy(bug, logs, mutate=True)
-      verdict = ('STALE' if problem else
-                 'caught' if status not in (0, 5) else 'GOT THROUGH')
-    if verdict != 'caught':
+    verdict, problem = _Verdict(bug, logs, args.quick, SuitePasses)
+    if not verdict.startswith('caught'):
       failures.append(bug.name)
     print(f'{verdict:20} {bug.name:32} {time.time() - began:5.0f} s'
           f'{"  " + problem if problem else ""}', flush=True)
