@@ -60,6 +60,7 @@ _SLOW = [
     r'.*-m benchmarks\.',
     r'.*-m gpipe\.plan --model lm\.(CopyLMPod|Largest)',
     r'.*tools/mutants\.py$',
+    r'.*tools/mutants\.py --quick$',
 ]
 _DURATION = re.compile(
     r'\b(about |takes |in )?(a|\d+([.-]\d+)?) ?'
