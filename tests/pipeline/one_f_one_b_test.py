@@ -96,7 +96,8 @@ def _Covering(cases, features=None):
 
 
 # Body kind x per_stage_vars x circular_repeat x shard_stages_1d, M=4 not a
-# multiple of S=3.
+# multiple of S=3; with the (schedule, io) pair and the mode, a pairwise
+# covering (9 rows).
 _LAYOUTS = [
     (f'{b}{"-per_stage_vars" if p else ""}-R{r}{"-shard" if s else ""}',
      dict(body=b, per_stage_vars=p, circular_repeat=r, shard_stages_1d=s))
