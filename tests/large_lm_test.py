@@ -199,7 +199,7 @@ def test_the_largest_models_are_as_big_as_they_say():
   graph; ParameterBytes of the built task)."""
   for name, devices, gpipe_params, batch in (
       ('lm.LargestOn8x16GiB', 8, 5.3e9, 32),
-      ('lm.LargestOn32x16GiB', 32, 21.0e9, 128)):
+      ('lm.LargestOn32x16GiB', 32, 21.0e9, 256)):
     cls = lm.model_registry.GetClass(name)
     cfg = lm.model_registry.GetParams(name, 'Train')
     stack = cfg.task.stack
