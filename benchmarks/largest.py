@@ -194,9 +194,8 @@ def main(argv=None):
 
 def _OwnMesh(model):
   """The registered model's own [stages, data, model] mesh."""
-  from lingvo import model_registry  # pylint: disable=g-import-not-at-top
-  import params.lm  # pylint: disable=g-import-not-at-top,unused-import
-  return model_registry.GetClass(model).MESH.device_mesh.shape
+  import params.lm  # pylint: disable=g-import-not-at-top
+  return params.lm.model_registry.GetClass(model).MESH.device_mesh.shape
 
 
 if __name__ == '__main__':

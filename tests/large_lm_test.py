@@ -9,6 +9,8 @@ forward), at the same weights. Partitioned on a [2 stages, 2 data, 2
 model] mesh, the step equals the one-device step.
 """
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -61,17 +63,25 @@ def _Cfg(task_cls, remat_blocks, backward_schedule='1f1b', mesh=None,
   return cfg
 
 
+@functools.lru_cache(maxsize=None)
+def _Reference():
+  """(loss, gradients, weights) of _WholeBatchLoss at its initial weights:
+  the reverse schedule, no block recomputed. Built once per process; each
+  case loads these weights into the model under test."""
+  return trainer._LossAndGradients(  # pylint: disable=protected-access
+      _Cfg(_WholeBatchLoss, False, 'reverse'), None)
+
+
 @pytest.mark.parametrize('backward_schedule,remat_policy', [
     ('1f1b', 'save_checkpoints'), ('reverse', None)])
 def test_last_stage_or_chunked_loss_and_recomputed_blocks_change_no_number(
     backward_schedule, remat_policy):
   """With 1f1b as the largest LMs train: the blocks' inputs kept per ring
   entry (save_checkpoints), each block run again once in the backward."""
-  loss, grads, values = trainer._LossAndGradients(  # pylint: disable=protected-access
+  ref_loss, ref_grads, values = _Reference()
+  loss, grads, _ = trainer._LossAndGradients(  # pylint: disable=protected-access
       _Cfg(large_lm.LargeLMTask, True, backward_schedule,
-           remat_policy=remat_policy), None)
-  ref_loss, ref_grads, _ = trainer._LossAndGradients(  # pylint: disable=protected-access
-      _Cfg(_WholeBatchLoss, False, backward_schedule), values)
+           remat_policy=remat_policy), values)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
   assert set(grads) == set(ref_grads)
   assert any('softmax_bias' in name for name in grads)
@@ -236,12 +246,14 @@ def small_plan():
   if not partitioning.IsAvailable():
     pytest.skip('needs jax')
   cls = lm.model_registry.GetClass('lm.LargestMeshSmall')
-  plan = candidate_lib.MakePlan(
+  # The tests read the compiled module and the floors, not the MFU: the
+  # model's FLOPs (a compile of their own) are not counted (model_flops=1).
+  report = candidate_lib.PlanCandidate(
       targets.ModelTarget('lm.LargestMeshSmall'),
-      [targets.Candidate(cls.NUM_MICROBATCHES, 1, 'save_checkpoints',
-                         mesh=_SMALL_MESH)],
-      cls.MESH.num_devices, roofline.CHIPS['v5e'], 16 * 2**30)
-  (report,) = plan.reports
+      targets.Candidate(cls.NUM_MICROBATCHES, 1, 'save_checkpoints',
+                        mesh=_SMALL_MESH),
+      cls.MESH.num_devices, roofline.CHIPS['v5e'], 16 * 2**30,
+      model_flops=1)
   return cls, report
 
 
@@ -307,3 +319,15 @@ def test_the_rings_split_over_the_model_axis(small_plan):
              if c.loop >= 0 and c.kind == 'all-gather']
   assert gathers and {c.MeshAxes(_SMALL_MESH) for c in gathers} == {(2,)}, [
       (c.shape, c.MeshAxes(_SMALL_MESH)) for c in gathers]
+
+
+def test_the_largest_benchmark_knows_each_models_mesh():
+  """benchmarks.largest --meshes plans each model on its own mesh first,
+  then on others of as many chips."""
+  from benchmarks import largest  # pylint: disable=g-import-not-at-top
+  for model, devices, _, _, others in largest.MODELS:
+    own = largest._OwnMesh(model)  # pylint: disable=protected-access
+    assert own == lm.model_registry.GetClass(model).MESH.device_mesh.shape
+    assert np.prod(own) == devices, (model, own)
+    for mesh in others:
+      assert np.prod([int(n) for n in mesh.split('x')]) == devices, mesh
