@@ -36,6 +36,7 @@ def test_the_sweeps_cover_their_products():
   """Each sweep cut to pairs still sees every pair of its product's values."""
   # pylint: disable=g-import-not-at-top,protected-access
   from tests import layers_test
+  from tests import training_semantics_test
   from tests.pipeline import one_f_one_b_test
   # pylint: enable=g-import-not-at-top
   for module, rows, full, features in (
@@ -43,6 +44,9 @@ def test_the_sweeps_cover_their_products():
        layers_test._SWEEP_FEATURES),
       (one_f_one_b_test, one_f_one_b_test._SWEEP,
        one_f_one_b_test._FULL_SWEEP, one_f_one_b_test._SWEEP_FEATURES),
+      (training_semantics_test, training_semantics_test._SWEEP,
+       training_semantics_test._FULL_SWEEP,
+       training_semantics_test._SWEEP_FEATURES),
   ):
     assert not covering.Uncovered(rows, full, features), module.__name__
     assert len(rows) < len(full), module.__name__

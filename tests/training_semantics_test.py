@@ -26,6 +26,7 @@ from gpipe import layers
 from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
 from tests import close
+from tests import covering
 from tests import reference_bodies
 
 DIM = reference_bodies.TrainingBody.Params().dim
@@ -235,18 +236,80 @@ def _Id(case):
           ''.join(f'-{k}={v}' for k, v in case.path))
 
 
-def _CasesAndModes(cases, jit_cases):
-  """Every case in graph mode; the `jit_cases` under jit as well.
+# The bodies: x / x, NaN if a bubble computes on zeros, exactly 1 on real
+# data (in the value and, cut from the gradient, in the gradient), so the
+# same numbers as the plain body's; or dropout, which must really run.
+_BODIES = {'x_over_x': dict(divide_by_input=True),
+           'dropout': dict(keep_prob=0.5)}
 
-  XLA compiles each jit case for seconds; the jit subset keeps the
-  circular, sharded and uneven-microbatch schedules.
-  """
-  params = [pytest.param(c, 'graph', id=f'{_Id(c)}-graph') for c in cases]
-  params += [pytest.param(c, 'jit', id=f'{_Id(c)}-jit') for c in jit_cases]
+# The same cases under backward_schedule='1f1b', with and without stream_io.
+_ONE_F_ONE_B = [
+    dataclasses.replace(c, backward_schedule='1f1b', stream_io=i % 2 == 1)
+    for i, c in enumerate(SWEEP[2:])]
+
+# Some on each of the other one-device paths: the stages one after another,
+# the fill and drain on half the stages, layer by layer.
+_PATHS = [
+    dataclasses.replace(c, path=path)
+    for path in ((('vectorize_stages', 'never'),), (('skip_bubbles', True),),
+                 (('layer_by_layer', True),))
+    for c in (SWEEP[3], SWEEP[5], SWEEP[6])
+]
+
+
+def _Rows(cases, bodies, jit_cases):
+  """(case, body, mode): each case with each body in graph mode, the
+  `jit_cases` under jit too (XLA compiles each for seconds; they keep the
+  circular, sharded and uneven-microbatch schedules)."""
+  return ([(c, b, 'graph') for c in cases for b in bodies] +
+          [(c, b, 'jit') for c in jit_cases for b in bodies])
+
+
+# Every case with the x / x body, the later ones with dropout, and the 1f1b
+# and other-path cases with both.
+_FULL_SWEEP = (_Rows(SWEEP, ['x_over_x'], SWEEP[2:]) +
+               _Rows(SWEEP[3:], ['dropout'], SWEEP[4:6]) +
+               _Rows(_ONE_F_ONE_B, list(_BODIES), _ONE_F_ONE_B[2:4]) +
+               _Rows(_PATHS, list(_BODIES), _PATHS[1::3]))
+
+
+def _Schedule(case):
+  return (case.num_stages, case.num_microbatches, case.circular_repeat,
+          case.accumulation, case.shard_stages_1d)
+
+
+def _Variant(case):
+  """The backward schedule, stream_io and one-device path."""
+  return (case.backward_schedule, case.stream_io, case.path)
+
+
+# Pairwise (covering.py) over (S-M-R-accumulation-shard, backward schedule
+# or path, body, mode): 26 of _FULL_SWEEP's 61 rows. Each S-M-R-... still
+# meets every backward schedule or path, body and mode it met there, each
+# backward schedule or path every body and mode, and each body each mode.
+_SWEEP_FEATURES = (lambda r: _Schedule(r[0]), lambda r: _Variant(r[0]),
+                   lambda r: r[1], lambda r: r[2])
+_SWEEP = covering.Pairwise(_FULL_SWEEP, _SWEEP_FEATURES)
+
+
+def _Params(test):
+  """The rows of _SWEEP a test runs, as pytest params (case, [body,] mode):
+  'x_over_x' and 'dropout' the default schedule's with that body, '1f1b' and
+  'paths' the others' with both bodies."""
+  params = []
+  for case, body, mode in _SWEEP:
+    if test in _BODIES:
+      if case.backward_schedule == 'reverse' and not case.path and (
+          body == test):
+        params.append(pytest.param(case, mode, id=f'{_Id(case)}-{mode}'))
+    elif (case.backward_schedule == '1f1b') == (test == '1f1b') and (
+        bool(case.path) == (test == 'paths')):
+      params.append(pytest.param(case, body, mode,
+                                 id=f'{_Id(case)}-{body}-{mode}'))
   return params
 
 
-@pytest.mark.parametrize('case, mode', _CasesAndModes(SWEEP, SWEEP[2:]))
+@pytest.mark.parametrize('case, mode', _Params('x_over_x'))
 def test_aux_losses_and_summaries_equal_the_reference(case, mode):
   """And the bubbles cannot poison anything: the body multiplies by x / x,
   NaN on zeros (bubbles must never compute on zeros, and masking must keep
@@ -256,7 +319,7 @@ def test_aux_losses_and_summaries_equal_the_reference(case, mode):
   _AssertMatches(Run(dataclasses.replace(case, divide_by_input=True), mode))
 
 
-@pytest.mark.parametrize('case, mode', _CasesAndModes(SWEEP[3:], SWEEP[4:6]))
+@pytest.mark.parametrize('case, mode', _Params('dropout'))
 def test_dropout_streams_equal_the_reference(case, mode):
   res = Run(dataclasses.replace(case, keep_prob=0.5), mode)
   _AssertMatches(res)
@@ -264,43 +327,24 @@ def test_dropout_streams_equal_the_reference(case, mode):
   assert (res['pipe']['out'] == 0).any()
 
 
-def _AssertBubblesAndDropout(case, mode):
-  """Everything equals the reference, first with a body that multiplies by
-  x / x: NaN if a bubble computes on zeros, exactly 1 on real data (in the
-  value and, cut from the gradient, in the gradient), so the same numbers
-  as the plain body's; then with dropout, which really ran."""
-  _AssertMatches(Run(dataclasses.replace(case, divide_by_input=True), mode))
-  res = Run(dataclasses.replace(case, keep_prob=0.5), mode)
+def _AssertBubblesOrDropout(case, body, mode):
+  """Everything equals the reference, with the x / x body or with dropout,
+  which really ran."""
+  res = Run(dataclasses.replace(case, **_BODIES[body]), mode)
   _AssertMatches(res)
-  assert (res['pipe']['out'] == 0).any()
+  if body == 'dropout':
+    assert (res['pipe']['out'] == 0).any()
 
 
-# The same cases under backward_schedule='1f1b', with and without stream_io.
-_ONE_F_ONE_B = [
-    dataclasses.replace(c, backward_schedule='1f1b', stream_io=i % 2 == 1)
-    for i, c in enumerate(SWEEP[2:])]
+@pytest.mark.parametrize('case, body, mode', _Params('1f1b'))
+def test_1f1b_aux_losses_summaries_dropout_and_bubbles(case, body, mode):
+  _AssertBubblesOrDropout(case, body, mode)
 
 
-@pytest.mark.parametrize('case, mode', _CasesAndModes(_ONE_F_ONE_B,
-                                                      _ONE_F_ONE_B[2:4]))
-def test_1f1b_aux_losses_summaries_dropout_and_bubbles(case, mode):
-  _AssertBubblesAndDropout(case, mode)
-
-
-# The same checks on each of the other one-device paths: the stages one
-# after another, the fill and drain on half the stages, layer by layer.
-_PATHS = [
-    dataclasses.replace(c, path=path)
-    for path in ((('vectorize_stages', 'never'),), (('skip_bubbles', True),),
-                 (('layer_by_layer', True),))
-    for c in (SWEEP[3], SWEEP[5], SWEEP[6])
-]
-
-
-@pytest.mark.parametrize('case, mode', _CasesAndModes(_PATHS, _PATHS[1::3]))
+@pytest.mark.parametrize('case, body, mode', _Params('paths'))
 def test_every_one_device_path_aux_losses_summaries_dropout_and_bubbles(
-    case, mode):
-  _AssertBubblesAndDropout(case, mode)
+    case, body, mode):
+  _AssertBubblesOrDropout(case, body, mode)
 
 
 @pytest.mark.parametrize('num_stages, circular_repeat', [(2, 2), (3, 1)])
