@@ -26,6 +26,7 @@ from gpipe.pipeline import stage_ends
 from gpipe.pipeline import one_f_one_b
 from lingvo.core import py_utils
 from tests import close
+from tests import covering
 from tests import pipeline_harness as harness
 from tests import reference_bodies
 
@@ -198,22 +199,35 @@ def _Counts(num_stages):
   return sorted({1, num_stages, num_stages + 1, 2 * num_stages + 1})
 
 
-_SWEEP = [(s, m, r) for s in (1, 2, 3, 4) for m in _Counts(s)
-          for r in (1, 2, 3)]
+def _CountKind(s, m):
+  return ('1' if m == 1 else '=S' if m == s else 'S+1' if m == s + 1 else
+          '2S+1')
 
 
-@pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat', _SWEEP,
-                         ids=[f'S{s}-M{m}-R{r}' for s, m, r in _SWEEP])
-def test_1f1b_sweep_graph(num_stages, num_microbatches, circular_repeat):
-  """Every shape with the loss at the last stage, its inputs given
-  (streamed and not) or made at stage 0, in turn; no forward loop is
-  built."""
-  index = _SWEEP.index((num_stages, num_microbatches, circular_repeat))
+# The inputs: (made at stage 0, streamed).
+_IO = [(False, False), (False, True), (True, False), (True, True)]
+_FULL_SWEEP = [(s, m, r, io) for s in (1, 2, 3, 4) for m in _Counts(s)
+               for r in (1, 2, 3) for io in _IO]
+# Pairwise (covering.py) over (S, M as 1, S, S + 1 or 2 S + 1, R, inputs
+# given or made, streamed or not): 18 of the product's 180.
+_SWEEP_FEATURES = (lambda c: c[0], lambda c: _CountKind(c[0], c[1]),
+                   lambda c: c[2], lambda c: c[3])
+_SWEEP = covering.Pairwise(_FULL_SWEEP, _SWEEP_FEATURES)
+
+
+@pytest.mark.parametrize(
+    'num_stages,num_microbatches,circular_repeat,io', _SWEEP,
+    ids=[f'S{s}-M{m}-R{r}-{"made" if first else "given"}'
+         f'{"-stream_io" if stream else ""}' for s, m, r, (first, stream)
+         in _SWEEP])
+def test_1f1b_sweep_graph(num_stages, num_microbatches, circular_repeat, io):
+  """Shapes with the loss at the last stage, its inputs given or made at
+  stage 0, streamed or not; no forward loop is built."""
+  first, stream_io = io
   res = _Check(Case(num_stages=num_stages, num_microbatches=num_microbatches,
                     circular_repeat=circular_repeat,
                     batch=2 * num_microbatches, backward_schedule='1f1b',
-                    stream_io=bool(index % 2)), 'graph',
-               first=index % 3 == 2)
+                    stream_io=stream_io), 'graph', first=first)
   assert not [n for n in res['op_names'] if one_f_one_b.FORWARD_LOOP in n]
 
 
@@ -263,12 +277,12 @@ def test_other_paths_score_the_outputs(case, first):
   _Check(case, 'graph', first=first)
 
 
-@pytest.mark.parametrize('first', [False, True])
-def test_partitioned_step_equals_one_device(first):
+def test_partitioned_step_equals_one_device():
   """Split over 4 virtual devices (a circular 4-stage layer, streamed),
   each device makes its inputs (where it reads them) and scores its own
   stage's outputs in the manual region: the loss's sums and every
-  gradient equal the one-device step's."""
+  gradient equal the one-device step's. One program takes the step with
+  the inputs given and with them made by the first stage."""
   from gpipe import sharding  # pylint: disable=g-import-not-at-top
   from gpipe.xla import partitioning  # pylint: disable=g-import-not-at-top
   if not partitioning.IsAvailable():
@@ -284,25 +298,30 @@ def test_partitioned_step_equals_one_device(first):
 
   def Step(*flat):
     w = list(flat[:len(weights)])
-    x, w_out = flat[len(weights):]  # x: the input, or the first's table
-    with tf.GradientTape() as tape:
-      tape.watch(w + [x, w_out])
-      loss = stage_ends.LastStageLoss(
-          _Fn, NestedMap(out=w_out),
-          NestedMap(labels=tf.constant(data['labels']),
-                    weights=tf.constant(data['weights'])))
-      if first:
-        sums = layer.FPropWithLoss(
-            theta.Pack(w), loss, first_stage=stage_ends.FirstStageInput(
-                lambda weights, inputs: _Made(_TF, weights, inputs, 'dense'),
-                NestedMap(table=x),
-                NestedMap(ids=tf.constant(data['ids']),
-                          scale=tf.constant(data['scale']))))
-      else:
-        sums = layer.FPropWithLoss(theta.Pack(w), loss, x)
-    return [sums.loss, sums.count] + tape.gradient(sums.loss, w + [x, w_out])
+    given, table, w_out = flat[len(weights):]
+    outputs = []
+    for first, x in ((False, given), (True, table)):
+      with tf.GradientTape() as tape:
+        tape.watch(w + [x, w_out])
+        loss = stage_ends.LastStageLoss(
+            _Fn, NestedMap(out=w_out),
+            NestedMap(labels=tf.constant(data['labels']),
+                      weights=tf.constant(data['weights'])))
+        if first:
+          sums = layer.FPropWithLoss(
+              theta.Pack(w), loss, first_stage=stage_ends.FirstStageInput(
+                  lambda weights, inputs: _Made(_TF, weights, inputs,
+                                                'dense'),
+                  NestedMap(table=x),
+                  NestedMap(ids=tf.constant(data['ids']),
+                            scale=tf.constant(data['scale']))))
+        else:
+          sums = layer.FPropWithLoss(theta.Pack(w), loss, x)
+      outputs += [sums.loss, sums.count] + tape.gradient(
+          sums.loss, w + [x, w_out])
+    return outputs
 
-  values = weights + [data['table'] if first else args[0], data['out']]
+  values = weights + [args[0], data['table'], data['out']]
   one = tf.function(Step, jit_compile=True)(*[tf.constant(v) for v in values])
 
   def Partitioned(*flat):
@@ -310,6 +329,7 @@ def test_partitioned_step_equals_one_device(first):
       return Step(*flat)
 
   run = partitioning.RunPartitioned(Partitioned, values, 4)
+  assert len(run.outputs) == len(one) == 2 * (len(weights) + 4)
   for i, (got, want) in enumerate(zip(run.outputs, one)):
     assert np.abs(want.numpy()).max() > 0, i
     close.AssertClose(got, want.numpy(), close.FLOAT32, f'output {i}')
