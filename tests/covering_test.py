@@ -38,6 +38,7 @@ def test_the_sweeps_cover_their_products():
   from tests import layers_test
   from tests import training_semantics_test
   from tests.pipeline import one_f_one_b_test
+  from tests.pipeline import stage_ends_test
   # pylint: enable=g-import-not-at-top
   for module, rows, full, features in (
       (layers_test, layers_test._SWEEP, layers_test._FULL_SWEEP,
@@ -47,6 +48,8 @@ def test_the_sweeps_cover_their_products():
       (training_semantics_test, training_semantics_test._SWEEP,
        training_semantics_test._FULL_SWEEP,
        training_semantics_test._SWEEP_FEATURES),
+      (stage_ends_test, stage_ends_test._SWEEP, stage_ends_test._FULL_SWEEP,
+       stage_ends_test._SWEEP_FEATURES),
   ):
     assert not covering.Uncovered(rows, full, features), module.__name__
     assert len(rows) < len(full), module.__name__
