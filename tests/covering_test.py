@@ -36,7 +36,10 @@ def test_the_sweeps_cover_their_products():
   """Each sweep cut to pairs still sees every pair of its product's values."""
   # pylint: disable=g-import-not-at-top,protected-access
   from tests import layers_test
+  from tests import recurrent_test
+  from tests import lingvo_parity_test
   from tests import training_semantics_test
+  from tests import training_state_test
   from tests.pipeline import one_f_one_b_test
   from tests.pipeline import stage_ends_test
   # pylint: enable=g-import-not-at-top
@@ -48,8 +51,15 @@ def test_the_sweeps_cover_their_products():
       (training_semantics_test, training_semantics_test._SWEEP,
        training_semantics_test._FULL_SWEEP,
        training_semantics_test._SWEEP_FEATURES),
+      (recurrent_test, recurrent_test._SWEEP, recurrent_test._FULL_SWEEP,
+       recurrent_test._SWEEP_FEATURES),
       (stage_ends_test, stage_ends_test._SWEEP, stage_ends_test._FULL_SWEEP,
        stage_ends_test._SWEEP_FEATURES),
+      (lingvo_parity_test, lingvo_parity_test._GRID,
+       lingvo_parity_test._FULL_GRID, lingvo_parity_test._GRID_FEATURES),
+      (training_state_test, training_state_test._STATEFUL,
+       training_state_test._FULL_STATEFUL,
+       training_state_test._STATEFUL_FEATURES),
   ):
     assert not covering.Uncovered(rows, full, features), module.__name__
     assert len(rows) < len(full), module.__name__

@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from gpipe import recurrent
 from tests import close
+from tests import covering
 from tests import recurrent_cases as cases
 
 _B, _H, _T = cases.B, cases.H, cases.T
@@ -161,9 +162,17 @@ def _CheckAgainstReferences(mode, cell, remat_policy, loss_kind,
     _AssertClose(g, np_g, f'grad[{i}]', 'vs_numpy')
 
 
-@pytest.mark.parametrize('cell', cases.CELLS)
-@cases.POLICY
-@pytest.mark.parametrize('mode', ['graph', 'jit'])
+_FULL_SWEEP = [(mode, policy, cell) for cell in cases.CELLS
+               for policy in cases.POLICIES for mode in ('graph', 'jit')]
+# Pairwise (covering.py) over (mode, remat policy, cell): 21 of the
+# product's 42. Every cell under every policy, each cell and each policy in
+# both modes.
+_SWEEP_FEATURES = (lambda r: r[0], lambda r: r[1], lambda r: r[2])
+_SWEEP = covering.Pairwise(_FULL_SWEEP, _SWEEP_FEATURES)
+
+
+@pytest.mark.parametrize('mode,remat_policy,cell', _SWEEP,
+                         ids=['-'.join(row) for row in _SWEEP])
 def test_matches_while_loop_and_numpy(mode, remat_policy, cell):
   _CheckAgainstReferences(mode, cell, remat_policy, 'all')
 
