@@ -20,14 +20,15 @@ installed Lingvo itself (not against a re-derivation of it):
    every variable must agree (rtol 1e-5, atol 1e-6; in graph mode, where
    our loops are compiled by XLA, atol 1e-6 of each array's largest entry
    above 1: tests/close.py's FLOAT32_TIGHT_AT_SCALE). Graph mode (tf.Graph +
-   tf.compat.v1.Session, Lingvo's home) over num_stages x num_microbatches
-   grids (including microbatch counts that are not multiples of num_stages,
-   microbatch_size, inputs that are already microbatched and per-example
-   kwargs), plus two configs under TF2 tf.function(jit_compile=True) with
-   tf.GradientTape. Both layers run with unroll='never' (Lingvo's default
-   'eval_only' would not pipeline in eval). The forward output is also checked
-   against a plain NumPy loop over the layers, so the two cannot agree on a
-   wrong answer.
+   tf.compat.v1.Session, Lingvo's home) over a pairwise covering of
+   num_stages x num_microbatches x per_stage_vars (including microbatch
+   counts that are not multiples of num_stages), and microbatch_size,
+   inputs that are already microbatched and per-example kwargs; plus two
+   configs under TF2 tf.function(jit_compile=True) with tf.GradientTape.
+   Both layers run with unroll='never' (Lingvo's default 'eval_only' would
+   not pipeline in eval). The forward output is also checked against a
+   plain NumPy loop over the layers, so the two cannot agree on a wrong
+   answer.
 
 3. Lingvo's limitations on this CPU, recorded so that a change in either
    library shows up: configs where Lingvo's pipelined layer raises
@@ -49,6 +50,7 @@ from gpipe import layers
 from lingvo.core import gshard_layers
 from lingvo.core import scatter_update
 from tests import close
+from tests import covering
 from tests import reference_bodies
 
 _DIM = 4
@@ -249,12 +251,22 @@ def _CheckGraphParity(config, kwarg_names=(), batch=_BATCH, seed=0):
                     'gpipe vs NumPy')
 
 
+def _MicrobatchKind(s, m):
+  return ('1' if m == 1 else '<S' if m < s else '=S' if m == s else
+          'S+1' if m == s + 1 else 'many')
+
+
 # Lingvo's pipeline cannot run S=1, M=1 (see test_lingvo_cannot_run).
-# M = 3 only where it is not a multiple of S, to keep the runtime down.
-_GRID = (
-    [(s, m, False) for s in (1, 2, 3, 4) for m in (1, 2, 3, 4)
-     if (s, m) != (1, 1) and (m != 3 or s in (2, 4))] +
-    [(1, 2, True), (2, 1, True), (2, 3, True), (3, 2, True), (4, 4, True)])
+_FULL_GRID = [(s, m, per_stage_vars)
+              for s in (1, 2, 3, 4) for m in (1, 2, 3, 4)
+              for per_stage_vars in (False, True) if (s, m) != (1, 1)]
+# Pairwise over (S, the kind of M, per_stage_vars) (covering.py): every S
+# with every kind of M (1, fewer than S, = S, S + 1 -- not a multiple --,
+# many), each of them with and without per-stage variables: 13 of the
+# product's 30.
+_GRID_FEATURES = (lambda c: c[0], lambda c: _MicrobatchKind(c[0], c[1]),
+                  lambda c: c[2])
+_GRID = covering.Pairwise(_FULL_GRID, _GRID_FEATURES)
 
 
 @pytest.mark.parametrize('num_stages,num_microbatches,per_stage_vars', _GRID)
