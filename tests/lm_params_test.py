@@ -311,24 +311,6 @@ def test_training_lowers_the_loss():
   assert last < 0.5 * first, (first, last)
 
 
-def test_resuming_from_a_checkpoint_continues_as_if_never_stopped(tmp_path):
-  cfg = TinyCfg(dropout_prob=0.1)
-  straight_dir, resumed_dir = str(tmp_path / 'a'), str(tmp_path / 'b')
-  straight = trainer.Train(cfg, steps=6, logdir=straight_dir, save_every=3)
-  # Resume from the step-3 checkpoint the uninterrupted run wrote.
-  os.makedirs(resumed_dir)
-  tf.compat.v1.train.update_checkpoint_state(
-      resumed_dir, os.path.join(straight_dir, 'ckpt-3'))
-  resumed = trainer.Train(cfg, steps=6, logdir=resumed_dir)
-  assert [r.step for r in straight] == list(range(6))
-  assert [r.step for r in resumed] == [3, 4, 5]
-  np.testing.assert_allclose([r.loss for r in resumed],
-                             [r.loss for r in straight[3:]], rtol=1e-6)
-  # The losses moved, so equality above is not trivial.
-  assert len({round(r.loss, 6) for r in straight}) > 1
-  assert tf.train.latest_checkpoint(resumed_dir).endswith('b/ckpt-6')
-
-
 def _EventScalars(logdir):
   """{tag: {step: value}} of the scalars in logdir's event files."""
   tags = {}
@@ -342,29 +324,48 @@ def _EventScalars(logdir):
   return tags
 
 
-def test_training_events_and_decoding_with_dropout(tmp_path):
-  """The events Train writes are labelled like Lingvo's trainer's (the
-  global step after the update); DecodeHeldOut decodes in eval mode, so a
-  model trained with dropout decodes without it, incrementally and in the
-  full-sequence check alike."""
-  logdir = str(tmp_path / 'run')
+def test_resuming_events_and_decoding_with_dropout(tmp_path):
+  """One uninterrupted run (dropout on) owes three things.
+
+  Resuming from its step-3 checkpoint continues as if never stopped. The
+  events Train writes are labelled like Lingvo's trainer's (the global step
+  after the update). DecodeHeldOut decodes in eval mode, so a model trained
+  with dropout decodes without it, incrementally and in the full-sequence
+  check alike.
+  """
   cfg = TinyCfg(dropout_prob=0.3)
-  history = trainer.Train(cfg, steps=3, logdir=logdir, summary_every=2)
-  tags = _EventScalars(logdir)
-  assert sorted(tags['loss']) == [1, 2, 3]  # first, every 2nd, last
-  assert [tags['loss'][r.step + 1] for r in history] == pytest.approx(
-      [r.loss for r in history], rel=1e-6)
-  assert sorted(tags['step_time_seconds']) == [1, 2, 3]
-  assert sorted(tags['accuracy']) == [1, 2, 3]
+  straight_dir, resumed_dir = str(tmp_path / 'a'), str(tmp_path / 'b')
+  straight = trainer.Train(cfg, steps=6, logdir=straight_dir, save_every=3,
+                           summary_every=4)
+  # Resume from the step-3 checkpoint the uninterrupted run wrote.
+  os.makedirs(resumed_dir)
+  tf.compat.v1.train.update_checkpoint_state(
+      resumed_dir, os.path.join(straight_dir, 'ckpt-3'))
+  resumed = trainer.Train(cfg, steps=6, logdir=resumed_dir)
+  assert [r.step for r in straight] == list(range(6))
+  assert [r.step for r in resumed] == [3, 4, 5]
+  np.testing.assert_allclose([r.loss for r in resumed],
+                             [r.loss for r in straight[3:]], rtol=1e-6)
+  # The losses moved, so equality above is not trivial.
+  assert len({round(r.loss, 6) for r in straight}) > 1
+  assert tf.train.latest_checkpoint(resumed_dir).endswith('b/ckpt-6')
+
+  tags = _EventScalars(straight_dir)
+  assert sorted(tags['loss']) == [1, 4, 6]  # first, every 4th, last
+  written = [straight[0], straight[3], straight[5]]
+  assert [tags['loss'][r.step + 1] for r in written] == pytest.approx(
+      [r.loss for r in written], rel=1e-6)
+  assert sorted(tags['step_time_seconds']) == [1, 4, 6]
+  assert sorted(tags['accuracy']) == [1, 4, 6]
   stages = sorted(t for t in tags if t.startswith('activation_rms/stage_'))
   assert [t.split('/')[1] for t in stages] == ['stage_0', 'stage_1'], stages
   assert tags['pipeline_schedule'] == {0: 'image'}
-  assert trainer.CheckpointStep(logdir) == 3
+  assert trainer.CheckpointStep(straight_dir) == 6
 
   held_out = TinyCfg(dropout_prob=0.3)
   held_out.input.Set(data_seed=99, held_out_batches=2,
                      num_samples=2 * held_out.input.batch_size)
-  decoding = trainer.DecodeHeldOut(held_out, logdir)
+  decoding = trainer.DecodeHeldOut(held_out, straight_dir)
   assert decoding.num_sequences == 12
   assert decoding.agreement == 1.0, decoding.Describe()
   assert decoding.Agrees()
