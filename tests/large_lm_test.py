@@ -246,14 +246,12 @@ def small_plan():
   if not partitioning.IsAvailable():
     pytest.skip('needs jax')
   cls = lm.model_registry.GetClass('lm.LargestMeshSmall')
-  # The tests read the compiled module and the floors, not the MFU: the
-  # model's FLOPs (a compile of their own) are not counted (model_flops=1).
-  report = candidate_lib.PlanCandidate(
+  plan = candidate_lib.MakePlan(
       targets.ModelTarget('lm.LargestMeshSmall'),
-      targets.Candidate(cls.NUM_MICROBATCHES, 1, 'save_checkpoints',
-                        mesh=_SMALL_MESH),
-      cls.MESH.num_devices, roofline.CHIPS['v5e'], 16 * 2**30,
-      model_flops=1)
+      [targets.Candidate(cls.NUM_MICROBATCHES, 1, 'save_checkpoints',
+                         mesh=_SMALL_MESH)],
+      cls.MESH.num_devices, roofline.CHIPS['v5e'], 16 * 2**30)
+  (report,) = plan.reports
   return cls, report
 
 

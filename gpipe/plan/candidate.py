@@ -55,9 +55,10 @@ class CandidateReport:
   # The built stack's backward schedule and stream_io.
   backward_schedule: str = 'reverse'
   stream_io: bool = False
-  # 3 x the FLOPs of the step's forward pass, the stacks run unpipelined
-  # (ForwardFlops): the work MFU counts, all devices.
-  model_flops: float = 0.0
+  # Gives 3 x the FLOPs of the step's forward pass, the stacks run
+  # unpipelined (ForwardFlops): the work MFU counts, all devices. A
+  # function, as counting them is a compile of its own (ModelFlops).
+  model_flops_fn: object = lambda: 0.0
   # What the least traffic per mesh axis depends on (traffic_floor), or
   # None where the model does not say.
   model_shape: traffic_floor.ModelShape = None
@@ -299,6 +300,10 @@ class CandidateReport:
         one_f_one_b=self.one_f_one_b,
         clips_gradients=self.step.clip_norm > 0)
 
+  @property
+  def model_flops(self):
+    return self.model_flops_fn()
+
   @functools.cached_property
   def prediction(self):
     return roofline.Predict(
@@ -355,8 +360,8 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
 
   `log` (if given) is told once the candidate is built, before its compile:
   a candidate skipped while building is never said to be compiling.
-  `model_flops`: the model's (ForwardFlops, the same for every candidate
-  of a target); None: counted here.
+  `model_flops`: a ModelFlops (the same for every candidate of a
+  target); None: a new one, of this candidate's step.
   """
   start = time.time()
   with tpu_build.AsOnTpu():  # Lingvo's layers annotate their weights when built for one
@@ -387,16 +392,36 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
       reference_proto=reference,
       aliases=step.aliases)
   if model_flops is None:
-    model_flops = 3 * ForwardFlops(step)
+    model_flops = ModelFlops(step)
   mesh = partitioned_step.StackMesh(stack_p, num_devices)
   return CandidateReport(candidate=candidate, schedule=sched,
                          compiled=compiled, step=step, chip=chip,
                          hbm_bytes=hbm_bytes, seconds=time.time() - start,
                          backward_schedule=stack_p.backward_schedule,
-                         stream_io=stack_p.stream_io, model_flops=model_flops,
+                         stream_io=stack_p.stream_io,
+                         model_flops_fn=model_flops,
                          model_shape=traffic_floor.ShapeOf(
                              step, mesh['stage_axis']),
                          **mesh)
+
+
+class ModelFlops:
+  """3 x ForwardFlops(step), counted when first asked for, then kept.
+
+  Counting them compiles the step's forward pass once more: a plan's
+  candidates share one ModelFlops (the model's work does not depend on
+  its M, R or mesh), and a caller that reads no prediction (bytes per
+  device, collectives) never compiles it.
+  """
+
+  def __init__(self, step):
+    self._step = step
+    self._flops = None
+
+  def __call__(self):
+    if self._flops is None:
+      self._flops = 3 * ForwardFlops(self._step)
+    return self._flops
 
 
 def ForwardFlops(step):
@@ -469,7 +494,7 @@ def MakePlan(target, candidates, num_devices, chip, hbm_bytes,
       CheckCandidate(target, candidate)
       reports.append(PlanCandidate(
           target, candidate, num_devices, chip, hbm_bytes, depth_param, log,
-          model_flops=reports[0].model_flops if reports else None))
+          model_flops=reports[0].model_flops_fn if reports else None))
     except targets.PlanError as e:
       skipped.append((candidate, str(e).splitlines()[0]))
     except Exception as e:  # pylint: disable=broad-except
