@@ -151,17 +151,26 @@ def test_decoding_step_by_step_equals_the_causal_fprop(s, m, r):
   with tf.Graph().as_default():
     with lingvo_compat.UseGpipeInLingvo():
       layer = _Params(s, m, r, 'never').Instantiate()
-    x = tf.constant(x_np)
-    full, _ = layer.FProp(layer.theta, x, tf.zeros([batch, TIME]))
-    states = layer.InitStates(layer.theta, batch, TIME)
-    steps = []
-    for t in range(TIME):
-      # Lingvo's client passes use_short_seq_opt=False, a flag, as a kwarg.
-      y, states = layer.ExtendStep(layer.theta, x[:, t:t + 1], None, None,
-                                   states, tf.constant(t))
-      steps.append(y)
-    decoded = tf.concat(steps, axis=1)
+    full, _ = layer.FProp(layer.theta, tf.constant(x_np),
+                          tf.zeros([batch, TIME]))
+    states0 = layer.InitStates(layer.theta, batch, TIME)
+    # One decoding step, run position by position with the states fed back.
+    holders = [tf.compat.v1.placeholder(s.dtype, s.shape)
+               for s in tf.nest.flatten(states0)]
+    x_t = tf.compat.v1.placeholder(tf.float32, [batch, 1, DIM])
+    t = tf.compat.v1.placeholder(tf.int32, [])
+    # Lingvo's client passes use_short_seq_opt=False, a flag, as a kwarg.
+    y, states = layer.ExtendStep(
+        layer.theta, x_t, None, None,
+        tf.nest.pack_sequence_as(states0, holders), t)
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
-      got, want = sess.run((decoded, full))
+      want, flat = sess.run((full, tf.nest.flatten(states0)))
+      steps = []
+      for position in range(TIME):
+        feed = dict(zip(holders, flat))
+        feed.update({x_t: x_np[:, position:position + 1], t: position})
+        y_t, flat = sess.run((y, tf.nest.flatten(states)), feed)
+        steps.append(y_t)
+  got = np.concatenate(steps, axis=1)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
