@@ -35,6 +35,7 @@ def test_rows_that_must_stay_stay():
 def test_the_sweeps_cover_their_products():
   """Each sweep cut to pairs still sees every pair of its product's values."""
   # pylint: disable=g-import-not-at-top,protected-access
+  from tests import decoding_test
   from tests import layers_test
   from tests import recurrent_test
   from tests import lingvo_parity_test
@@ -60,6 +61,10 @@ def test_the_sweeps_cover_their_products():
       (training_state_test, training_state_test._STATEFUL,
        training_state_test._FULL_STATEFUL,
        training_state_test._STATEFUL_FEATURES),
+      (decoding_test, decoding_test._DECODING, decoding_test._FULL_DECODING,
+       decoding_test._DECODING_FEATURES),
+      (decoding_test, decoding_test._FROM_CACHE,
+       decoding_test._FULL_FROM_CACHE, decoding_test._FROM_CACHE_FEATURES),
   ):
     assert not covering.Uncovered(rows, full, features), module.__name__
     assert len(rows) < len(full), module.__name__

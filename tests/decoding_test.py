@@ -5,7 +5,8 @@ a sequence one position per call (FPropFn('ExtendStep') with the caches as
 padded_per_stage_states) must give, at every position, what the plain
 unpipelined stack gives on the full sequence (each layer's FProp in a plain
 loop, and independently the NumPy version of the same math); the caches
-must hold every layer's keys and values. Where the states live (their slots,
+must hold every layer's keys and values (over pairwise coverings of
+S, M, R and graph mode or jit). Where the states live (their slots,
 per device when partitioned) and the errors for states of the wrong shape
 are in decoding_states_test.py.
 """
@@ -20,6 +21,7 @@ from lingvo import compat as tf
 from lingvo.core import base_layer
 from lingvo.core import py_utils
 from tests import close
+from tests import covering
 
 NestedMap = py_utils.NestedMap
 
@@ -268,9 +270,24 @@ _CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize('mode', ['graph', 'jit'])
-@pytest.mark.parametrize('num_stages, num_microbatches, circular_repeat, batch',
-                         _CONFIGS)
+_MODES = ('graph', 'jit')
+
+
+def _MicrobatchKind(s, m):
+  return ('1' if m == 1 else '<S' if m < s else '=S' if m == s else
+          'S+1' if m == s + 1 else 'many')
+
+
+_FULL_DECODING = [c + (mode,) for c in _CONFIGS for mode in _MODES]
+# Pairwise over (S, the kind of M, R, mode) (covering.py): 12 of the
+# product's 14.
+_DECODING_FEATURES = (lambda c: c[0], lambda c: _MicrobatchKind(c[0], c[1]),
+                      lambda c: c[2], lambda c: c[4])
+_DECODING = covering.Pairwise(_FULL_DECODING, _DECODING_FEATURES)
+
+
+@pytest.mark.parametrize(
+    'num_stages, num_microbatches, circular_repeat, batch, mode', _DECODING)
 def test_decoding_matches_the_full_sequence_stack(num_stages, num_microbatches,
                                                   circular_repeat, batch,
                                                   mode):
@@ -319,12 +336,23 @@ def CheckDecoding(num_stages, num_microbatches, circular_repeat, batch, mode,
 _PREFIX = 2
 
 
-@pytest.mark.parametrize('mode', ['graph', 'jit'])
-@pytest.mark.parametrize(
-    'num_stages, num_microbatches, circular_repeat, batch, extra',
+_FULL_FROM_CACHE = [
+    c + (mode,) for c in
     [(2, 2, 1, 4, {}), (3, 2, 1, 6, {}), (4, 4, 1, 8, {}), (2, 3, 2, 6, {}),
      (3, 2, 2, 4, {}), (2, 4, 3, 8, {}),
-     (3, 2, 2, 4, dict(backward_schedule='1f1b', stream_io=True))])
+     (3, 2, 2, 4, dict(backward_schedule='1f1b', stream_io=True))]
+    for mode in _MODES]
+# Pairwise over (S, the kind of M, R, 1f1b + stream_io or not, mode)
+# (covering.py): 11 of the product's 14.
+_FROM_CACHE_FEATURES = (lambda c: c[0], lambda c: _MicrobatchKind(c[0], c[1]),
+                        lambda c: c[2], lambda c: bool(c[4]),
+                        lambda c: c[5])
+_FROM_CACHE = covering.Pairwise(_FULL_FROM_CACHE, _FROM_CACHE_FEATURES)
+
+
+@pytest.mark.parametrize(
+    'num_stages, num_microbatches, circular_repeat, batch, extra, mode',
+    _FROM_CACHE)
 def test_decoding_goes_on_from_each_layers_own_cache(
     num_stages, num_microbatches, circular_repeat, batch, extra, mode):
   """Starting caches that differ per layer and per example: the plain
