@@ -36,6 +36,7 @@ def test_the_sweeps_cover_their_products():
   """Each sweep cut to pairs still sees every pair of its product's values."""
   # pylint: disable=g-import-not-at-top,protected-access
   from tests import decoding_test
+  from tests import gshard_builder_test
   from tests import layers_test
   from tests import recurrent_test
   from tests import lingvo_parity_test
@@ -65,6 +66,8 @@ def test_the_sweeps_cover_their_products():
        decoding_test._DECODING_FEATURES),
       (decoding_test, decoding_test._FROM_CACHE,
        decoding_test._FULL_FROM_CACHE, decoding_test._FROM_CACHE_FEATURES),
+      (gshard_builder_test, gshard_builder_test._CASES,
+       gshard_builder_test._FULL_CASES, gshard_builder_test._FEATURES),
   ):
     assert not covering.Uncovered(rows, full, features), module.__name__
     assert len(rows) < len(full), module.__name__

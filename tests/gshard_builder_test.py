@@ -10,10 +10,11 @@ loss): `DenseBuilder` stacks (self-attention; encoder-decoder attention and a
 dense feed-forward layer) and `MoEBuilder` stacks (an MoE feed-forward layer
 each, with its aux loss). The task case is Lingvo's `UniTransformer` test
 model (relative-bias decoder self-attention, feed-forward), with
-`num_spmd_pipeline_stages`. Each case runs with S = 2 and 4 stages, in
-training and in eval mode (the stacks: each kind with each S and in each
-mode, each S in each mode, a pairwise covering of the eight), against a
-reference that runs no gpipe code:
+`num_spmd_pipeline_stages`. The cases run with S = 2 and 4 stages, in
+training and in eval mode: a pairwise covering (tests/covering.py) of the
+three models, the two S and the two modes, each model with each S and in
+each mode, each S in each mode (6 of the 12). Each against a reference
+that runs no gpipe code:
 
 * Training: Lingvo's own pipelined layer, from the same builder params built
   without the switch. Both models must have the same variable names and
@@ -54,13 +55,14 @@ from lingvo.core import gshard_builder
 from lingvo.core import py_utils
 from tensorflow.core.protobuf import rewriter_config_pb2
 from tests import close
+from tests import covering
 
 DIM, HEADS, KV_DIM, HIDDEN, TIME, BATCH, VOCAB = 8, 2, 4, 16, 4, 8, 16
 EXPERTS, CAPACITY = 2, 4
 
 # (stages S, microbatches M): M > S and M < S.
 _STAGES = [(2, 4), (4, 2)]
-_MODES = ['train', 'eval']
+_MODES = ['eval', 'train']
 
 
 def _AssertAllClose(got, want, names):
@@ -265,11 +267,18 @@ def _MicrobatchByMicrobatch(enc, dec, enc_in, dec_in, m_count):
   return Join(0), Join(1)
 
 
-# Every two of kind, (S, M) and mode together (4 of the product's 8).
-_STACK_CASES = [('dense', *_STAGES[0], 'train'),
-                ('dense', *_STAGES[1], 'eval'),
-                ('moe', *_STAGES[0], 'eval'),
-                ('moe', *_STAGES[1], 'train')]
+# The models: the builders' dense and MoE stacks, and the UniTransformer.
+_FULL_CASES = [(kind, *stages, mode) for kind in ('dense', 'moe', 'uni')
+               for stages in _STAGES for mode in _MODES]
+# Pairwise over (model, (S, M), mode) (covering.py): 6 of the product's 12;
+# the stacks every two of kind, (S, M) and mode together (4 of their 8).
+_FEATURES = (lambda c: c[0], lambda c: c[1:3], lambda c: c[3])
+_CASES = covering.Pairwise(
+    _FULL_CASES, _FEATURES,
+    must=[('dense', *_STAGES[0], 'train'), ('dense', *_STAGES[1], 'eval'),
+          ('moe', *_STAGES[0], 'eval'), ('moe', *_STAGES[1], 'train')])
+_STACK_CASES = [c for c in _CASES if c[0] != 'uni']
+_TASK_CASES = [c[1:] for c in _CASES if c[0] == 'uni']
 
 
 @pytest.mark.parametrize('kind,stages,microbatches,mode', _STACK_CASES)
@@ -366,8 +375,7 @@ def _TaskFProp(model):
   return {k: v for k, (v, _) in metrics.items()}
 
 
-@pytest.mark.parametrize('mode', _MODES)
-@pytest.mark.parametrize('stages,microbatches', _STAGES)
+@pytest.mark.parametrize('stages,microbatches,mode', _TASK_CASES)
 def test_uni_transformer_equals_reference(stages, microbatches, mode):
   is_eval = mode == 'eval'
   with tf.Graph().as_default(), cluster_factory.SetEval(is_eval):
