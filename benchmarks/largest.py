@@ -5,7 +5,9 @@
 For lm.LargestOn8x16GiB (8 chips) and lm.LargestOn32x16GiB (32 chips), each
 of 16 GiB, TPU v5e roofline, it runs `python -m gpipe.plan --json` on the
 model's own candidate (with --meshes, on other meshes of the same chips
-too, ranked by the predicted step) and prints, beside GPipe's largest
+too, ranked by the predicted step: the targets are still checked on the
+model's own mesh, and the planner's pick is said if it is another) and
+prints, beside GPipe's largest
 Transformer on as many accelerators of 16 GB (Huang et al., 2019, Table
 1): the bytes per chip, the predicted step in its parts (the model's own
 compute, the bubble, the rest of the compute (a recomputed forward, the
@@ -44,12 +46,21 @@ TARGETS = dict(mfu=0.5, peak=0.9, weights=1.1, flops=1.1, bubble=0.1,
                floor=1.25)
 
 
-def _Checks(plan, num_devices, least_params):
-  """[(what, value, bound, ok)] for the recommended candidate."""
-  best = plan['recommended']
-  if best is None:
-    return [('recommended', 'none', 'one', False)]
-  c = plan['candidates'][best]
+def _Checked(plan, own_mesh):
+  """The index of the candidate the targets are checked on: the model's
+  own mesh's (with --meshes, whichever the planner recommends among
+  all), else the recommended one; None if there is none."""
+  if own_mesh is None:
+    return plan['recommended']
+  return next((i for i, c in enumerate(plan['candidates'])
+               if list(c['mesh_shape']) == list(own_mesh)), None)
+
+
+def _Checks(plan, checked, num_devices, least_params):
+  """[(what, value, bound, ok)] for candidate `checked` (an index)."""
+  if checked is None or plan['recommended'] is None:
+    return [('planned and recommended', 'none', 'one', False)]
+  c = plan['candidates'][checked]
   b = c['per_device_bytes']
   weights_share = b['weights'] / (plan['total_weight_bytes'] / num_devices)
   params = plan['total_weight_bytes'] / 4
@@ -129,6 +140,37 @@ def _Axes(c, link_bandwidth):
   return rows
 
 
+def _PrintChecked(plan, checked):
+  """The checked candidate in its parts (and the planner's pick, if
+  another)."""
+  best = plan['recommended']
+  if best is not None and best != checked:
+    c = plan['candidates'][best]
+    print(f"\nThe planner recommends mesh "
+          f"{'x'.join(map(str, c['mesh_shape']))}: predicted "
+          f"{c['predicted_step_seconds']:.2f} s, "
+          f"{100 * c['predicted']['mfu']:.0f} % MFU, peak "
+          f"{c['per_device_bytes']['peak'] / GIB:.2f} GiB. The targets "
+          "below are checked on the model's own mesh.")
+  if checked is None:
+    return
+  c = plan['candidates'][checked]
+  b = c['per_device_bytes']
+  print(f"\n{'Recommended' if checked == best else 'Its own mesh'}: mesh "
+        f"{'x'.join(map(str, c['mesh_shape']))}, "
+        f"M={c['num_microbatches']}, R={c['circular_repeat']}, "
+        f"{c['remat_policy']}, {c['backward_schedule']}"
+        f"{' + stream_io' if c['stream_io'] else ''}. Bytes per chip: "
+        f"weights {b['weights'] / GIB:.2f} GiB, optimizer "
+        f"{b['optimizer'] / GIB:.3f} GiB, temporaries "
+        f"{b['temp'] / GIB:.2f} GiB (of them stored for the backward "
+        f"{c['stored_activation_bytes'] / GIB:.2f} GiB), peak "
+        f"{b['peak'] / GIB:.2f} GiB.\n")
+  print('\n'.join(_StepParts(c)) + '\n')
+  link = plan['tpu']['ici_bandwidth'] / (2 * plan['tpu']['ici_ports'])
+  print('\n'.join(_Axes(c, link)) + '\n')
+
+
 def _Report(model, num_devices, gpipe_params, least_params, meshes):
   """Prints one model's section; returns whether every check holds."""
   print(f'## {model} on {num_devices} x {HBM_GIB} GiB (TPU v5e roofline)\n')
@@ -146,24 +188,10 @@ def _Report(model, num_devices, gpipe_params, least_params, meshes):
   for reason in plan['skipped']:
     print(f"\nskipped {'x'.join(map(str, reason['mesh_shape'] or []))}: "
           f"{reason['reason']}")
-  best = plan['recommended']
-  if best is not None:
-    c = plan['candidates'][best]
-    b = c['per_device_bytes']
-    print(f"\nRecommended: mesh {'x'.join(map(str, c['mesh_shape']))}, "
-          f"M={c['num_microbatches']}, R={c['circular_repeat']}, "
-          f"{c['remat_policy']}, {c['backward_schedule']}"
-          f"{' + stream_io' if c['stream_io'] else ''}. Bytes per chip: "
-          f"weights {b['weights'] / GIB:.2f} GiB, optimizer "
-          f"{b['optimizer'] / GIB:.3f} GiB, temporaries "
-          f"{b['temp'] / GIB:.2f} GiB (of them stored for the backward "
-          f"{c['stored_activation_bytes'] / GIB:.2f} GiB), peak "
-          f"{b['peak'] / GIB:.2f} GiB.\n")
-    print('\n'.join(_StepParts(c)) + '\n')
-    link = plan['tpu']['ici_bandwidth'] / (2 * plan['tpu']['ici_ports'])
-    print('\n'.join(_Axes(c, link)) + '\n')
+  checked = _Checked(plan, meshes and [int(n) for n in meshes[0].split('x')])
+  _PrintChecked(plan, checked)
   print('| check | value | bound | holds |\n|---|---|---|---|')
-  checks = _Checks(plan, num_devices, least_params)
+  checks = _Checks(plan, checked, num_devices, least_params)
   for what, value, bound, ok in checks:
     shown = value if isinstance(value, str) else f'{value:.3f}'
     print(f"| {what} | {shown} | {bound} | {'yes' if ok else 'NO'} |")

@@ -329,3 +329,43 @@ def test_the_largest_benchmark_knows_each_models_mesh():
     assert np.prod(own) == devices, (model, own)
     for mesh in others:
       assert np.prod([int(n) for n in mesh.split('x')]) == devices, mesh
+
+
+def test_the_largest_benchmark_checks_the_models_own_mesh(capsys):
+  """With --meshes the planner may recommend another mesh (faster, over
+  the peak aimed for): the targets are checked on the model's own, and
+  the planner's pick is said."""
+  from benchmarks import largest  # pylint: disable=g-import-not-at-top
+  gib = 2**30
+
+  def Candidate(mesh, peak_gib, mfu):
+    return dict(
+        mesh_shape=mesh, num_microbatches=256, circular_repeat=1,
+        remat_policy='save_checkpoints', backward_schedule='1f1b',
+        stream_io=True, stored_activation_bytes=gib, flops_ratio=0.9,
+        bubble_fraction=0.03, predicted_step_seconds=10 / mfu,
+        per_device_bytes=dict(peak=peak_gib * gib, weights=gib,
+                              optimizer=0, temp=gib),
+        predicted=dict(mfu=mfu, compute_seconds=1, model_compute_seconds=1,
+                       bubble_seconds=0, other_compute_seconds=0,
+                       memory_traffic_seconds=1, collective_seconds=1,
+                       step_seconds=10 / mfu),
+        collective_bytes_sent_per_step={'model': {'all-reduce': gib}},
+        collective_floor_per_step={'model': {'bytes': gib}},
+        collective_sent_over_floor={'model': 1.0})
+
+  plan = dict(candidates=[Candidate([8, 1, 4], 13.0, 0.50),
+                          Candidate([16, 1, 2], 14.6, 0.58)],
+              recommended=1, total_weight_bytes=4 * 43e9,
+              tpu=dict(ici_bandwidth=4e11, ici_ports=4))
+  checked = largest._Checked(plan, [8, 1, 4])  # pylint: disable=protected-access
+  assert checked == 0
+  assert largest._Checked(plan, None) == 1  # pylint: disable=protected-access
+  checks = {what: (value, ok) for what, value, _, ok in largest._Checks(  # pylint: disable=protected-access
+      plan, checked, 32, 42e9)}
+  assert checks['peak / 16 GiB'] == (13.0 / 16, True)
+  assert checks['predicted MFU'] == (0.50, True)
+  largest._PrintChecked(plan, checked)  # pylint: disable=protected-access
+  printed = capsys.readouterr().out
+  assert 'The planner recommends mesh 16x1x2' in printed
+  assert 'Its own mesh: mesh 8x1x4' in printed
