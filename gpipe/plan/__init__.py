@@ -38,6 +38,7 @@ The parts:
   train_step  the whole training step as a function of tensors
   optimizers  the optimizer updates it runs (Lingvo's, as functions)
   candidate   one candidate lowered, partitioned and compiled; its report
+  model_flops the model's work MFU counts (its forward pass compiled alone)
   loops       what the compiled module's while loops compute and hold
   collectives what a chip sends over each mesh axis in a step
   traffic_floor  the least each mesh axis must carry, from the model's

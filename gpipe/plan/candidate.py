@@ -21,9 +21,9 @@ import numpy as np
 
 from gpipe import layers as gpipe_layers
 from gpipe.lingvo_support import tpu_build
-from gpipe.pipeline import unrolled
 from gpipe.plan import collectives
 from gpipe.plan import loops
+from gpipe.plan import model_flops as model_flops_lib
 from gpipe.plan.report import Plan
 from gpipe.plan import roofline
 from gpipe.plan import stacks
@@ -360,8 +360,8 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
 
   `log` (if given) is told once the candidate is built, before its compile:
   a candidate skipped while building is never said to be compiling.
-  `model_flops`: a ModelFlops (the same for every candidate of a
-  target); None: a new one, of this candidate's step.
+  `model_flops`: a model_flops.ModelFlops (the same for every candidate
+  of a target); None: a new one, of this candidate's step.
   """
   start = time.time()
   with tpu_build.AsOnTpu():  # Lingvo's layers annotate their weights when built for one
@@ -392,7 +392,7 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
       reference_proto=reference,
       aliases=step.aliases)
   if model_flops is None:
-    model_flops = ModelFlops(step)
+    model_flops = model_flops_lib.ModelFlops(step)
   mesh = partitioned_step.StackMesh(stack_p, num_devices)
   return CandidateReport(candidate=candidate, schedule=sched,
                          compiled=compiled, step=step, chip=chip,
@@ -403,43 +403,6 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
                          model_shape=traffic_floor.ShapeOf(
                              step, mesh['stage_axis']),
                          **mesh)
-
-
-class ModelFlops:
-  """3 x ForwardFlops(step), counted when first asked for, then kept.
-
-  Counting them compiles the step's forward pass once more: a plan's
-  candidates share one ModelFlops (the model's work does not depend on
-  its M, R or mesh), and a caller that reads no prediction (bytes per
-  device, collectives) never compiles it.
-  """
-
-  def __init__(self, step):
-    self._step = step
-    self._flops = None
-
-  def __call__(self):
-    if self._flops is None:
-      self._flops = 3 * ForwardFlops(self._step)
-    return self._flops
-
-
-def ForwardFlops(step):
-  """XLA's FLOPs of the step's forward pass (its loss), compiled for one
-  device with every pipelined stack run as the plain stack
-  (gpipe.pipeline.unrolled.Everywhere): the model's own work, with no
-  bubble and nothing recomputed. MFU counts 3 x these (a backward pass
-  is twice its forward), as PaLM's and MaxText's MFU do.
-  """
-  specs = [a.spec for a in step.weight_args + step.input_args]
-
-  def Forward(*args):
-    with sharding.SpmdPartitioning(False), unrolled.Everywhere():
-      return step.Loss(*args)
-
-  with tpu_build.AsOnTpu():
-    proto = partitioning.LowerFromShapes(Forward, specs)
-  return partitioning.CompileFromShapes(proto, 1).Cost('flops')
 
 
 class CandidateError(RuntimeError):

@@ -42,7 +42,7 @@ _NOTES = {
         '3 x the FLOPs of the step\'s forward pass with its pipelined '
         'stacks run as the plain stack, compiled for one device: no '
         'bubble and nothing recomputed counts; see '
-        'gpipe.plan.candidate.ForwardFlops',
+        'gpipe.plan.model_flops.ForwardFlops',
     'collective_bytes_sent_per_step':
         '{mesh axes: {kind: bytes one chip sends in the step}}, each '
         'collective in the dtype XLA\'s SPMD partitioner gave it, by the '

@@ -201,7 +201,7 @@ def Predict(chip, flops, loop_flops, bubble_fraction, step_bytes,
     sent_bytes: what one device sends by collectives in the step
       (gpipe.plan.collectives.PerAxis, summed).
     model_flops: the model's work, all devices (3 x its forward pass's
-      FLOPs: gpipe.plan.candidate.ForwardFlops).
+      FLOPs: gpipe.plan.model_flops.ForwardFlops).
     num_devices: devices the step runs on.
   """
   collective = sent_bytes / chip.link_bandwidth

@@ -1,0 +1,49 @@
+"""The model's work, the FLOPs a planned step's MFU counts.
+
+3 x the FLOPs of the step's forward pass, compiled for one device with
+every pipelined stack run as the plain stack: no bubble, nothing
+recomputed. Counting them is a compile of its own, so it is done once
+per plan and only when a prediction asks for it.
+"""
+
+from gpipe.lingvo_support import tpu_build
+from gpipe.pipeline import unrolled
+from gpipe import sharding
+from gpipe.xla import partitioning
+
+
+class ModelFlops:
+  """3 x ForwardFlops(step), counted when first asked for, then kept.
+
+  Counting them compiles the step's forward pass once more: a plan's
+  candidates share one ModelFlops (the model's work does not depend on
+  its M, R or mesh), and a caller that reads no prediction (bytes per
+  device, collectives) never compiles it.
+  """
+
+  def __init__(self, step):
+    self._step = step
+    self._flops = None
+
+  def __call__(self):
+    if self._flops is None:
+      self._flops = 3 * ForwardFlops(self._step)
+    return self._flops
+
+
+def ForwardFlops(step):
+  """XLA's FLOPs of the step's forward pass (its loss), compiled for one
+  device with every pipelined stack run as the plain stack
+  (gpipe.pipeline.unrolled.Everywhere): the model's own work, with no
+  bubble and nothing recomputed. MFU counts 3 x these (a backward pass
+  is twice its forward), as PaLM's and MaxText's MFU do.
+  """
+  specs = [a.spec for a in step.weight_args + step.input_args]
+
+  def Forward(*args):
+    with sharding.SpmdPartitioning(False), unrolled.Everywhere():
+      return step.Loss(*args)
+
+  with tpu_build.AsOnTpu():
+    proto = partitioning.LowerFromShapes(Forward, specs)
+  return partitioning.CompileFromShapes(proto, 1).Cost('flops')
