@@ -47,9 +47,9 @@ TARGETS = dict(mfu=0.5, peak=0.9, weights=1.1, flops=1.1, bubble=0.1,
 
 
 def _Checked(plan, own_mesh):
-  """The index of the candidate the targets are checked on: the model's
-  own mesh's (with --meshes, whichever the planner recommends among
-  all), else the recommended one; None if there is none."""
+  """The index of the candidate the targets are checked on: with
+  --meshes (own_mesh given) the one on the model's own mesh, whichever
+  the planner recommends; else the recommended one. None if none is."""
   if own_mesh is None:
     return plan['recommended']
   return next((i for i, c in enumerate(plan['candidates'])

@@ -2,7 +2,18 @@
 
 import itertools
 
+import pytest
+
 from tests import covering
+from tests import decoding_test
+from tests import gshard_builder_test
+from tests import layers_test
+from tests import lingvo_parity_test
+from tests import recurrent_test
+from tests import training_semantics_test
+from tests import training_state_test
+from tests.pipeline import one_f_one_b_test
+from tests.pipeline import stage_ends_test
 
 
 def _Features(n):
@@ -32,42 +43,24 @@ def test_rows_that_must_stay_stay():
   assert not covering.Uncovered(rows, full, _Features(3))
 
 
-def test_the_sweeps_cover_their_products():
+# Each sweep cut to pairs: (module, NAME), the module's _NAME the rows it
+# runs, _FULL_NAME the product they stand for, _NAME_FEATURES the
+# settings they pair.
+_SWEEPS = [
+    (layers_test, 'SWEEP'), (one_f_one_b_test, 'SWEEP'),
+    (training_semantics_test, 'SWEEP'), (recurrent_test, 'SWEEP'),
+    (stage_ends_test, 'SWEEP'), (lingvo_parity_test, 'GRID'),
+    (training_state_test, 'STATEFUL'), (decoding_test, 'DECODING'),
+    (decoding_test, 'FROM_CACHE'), (gshard_builder_test, 'CASES'),
+]
+
+
+@pytest.mark.parametrize('module,name', _SWEEPS,
+                         ids=[f'{m.__name__}.{n}' for m, n in _SWEEPS])
+def test_the_sweeps_cover_their_products(module, name):
   """Each sweep cut to pairs still sees every pair of its product's values."""
-  # pylint: disable=g-import-not-at-top,protected-access
-  from tests import decoding_test
-  from tests import gshard_builder_test
-  from tests import layers_test
-  from tests import recurrent_test
-  from tests import lingvo_parity_test
-  from tests import training_semantics_test
-  from tests import training_state_test
-  from tests.pipeline import one_f_one_b_test
-  from tests.pipeline import stage_ends_test
-  # pylint: enable=g-import-not-at-top
-  for module, rows, full, features in (
-      (layers_test, layers_test._SWEEP, layers_test._FULL_SWEEP,
-       layers_test._SWEEP_FEATURES),
-      (one_f_one_b_test, one_f_one_b_test._SWEEP,
-       one_f_one_b_test._FULL_SWEEP, one_f_one_b_test._SWEEP_FEATURES),
-      (training_semantics_test, training_semantics_test._SWEEP,
-       training_semantics_test._FULL_SWEEP,
-       training_semantics_test._SWEEP_FEATURES),
-      (recurrent_test, recurrent_test._SWEEP, recurrent_test._FULL_SWEEP,
-       recurrent_test._SWEEP_FEATURES),
-      (stage_ends_test, stage_ends_test._SWEEP, stage_ends_test._FULL_SWEEP,
-       stage_ends_test._SWEEP_FEATURES),
-      (lingvo_parity_test, lingvo_parity_test._GRID,
-       lingvo_parity_test._FULL_GRID, lingvo_parity_test._GRID_FEATURES),
-      (training_state_test, training_state_test._STATEFUL,
-       training_state_test._FULL_STATEFUL,
-       training_state_test._STATEFUL_FEATURES),
-      (decoding_test, decoding_test._DECODING, decoding_test._FULL_DECODING,
-       decoding_test._DECODING_FEATURES),
-      (decoding_test, decoding_test._FROM_CACHE,
-       decoding_test._FULL_FROM_CACHE, decoding_test._FROM_CACHE_FEATURES),
-      (gshard_builder_test, gshard_builder_test._CASES,
-       gshard_builder_test._FULL_CASES, gshard_builder_test._FEATURES),
-  ):
-    assert not covering.Uncovered(rows, full, features), module.__name__
-    assert len(rows) < len(full), module.__name__
+  rows, full, features = (getattr(module, f'_{name}'),
+                          getattr(module, f'_FULL_{name}'),
+                          getattr(module, f'_{name}_FEATURES'))
+  assert not covering.Uncovered(rows, full, features)
+  assert len(rows) < len(full)

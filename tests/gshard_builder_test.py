@@ -272,9 +272,9 @@ _FULL_CASES = [(kind, *stages, mode) for kind in ('dense', 'moe', 'uni')
                for stages in _STAGES for mode in _MODES]
 # Pairwise over (model, (S, M), mode) (covering.py): 6 of the product's 12;
 # the stacks every two of kind, (S, M) and mode together (4 of their 8).
-_FEATURES = (lambda c: c[0], lambda c: c[1:3], lambda c: c[3])
+_CASES_FEATURES = (lambda c: c[0], lambda c: c[1:3], lambda c: c[3])
 _CASES = covering.Pairwise(
-    _FULL_CASES, _FEATURES,
+    _FULL_CASES, _CASES_FEATURES,
     must=[('dense', *_STAGES[0], 'train'), ('dense', *_STAGES[1], 'eval'),
           ('moe', *_STAGES[0], 'eval'), ('moe', *_STAGES[1], 'train')])
 _STACK_CASES = [c for c in _CASES if c[0] != 'uni']
