@@ -21,6 +21,19 @@ candidate that covers the most pairs not yet covered, the first such in
 import itertools
 
 
+def MicrobatchKind(num_stages, num_microbatches):
+  """What a sweep's M is to its S, as a feature: one, fewer than S, S,
+  S + 1 (one more than the stages) or many."""
+  s, m = num_stages, num_microbatches
+  return ('1' if m == 1 else '<S' if m < s else '=S' if m == s else
+          'S+1' if m == s + 1 else 'many')
+
+
+def MicrobatchKindOfRow(row):
+  """MicrobatchKind of a sweep's row that starts (S, M, ...)."""
+  return MicrobatchKind(row[0], row[1])
+
+
 def Pairs(row, features):
   """The (feature i, value, feature j, value) pairs one row covers."""
   values = [f(row) for f in features]

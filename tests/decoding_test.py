@@ -273,15 +273,10 @@ _CONFIGS = [
 _MODES = ('graph', 'jit')
 
 
-def _MicrobatchKind(s, m):
-  return ('1' if m == 1 else '<S' if m < s else '=S' if m == s else
-          'S+1' if m == s + 1 else 'many')
-
-
 _FULL_DECODING = [c + (mode,) for c in _CONFIGS for mode in _MODES]
 # Pairwise over (S, the kind of M, R, mode) (covering.py): 12 of the
 # product's 14.
-_DECODING_FEATURES = (lambda c: c[0], lambda c: _MicrobatchKind(c[0], c[1]),
+_DECODING_FEATURES = (lambda c: c[0], covering.MicrobatchKindOfRow,
                       lambda c: c[2], lambda c: c[4])
 _DECODING = covering.Pairwise(_FULL_DECODING, _DECODING_FEATURES)
 
@@ -344,7 +339,7 @@ _FULL_FROM_CACHE = [
     for mode in _MODES]
 # Pairwise over (S, the kind of M, R, 1f1b + stream_io or not, mode)
 # (covering.py): 11 of the product's 14.
-_FROM_CACHE_FEATURES = (lambda c: c[0], lambda c: _MicrobatchKind(c[0], c[1]),
+_FROM_CACHE_FEATURES = (lambda c: c[0], covering.MicrobatchKindOfRow,
                         lambda c: c[2], lambda c: bool(c[4]),
                         lambda c: c[5])
 _FROM_CACHE = covering.Pairwise(_FULL_FROM_CACHE, _FROM_CACHE_FEATURES)

@@ -25,11 +25,6 @@ def _MicrobatchCounts(num_stages):
   return sorted(counts)
 
 
-def _MicrobatchKind(s, m):
-  return ('1' if m == 1 else '<S' if m < s else '=S' if m == s else
-          'S+1' if m == s + 1 else 'many')
-
-
 _FULL_SWEEP = [(s, m, r)
                for s in (1, 2, 3, 4)
                for m in _MicrobatchCounts(s)
@@ -37,7 +32,7 @@ _FULL_SWEEP = [(s, m, r)
 # Pairwise (covering.py): every S with every kind of M, every S and every
 # kind of M with every R (18 of the product's 51); and M=4 not a multiple
 # of S=3 with R=2, the circular schedule that pads a segment.
-_SWEEP_FEATURES = (lambda c: c[0], lambda c: _MicrobatchKind(c[0], c[1]),
+_SWEEP_FEATURES = (lambda c: c[0], covering.MicrobatchKindOfRow,
                    lambda c: c[2])
 _SWEEP = covering.Pairwise(_FULL_SWEEP, _SWEEP_FEATURES, must=[(3, 4, 2)])
 

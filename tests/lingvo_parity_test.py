@@ -251,11 +251,6 @@ def _CheckGraphParity(config, kwarg_names=(), batch=_BATCH, seed=0):
                     'gpipe vs NumPy')
 
 
-def _MicrobatchKind(s, m):
-  return ('1' if m == 1 else '<S' if m < s else '=S' if m == s else
-          'S+1' if m == s + 1 else 'many')
-
-
 # Lingvo's pipeline cannot run S=1, M=1 (see test_lingvo_cannot_run).
 _FULL_GRID = [(s, m, per_stage_vars)
               for s in (1, 2, 3, 4) for m in (1, 2, 3, 4)
@@ -264,7 +259,7 @@ _FULL_GRID = [(s, m, per_stage_vars)
 # with every kind of M (1, fewer than S, = S, S + 1 -- not a multiple --,
 # many), each of them with and without per-stage variables: 13 of the
 # product's 30.
-_GRID_FEATURES = (lambda c: c[0], lambda c: _MicrobatchKind(c[0], c[1]),
+_GRID_FEATURES = (lambda c: c[0], covering.MicrobatchKindOfRow,
                   lambda c: c[2])
 _GRID = covering.Pairwise(_FULL_GRID, _GRID_FEATURES)
 

@@ -30,15 +30,10 @@ _FULL_STATEFUL = [c + (mode,) for c in STATEFUL_SWEEP
                   for mode in ('graph', 'jit')]
 
 
-def _MicrobatchKind(s, m):
-  return ('1' if m == 1 else '<S' if m < s else '=S' if m == s else
-          'S+1' if m == s + 1 else 'many')
-
-
 # Pairwise over (S, the kind of M, R, per_stage_vars, schedule, mode)
 # (covering.py): 12 of the product's 16; both 1f1b schedules in graph mode
 # kept (1f1b's gradient waves with the state carried: tools/mutants.py).
-_STATEFUL_FEATURES = (lambda c: c[0], lambda c: _MicrobatchKind(c[0], c[1]),
+_STATEFUL_FEATURES = (lambda c: c[0], covering.MicrobatchKindOfRow,
                       lambda c: c[2], lambda c: c[3], lambda c: c[4],
                       lambda c: c[5])
 _STATEFUL = covering.Pairwise(

@@ -38,16 +38,11 @@ def _MicrobatchCounts(num_stages):
   return sorted(counts)
 
 
-def _MicrobatchKind(s, m):
-  return ('1' if m == 1 else '<S' if m < s else '=S' if m == s else
-          'S+1' if m == s + 1 else 'many')
-
-
 _FULL_SWEEP = [(s, m, r, io) for s in (1, 2, 3, 4) for m in _MicrobatchCounts(s)
                for r in (1, 2, 3) for io in range(len(_IO))]
 # Pairwise (covering.py) over S, the kind of M, R and the (schedule, io)
 # pair: every two of them together at least once.
-_SWEEP_FEATURES = (lambda c: c[0], lambda c: _MicrobatchKind(c[0], c[1]),
+_SWEEP_FEATURES = (lambda c: c[0], covering.MicrobatchKindOfRow,
                    lambda c: c[2], lambda c: c[3])
 _SWEEP = covering.Pairwise(_FULL_SWEEP, _SWEEP_FEATURES)
 

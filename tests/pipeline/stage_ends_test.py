@@ -199,18 +199,13 @@ def _Counts(num_stages):
   return sorted({1, num_stages, num_stages + 1, 2 * num_stages + 1})
 
 
-def _CountKind(s, m):
-  return ('1' if m == 1 else '=S' if m == s else 'S+1' if m == s + 1 else
-          '2S+1')
-
-
 # The inputs: (made at stage 0, streamed).
 _IO = [(False, False), (False, True), (True, False), (True, True)]
 _FULL_SWEEP = [(s, m, r, io) for s in (1, 2, 3, 4) for m in _Counts(s)
                for r in (1, 2, 3) for io in _IO]
 # Pairwise (covering.py) over (S, M as 1, S, S + 1 or 2 S + 1, R, inputs
 # given or made, streamed or not): 18 of the product's 180.
-_SWEEP_FEATURES = (lambda c: c[0], lambda c: _CountKind(c[0], c[1]),
+_SWEEP_FEATURES = (lambda c: c[0], covering.MicrobatchKindOfRow,
                    lambda c: c[2], lambda c: c[3])
 _SWEEP = covering.Pairwise(_FULL_SWEEP, _SWEEP_FEATURES)
 
