@@ -88,7 +88,6 @@ if __name__ == '__main__':
 # pylint: disable=g-import-not-at-top,g-bad-import-order
 import tensorflow as tf
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers
 from gpipe.xla import user_layer
 from gpipe.xla.user_layer import CheckPartitioning  # the check as a function

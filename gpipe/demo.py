@@ -94,7 +94,6 @@ if __name__ == '__main__':
 import tempfile
 import time
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe.apps import trainer
 from gpipe.lingvo_support import registered_models
 from gpipe.schedule import plot as schedule_plot

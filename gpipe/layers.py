@@ -47,7 +47,6 @@ from typing import Optional
 from absl import logging
 import tensorflow as tf
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe.lingvo_support import flags_and_seeds
 from gpipe.loops import compiled_loops
 from gpipe import microbatch

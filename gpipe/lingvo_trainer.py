@@ -37,7 +37,6 @@ import sys
 import threading
 import time
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 
 # absl's help flags print and exit 1; these print the trainer's flags and
 # exit 0.

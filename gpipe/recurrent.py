@@ -42,6 +42,7 @@ from gpipe.loops import cell_graph
 from gpipe.loops import compiled_loops
 from gpipe.loops import deferred_dots
 from gpipe.loops import extras_rows as extras_rows_lib
+from gpipe.loops import made_after
 from gpipe.loops import remat
 from gpipe.loops import tensor_lists
 from gpipe.loops import while_loops
@@ -200,7 +201,7 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
           _PastStateGradient(flat_d_states[i], last, flat_d_final[i])
           for i in diff['state']
       ] + sums.Initial(
-          lambda w: while_loops.ZerosAfter(w, flat_d_final + flat_d_extras)) +
+          lambda w: made_after.ZerosAfter(w, flat_d_final + flat_d_extras)) +
       [tf.zeros_like(captures[i]) for i in diff['captures']] +
       [tensor_lists.Reserve(s, num_iterations) for s in input_specs] +
       [flat_final[i] for i in unkept], num_iterations)

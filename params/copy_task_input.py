@@ -4,7 +4,6 @@ Each sequence is L random tokens, SEP, the same L tokens again; the LM is
 scored on the copy (params/lm.py's docstring has the task).
 """
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from lingvo import compat as tf
 from lingvo.core import base_input_generator
 from lingvo.core import py_utils

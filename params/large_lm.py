@@ -27,9 +27,9 @@ import dataclasses
 
 import numpy as np
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import recurrent
 from gpipe import sharding
+from gpipe.loops import made_after
 from gpipe.pipeline import stage_ends
 from lingvo import compat as tf
 from lingvo.core import py_utils
@@ -308,11 +308,10 @@ def LookUp(table, ids):
   """table [vocab, d] rows at ids [...] -> [..., d], as tf.gather.
 
   Its gradient is the dense [vocab, d] sum of the looked-up rows'
-  gradients, added into zeros computed from dy (0 x its first element):
-  zeros that depend on nothing would be a vocab-sized buffer a scheduler
-  is free to make at the start of the step and hold to its end, through
-  the whole pipeline (XLA:CPU does). A NaN or infinite dy gives a NaN
-  gradient, as it would anyway.
+  gradients, added into zeros made once dy exists (from its first
+  element: gpipe.loops.made_after): zeros that depend on nothing would be
+  a vocab-sized buffer a scheduler is free to make at the start of the
+  step and hold to its end, through the whole pipeline (XLA:CPU does).
   """
 
   @tf.custom_gradient
@@ -320,7 +319,7 @@ def LookUp(table, ids):
 
     def Grad(dy):
       rows = tf.reshape(tf.cast(dy, table.dtype), [-1, table.shape[-1]])
-      zero = 0.0 * tf.reduce_sum(rows[:1, :1])
+      zero = made_after.ZeroAfter(rows[:1, :1], table.dtype)
       return tf.tensor_scatter_nd_add(
           tf.fill(tf.shape(table), zero), tf.reshape(ids, [-1, 1]), rows)
 

@@ -27,7 +27,6 @@ Registered models (`model_registry.GetParams('lm.<Name>', 'Train')`):
       factored Adafactor (beta1 = 0), as Lingvo's GShard LMs are.
 """
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from lingvo import compat as tf
 from lingvo import model_registry
 from lingvo.core import base_model_params

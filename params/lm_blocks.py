@@ -6,7 +6,6 @@ pipeline microbatches; params/pod_blocks.py has the batch-major blocks of
 the pod LMs.
 """
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from lingvo import compat as tf
 from lingvo.core import layers
 from lingvo.core import layers_with_attention

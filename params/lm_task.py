@@ -9,7 +9,6 @@ import math
 
 import numpy as np
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers as gpipe_layers
 from gpipe import sharding
 from gpipe.plan import traffic_floor

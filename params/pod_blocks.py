@@ -17,13 +17,13 @@ import dataclasses
 
 import numpy as np
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import sharding
+from gpipe.loops import compiled_loops
+from gpipe.loops import made_after
 from gpipe.loops import remat
 from lingvo import compat as tf
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.compiler.tf2xla.python import xla as xla_ops
-from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 # pylint: enable=g-direct-tensorflow-import
 from lingvo.core import base_layer
 from lingvo.core import batch_major_attention
@@ -198,7 +198,7 @@ def RecomputedInBackward(fn, weights, x):
   # The gradient is built later, outside the pipeline's manual region the
   # body runs in: its annotations must say the same as the forward's.
   annotated_as_now = sharding.AnnotationsNow()
-  under_xla = pfor_ops._is_under_xla_context  # pylint: disable=protected-access
+  under_xla = compiled_loops.UnderXla
 
   def Apply(one, flat_weights, x):
     if one is not None:
@@ -234,11 +234,9 @@ def RecomputedInBackward(fn, weights, x):
 
 
 def _OneAfter(t):
-  """A float32 1 that depends on t's first element: what it feeds cannot run
-  before t exists, and no compiler folds it to a constant (0 * v is not 0
-  for an infinite or NaN v; such an input gives a NaN output anyway)."""
-  first = tf.reshape(t, [-1])[:1]
-  return 1.0 + 0.0 * tf.reduce_sum(tf.cast(first, tf.float32))
+  """A float32 1 made once t exists (gpipe.loops.made_after), from t's
+  first element alone."""
+  return made_after.OneAfter(tf.reshape(t, [-1])[:1])
 
 
 def _SwapBatchAndTime(cache):

@@ -71,11 +71,19 @@ def IsAllowed():
   return getattr(_state, 'allowed', False)
 
 
+def UnderXla():
+  """Whether the graph being built is compiled by XLA: inside
+  tf.function(jit_compile=True), a TPU computation or a loop Compiled
+  builds (the one place gpipe asks TensorFlow's private context test)."""
+  return control_flow_util.GraphOrParentsInXlaContext(
+      tf.compat.v1.get_default_graph())
+
+
 def Compiled(build, loop_vars):
   """build(loop_vars) as one XLA computation, or None (see module doc)."""
   graph = tf.compat.v1.get_default_graph()
   if (not IsAllowed() or isinstance(graph, func_graph_lib.FuncGraph) or
-      control_flow_util.GraphOrParentsInXlaContext(graph)):
+      UnderXla()):
     return None
   structure = list(loop_vars)
   flat = tf.nest.flatten(structure)

@@ -67,21 +67,3 @@ def WhileLoop(body, loop_vars, num_iterations):
   compiled = compiled_loops.Compiled(Build, loop_vars)
   return Build(loop_vars) if compiled is None else compiled
 
-
-def ZerosAfter(like, incoming):
-  """tf.zeros_like(like), made only once the tensors `incoming` exist.
-
-  A gradient loop's accumulators start as zeros of the weights' shapes.
-  Zeros that depend on nothing may be made anywhere before the loop, and
-  XLA:CPU's scheduler makes them at the start of the step: every
-  accumulator is then held through the whole forward pass. Zeros computed
-  from the loop's incoming gradients (0 x the sum of the smallest) cannot
-  be made before them. (An infinite or NaN gradient there makes them NaN;
-  the gradients are not finite then anyway.)
-  """
-  floats = [g for g in incoming if g is not None and g.dtype.is_floating]
-  if not like.dtype.is_floating or not floats:
-    return tf.zeros_like(like)
-  smallest = min(floats, key=lambda g: g.shape.num_elements() or 0)
-  zero = 0.0 * tf.reduce_sum(tf.cast(smallest, like.dtype))
-  return tf.fill(tf.shape(like), zero)

@@ -31,6 +31,7 @@ returned:
 import tensorflow as tf
 
 from gpipe.loops import cell_graph
+from gpipe.loops import made_after
 from gpipe.loops import while_loops
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_slots
@@ -168,7 +169,7 @@ class GradientLoop:
         d_reading=([] if d.outputs is None else
                    self._io.StartReadingGradients(d.outputs)),
         d_writing=self._io.StartWritingGradients(filler),
-        d_theta=[while_loops.ZerosAfter(flat_theta[i], after)
+        d_theta=[made_after.ZerosAfter(flat_theta[i], after)
                  for i in diff['theta']],
         d_captures=[tf.zeros(self._captures[i].shape,
                              _Accumulated(self._captures[i].dtype))

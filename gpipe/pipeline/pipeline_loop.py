@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
+from gpipe.loops import compiled_loops
 from gpipe.pipeline import loop_io
 from gpipe.pipeline import nest
 from gpipe.pipeline import one_f_one_b
@@ -215,7 +216,7 @@ def SkipsBubbles(spec, theta, mb_leaves):
     return False
   if spec.skip_bubbles is not None:
     return spec.skip_bubbles
-  return (stage_slots.UnderXla() and
+  return (compiled_loops.UnderXla() and
           SlotFlops(spec.schedule, theta, mb_leaves) >=
           MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES)
 

@@ -14,8 +14,7 @@ import contextlib
 
 import tensorflow as tf
 
-from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
-
+from gpipe.loops import compiled_loops
 from lingvo.core import gshard_utils
 from lingvo.core import py_utils
 
@@ -112,7 +111,7 @@ class Circular(Linear):
     return tf.gather_nd(value, index)
 
   def TakeForEachStage(self, value, repeat_ids):
-    if pfor_ops._is_under_xla_context():  # pylint: disable=protected-access
+    if compiled_loops.UnderXla():
       hot = tf.one_hot(repeat_ids, self.count, dtype=value.dtype)  # [S, R]
       return tf.reduce_sum(value * self._ForEachStage(hot, value), axis=1)
     return self._GatherForEachStage(value, repeat_ids)

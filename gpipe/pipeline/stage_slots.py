@@ -22,15 +22,10 @@ import tensorflow as tf
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.compiler.tf2xla.python import xla as xla_ops
 from tensorflow.python.ops import list_ops
-from tensorflow.python.ops.parallel_for import control_flow_ops as pfor_ops
 # pylint: enable=g-direct-tensorflow-import
 
+from gpipe.loops import compiled_loops
 from gpipe import sharding
-
-
-def UnderXla():
-  """Whether the graph being built is compiled by XLA."""
-  return pfor_ops._is_under_xla_context()  # pylint: disable=protected-access
 
 
 def For(placement, manual_mesh):
@@ -124,7 +119,7 @@ class Ring:
     self.size = size
     self._place = placement
     self._layout = RingLayout.For(spec, placement, split_mesh_dim)
-    self.xla = UnderXla()
+    self.xla = compiled_loops.UnderXla()
     self._bits = (tf.uint16 if self.xla and spec.dtype in (tf.bfloat16,
                                                              tf.float16)
                   else None)

@@ -36,6 +36,7 @@ from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 # pylint: enable=g-direct-tensorflow-import
 
 from gpipe.loops import cell_graph
+from gpipe.loops import compiled_loops
 from gpipe import microbatch
 from gpipe.pipeline import nest
 from gpipe.pipeline import stage_call
@@ -276,7 +277,7 @@ def _CheckVectorizedOps(ops):
   """Raises CannotVectorize if the vectorized body would not compile under
   XLA, where it is built for XLA."""
   dynamic = sorted({op.type for op in ops if op.type in _DYNAMIC_SHAPE_OPS})
-  if dynamic and pfor_ops._is_under_xla_context():  # pylint: disable=protected-access
+  if dynamic and compiled_loops.UnderXla():
     raise CannotVectorize(
         'its control flow (a tf.cond or tf.while_loop whose condition differs '
         f'between stages) vectorizes into {", ".join(dynamic)} ops, of '

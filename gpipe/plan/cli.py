@@ -13,7 +13,6 @@ import traceback
 
 import numpy as np
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe.lingvo_support import flags_and_seeds
 from gpipe.lingvo_support import registered_models
 from gpipe.pipeline import param_checks

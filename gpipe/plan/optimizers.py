@@ -28,7 +28,6 @@ import dataclasses
 
 import tensorflow as tf
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from lingvo.core import optimizer as lingvo_optimizer
 
 

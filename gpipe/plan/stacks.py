@@ -30,7 +30,6 @@ one line.
 import numpy as np
 import tensorflow as tf
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers as gpipe_layers
 from gpipe import lingvo_compat
 from gpipe.pipeline import param_checks

@@ -11,7 +11,6 @@ import functools
 
 import tensorflow as tf
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers as gpipe_layers
 from gpipe import lingvo_compat
 from gpipe.plan import stacks

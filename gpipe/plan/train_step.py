@@ -34,9 +34,9 @@ import inspect
 
 import tensorflow as tf
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers as gpipe_layers
 from gpipe import lingvo_compat
+from gpipe.loops import made_after
 from gpipe.plan import optimizers
 from lingvo.core import base_layer
 # pylint: disable=g-direct-tensorflow-import
@@ -189,7 +189,7 @@ class TrainStep:
     for i, w, g in zip(self._trainable, trainable, grads):
       new_w, new_ws = self.optimizer.Update(
           w, g, slots_of[i], learning_rate, global_step,
-          grad_scale=_After(scale, after_previous))
+          grad_scale=_ScaleAfter(scale, after_previous))
       after_previous = new_w
       new_weights.append(new_w)
       new_slots += new_ws
@@ -283,12 +283,12 @@ def _ClipScale(grads, clip_norm):
   return scale + tf.where(tf.math.is_finite(norm), 0.0, float('nan'))
 
 
-def _After(scale, previous):
+def _ScaleAfter(scale, previous):
   """The gradient scale of an update that waits for the `previous` one.
 
   The weights are updated one after another: each update's gradient scale
-  is computed from the previous new weight, + min(|its sum|, 0), which is
-  0 for any sum but NaN. A step's optimizer temporaries (Adafactor's
+  is made once the previous new weight exists (+ 0 computed from it:
+  gpipe.loops.made_after). A step's optimizer temporaries (Adafactor's
   squared gradient, an update) are then one weight's at a time. Free to
   start every update at once, XLA:CPU's scheduler holds a weight-sized
   temporary of every weight together, as much again as the gradients (an
@@ -297,8 +297,7 @@ def _After(scale, previous):
   """
   if previous is None:
     return scale
-  zero = tf.minimum(tf.abs(tf.reduce_sum(previous)), 0.0)
-  return (1.0 if scale is None else scale) + tf.cast(zero, tf.float32)
+  return (1.0 if scale is None else scale) + made_after.ZeroAfter(previous)
 
 
 def AnnotatedShard(variable):

@@ -20,7 +20,6 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe.lingvo_support import registered_models
 from gpipe.lingvo_support import tpu_build
 from gpipe.plan import stacks

@@ -17,7 +17,6 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe.pipeline import one_f_one_b
 from gpipe import sharding
 from gpipe.xla import hlo_text as hlo

@@ -17,7 +17,6 @@ from typing import Sequence
 import numpy as np
 import tensorflow as tf
 
-import gpipe  # pylint: disable=unused-import  (makes lingvo importable)
 from gpipe import layers
 from gpipe.xla import partitioned_step
 from lingvo.core import hyperparams
