@@ -1,13 +1,17 @@
-"""Older spellings of command-line flags, still accepted for a while.
+"""Older spellings of command-line flags, accepted until gpipe REMOVED_IN.
 
 The commands speak one dialect, Lingvo's: flags named like the layer's
 Params, with underscores (--num_stages, --circular_repeat, --skip_check).
 A spelling from before (--stages, --circular-repeat, --skip-check) is
 rewritten to the current one with a one-line note on standard error, so
-that scripts keep working while they are updated.
+that scripts keep working while they are updated. The spellings and this
+module go in version REMOVED_IN (CHANGELOG.md says so; a test fails once
+the version reaches it).
 """
 
 import sys
+
+REMOVED_IN = '0.2.0'
 
 
 def Respell(argv, renamed, prog, stream=None):
@@ -34,7 +38,7 @@ def Respell(argv, renamed, prog, stream=None):
       if flag not in noted:
         noted.add(flag)
         print(f'{prog}: note: {flag} is now spelled {current}; the old '
-              'spelling still works for now.', file=stream)
+              f'spelling works until gpipe {REMOVED_IN}.', file=stream)
       arg = current + eq + value
     out.append(arg)
   return out

@@ -80,12 +80,6 @@ class PartitionedRun:
         c.kind for c in self.collectives if c.loop == loop))
 
 
-def LowerToHlo(fn, args):
-  """Serialized HloModuleProto of fn(*args) compiled with jit_compile=True."""
-  compiled = tf.function(fn, jit_compile=True, autograph=False)
-  return compiled.experimental_get_compiler_ir(*args)(stage='hlo_serialized')
-
-
 def LowerFromShapes(fn, specs):
   """Serialized HloModuleProto of fn(*specs) with jit_compile=True.
 

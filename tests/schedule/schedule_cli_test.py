@@ -230,10 +230,21 @@ def test_old_flag_spellings_still_work_with_a_note(capsys):
   assert schedule_text.Render(schedule_lib.Schedule(2, 3, 2)) in captured.out
   assert captured.err.splitlines() == [
       f'python -m gpipe.schedule: note: {old} is now spelled {new}; the old '
-      'spelling still works for now.'
+      'spelling works until gpipe 0.2.0.'
       for old, new in (('--stages', '--num_stages'),
                        ('--microbatches', '--num_microbatches'),
                        ('--circular-repeat', '--circular_repeat'))]
+
+
+def test_old_flag_spellings_are_gone_by_their_end_version():
+  """The spellings end in the version the CHANGELOG names: a release at it
+  must remove them (gpipe.apps.flag_spellings and its callers)."""
+  import gpipe  # pylint: disable=g-import-not-at-top
+  from gpipe.apps import flag_spellings  # pylint: disable=g-import-not-at-top
+  version = lambda v: tuple(int(x) for x in v.split('.'))
+  assert version(gpipe.__version__) < version(flag_spellings.REMOVED_IN)
+  changelog = (pathlib.Path(__file__).parents[2] / 'CHANGELOG.md').read_text()
+  assert f'removed in {flag_spellings.REMOVED_IN}' in changelog
 
 
 def test_demo_reads_its_old_flag_spellings(capsys):

@@ -4,7 +4,7 @@ The forward loop's phases (which stages each run of iterations computes:
 skip_bubbles), the 1f1b gradient loop (OneFOneB: its backward wave, by the
 rule its docstring states over the simulator's forward slots, its phases
 and diagram) and stream_io's slots (Streams, simulated with Python lists by
-the rules gpipe.streams documents). The simulator is schedule_reference.py's.
+the rules gpipe.schedule.Streams documents). The simulator is schedule_reference.py's.
 """
 
 import pytest
@@ -149,7 +149,7 @@ def _Rotate(column):
 
 @pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
 def test_streams_deliver_in_order_and_end_home(s, m, r):
-  """Simulated with Python lists, by the rules gpipe.streams documents:
+  """Simulated with Python lists, by the rules gpipe.schedule.Streams documents:
   stage 0 reads a slot's entry at stage 0, then the slot's column rotates;
   the last stage's output goes to a slot's last entry after its column
   rotates; output gradients are read at the last stage after a rotation;
