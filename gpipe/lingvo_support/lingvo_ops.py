@@ -207,7 +207,7 @@ def _Assert(condition, data):
 
   Not tf.debugging.Assert: with int64 data that builds a tf.cond, a
   function graph per check, and Lingvo's layers check shapes hundreds of
-  times per model (50 ms each: a third of building a small LM's graph).
+  times per model (docs/benchmarks.md#measured-behind-the-codes-choices).
   """
   return tf.raw_ops.Assert(condition=condition, data=data, summarize=64)
 

@@ -2,13 +2,11 @@
 
 A Session runs a while_v2 loop lowered to Switch/Merge/NextIteration ops,
 op by op: each iteration costs microseconds per loop variable and per op of
-the body, which is most of a small body's time (4 stages of a 32-wide MLP,
-2-row microbatches: 4 ms a training step, 1.1 for Lingvo's layer, whose
-loops stay functional While ops). Kept functional, a loop runs its body
-through the function runtime instead, without oneDNN's graph rewrites:
-vectorized stages' batched matmuls then run 1.6-2.3x slower. Compiled by
-XLA, the loop costs neither (0.6 ms; a compute-heavy body's step 1.1-1.4x
-faster than op by op: BENCHMARKS.md, section 6).
+the body, which is most of a small body's time. Kept functional, a loop
+runs its body through the function runtime instead, without oneDNN's graph
+rewrites, which slows vectorized stages' batched matmuls. Compiled by XLA,
+the loop costs neither (the figures:
+docs/benchmarks.md#measured-behind-the-codes-choices).
 
 `Compiled(build, loop_vars)` builds a loop as one call of a
 tf.function(jit_compile=True) when

@@ -117,7 +117,7 @@ def WhyNot(spec) -> Optional[str]:
   if tf.nest.flatten(spec.states) and compiled_loops.UnderXla():
     return ('under XLA a call with per-stage states (decoding) runs faster '
             'in the pipeline loop, which reads and writes the state slots in '
-            'place (layer by layer measured 1.1-1.9x its time).')
+            'place (docs/benchmarks.md#measured-behind-the-codes-choices).')
   return None
 
 
@@ -149,7 +149,8 @@ def Run(spec, theta, mb_leaves, state_leaves,
       states=[microbatch.ReadStatesByLayer(x, sched) for x in state_leaves])
   # S x R iterations of whole-batch calls: little loop overhead for XLA to
   # save in a Session, and on small bodies its launches cost more than that
-  # (BENCHMARKS.md, section 6), so these loops run op by op.
+  # (docs/benchmarks.md#measured-behind-the-codes-choices),
+  # so these loops run op by op.
   with compiled_loops.Allowed(False):
     _, final, extras = recurrent.Recurrent(
         NestedMap(), NestedMap(x=list(mb_leaves)), inputs,

@@ -163,9 +163,9 @@ def LayerByLayerRematPolicy(p):
   for, by default save_dots. Each layer's loop iteration runs on the whole
   batch, so save_dots keeps the dots' outputs of every layer for the whole
   batch, as the plain stack does (which keeps every activation), and the
-  backward pass recomputes only the elementwise rest: under jit 0.82-0.83x
-  the recomputing step for the Transformer body of BENCHMARKS.md, section
-  6, 0.84-1.0x for the others (side by side in one process)."""
+  backward pass recomputes only the elementwise rest, at most the
+  recomputing step's time for every body measured
+  (docs/benchmarks.md#measured-behind-the-codes-choices)."""
   return AskedRematPolicy(p) or 'save_dots'
 
 

@@ -197,12 +197,10 @@ def _Phases(spec, theta, mb_leaves):
 
 
 # skip_bubbles=None turns it on under XLA for a body whose call on one
-# microbatch takes at least this many FLOPs (SlotFlops). Measured under jit
-# (BENCHMARKS.md, section 6): skipping the ~10 % bubble slots saves 5-10 %
-# of a compute-bound body's step (gelu, 33 MFLOPs a slot; a Transformer
-# block on 16-32 rows, 1.6-3.2); smaller bodies gain 0-5 %, within the
-# noise of a step under 2 ms, and every body's three loops take 2.5x as long
-# to trace and compile as one.
+# microbatch takes at least this many FLOPs (SlotFlops): below, what the
+# skipped bubble slots save is within a short step's noise, and every
+# body's three loops take longer to trace and compile than one
+# (docs/benchmarks.md#the-one-device-defaults-against-what-they-replace).
 MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES = 1e6
 
 
@@ -210,8 +208,8 @@ def SkipsBubbles(spec, theta, mb_leaves):
   """Whether the loop runs in phases: only where a runner computes a range
   of the stages (one device), as the skip_bubbles param says; None: under
   XLA (tf.function(jit_compile=True)) for a body of at least
-  MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES. In a Session it measured no faster
-  (5 % for gelu's 33 MFLOPs a slot) and slower for small bodies."""
+  MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES. In a Session it measured no faster,
+  and slower for small bodies."""
   if not spec.runner.any_stage_range:
     return False
   if spec.skip_bubbles is not None:
@@ -223,12 +221,10 @@ def SkipsBubbles(spec, theta, mb_leaves):
 
 # remat_policy=None keeps the dots' outputs (save_dots) on one device for a
 # body whose call on one microbatch takes at least this many FLOPs
-# (SlotFlops), rather than running its dots again in the backward loop.
-# Measured side by side (benchmarks.one_device_defaults, section 6's bodies,
-# two runs): a gelu MLP (17-67 MFLOPs a slot) and a Transformer block (3-6)
-# took 0.85-1.01x the recomputing step in a Session, 0.84-1.0x under jit; at
-# 1 MFLOP (the tanh and layer-norm MLPs on 16 rows) 0.9-1.1x, so those keep
-# recomputing.
+# (SlotFlops), rather than running its dots again in the backward loop:
+# above it, keeping them measured faster than recomputing; below, within
+# the noise, so those bodies keep recomputing
+# (docs/benchmarks.md#the-one-device-defaults-against-what-they-replace).
 MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS = 2e6
 
 

@@ -64,9 +64,9 @@ class Linear:
     Built for what runs it. Under XLA: a one-hot sum over R, which XLA fuses
     with its neighbours. In graph mode: a gather of the S rows, whose
     gradient is written as one select into [S, R, ...] (TensorFlow's own is
-    a scatter into zeros); it reads R times less than the one-hot sum and
-    measured 10-19 % faster per training step than it (circular, small
-    bodies), and 2-4 % slower under XLA:CPU.
+    a scatter into zeros); it reads R times less than the one-hot sum, and
+    is faster in graph mode and slower under XLA:CPU
+    (docs/benchmarks.md#measured-behind-the-codes-choices).
     """
     del repeat_ids
     return value

@@ -48,7 +48,8 @@ def _SelectFresh(reads, fresh, rotated, split):
   region, and the SPMD partitioner then aborts resharding it (seen with
   1-row microbatches). With the stage dim whole that region does not exist
   and the sum is a plain reduce: XLA:CPU runs the contraction over a
-  4-stage dim as a dot, 30 us an iteration for 128 x 128 microbatches.
+  few stages as a dot, which is cheap
+  (docs/benchmarks.md#measured-behind-the-codes-choices).
   """
 
   @tf.custom_gradient
@@ -81,10 +82,9 @@ def RotateStages(x, shift=1, split=True):
   shift that pads a zero in instead becomes an all-to-all. With the stage
   dim whole (one device) it is a gather of the slots in their new order:
   XLA:CPU fuses a concat of slices with the elementwise ops that make its
-  input into one loop that picks an operand per element (63 us an
-  iteration for a [4, 128, 128] buffer; a gelu MLP stack's forward step
-  is 18% faster with the gather), where a gather stays a copy of whole
-  slots.
+  input into one loop that picks an operand per element, slower than a
+  gather, which stays a copy of whole slots
+  (docs/benchmarks.md#measured-behind-the-codes-choices).
   """
   num_stages = x.shape.as_list()[0]
   shift %= num_stages

@@ -197,10 +197,12 @@ def _EinsumsMergingTheCallDim():
   """pfor vectorizes an einsum whose one operand differs per call by a new
   leading axis of its own, 'bd,dh->bh' -> 'Nbd,dh->Nbh'. Its gradients are
   einsums XLA lowers to a transposed copy of their [N, b, h] operand fused
-  with the elementwise ops before it (a gelu body called layer by layer:
-  2.6x the plain stack under jit). Where the operand's first axis leads the
-  output too, the call axis is merged into it instead: 'bd,dh->bh' on
-  [N * b, d], the plain stack's einsum (and gradients) on the whole batch.
+  with the elementwise ops before it, a slow loop (a gelu body called
+  layer by layer, under jit:
+  docs/benchmarks.md#measured-behind-the-codes-choices). Where the
+  operand's first axis leads the output too, the call axis is merged into
+  it instead: 'bd,dh->bh' on [N * b, d], the plain stack's einsum (and
+  gradients) on the whole batch.
   Other einsums are vectorized as pfor does.
   """
   registry = pfor_lib._pfor_converter_registry  # pylint: disable=protected-access
