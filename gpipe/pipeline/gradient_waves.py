@@ -214,18 +214,22 @@ class GradientLoop:
   def _ForwardWave(self, j, carry):
     """Iteration j of the forward loop again, its stage inputs (and what
     the policy keeps) pushed into the rings at slot j mod ring_size."""
-    place, io = self._place, self._io
-    rows = Row(self._cell.tables, j, place)
-    fresh, reading = io.Read(self._native, carry.reading, j)
-    stage_in = [place.SplitStages(rotating_buffer.StageInputs(
-        rows.reads, b, f, place.splits_stage_dim))
-                for b, f in zip(carry.buffer, fresh)]
-    new, extras, stored = self._cell.Forward(
-        self._theta, stage_in, carry.vars, rows,
-        [x[j] for x in self._states], self._captures,
-        with_extras=self._loss is not None, with_stored=True)
+    rows = Row(self._cell.tables, j, self._place)  # [S] each
+
+    def RunStages(stage_in):  # [S, mb, ...] per leaf
+      new, extras, stored = self._cell.Forward(
+          self._theta, stage_in, carry.vars, rows,
+          [x[j] for x in self._states], self._captures,
+          with_extras=self._loss is not None, with_stored=True)
+      return new.buffer, (new, extras, stored)
+
+    stepped = rotating_buffer.Step(self._io, j, rows, self._native,
+                                   carry.reading, carry.buffer, RunStages)
+    new, extras, stored = stepped.ran
     slot = j % self._waves.ring_size
-    entries = NestedMap(buffer=stage_in, vars=carry.vars, stored=stored)
+    # Each ring entry [S, ...]: stage s's input (and what the policy keeps).
+    entries = NestedMap(buffer=stepped.stage_in, vars=carry.vars,
+                        stored=stored)
     out = carry.copy()
     if self._loss is not None:
       out.loss = tf.nest.map_structure(
@@ -235,11 +239,9 @@ class GradientLoop:
           lambda total, s: total + s, carry.summaries, extras.summaries)
     out.rings = tf.nest.map_structure(lambda r, ring, e: r.Write(ring, slot, e),
                                       self._rings, carry.rings, entries)
-    out.buffer = [place.SplitStages(rotating_buffer.RotateStages(
-        o, split=place.splits_stage_dim))
-                  for o in new.buffer]
+    out.buffer = stepped.buffer  # [S, mb, ...] per leaf
     out.vars = new.vars
-    out.reading = reading
+    out.reading = stepped.reading
     return out
 
   def _BackwardWave(self, j, carry, consts):

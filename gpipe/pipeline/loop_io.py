@@ -58,6 +58,15 @@ class WholeIo:
     self._spec = spec
     self._place = spec.placement
 
+  @property
+  def placement(self):
+    return self._place
+
+  def StageInputs(self, reads, buffer, fresh):
+    """buffer [S, mb, ...], stage 0 taking fresh [mb, ...] where reads."""
+    return rotating_buffer.WithFreshMicrobatch(reads, buffer, fresh,
+                                               self._place.splits_stage_dim)
+
   def ToNative(self, mb_leaves):
     """The [M, ...] input leaves as the loop reads them."""
     return [self._place.ReplicateLoopDim(x) for x in mb_leaves]
@@ -183,6 +192,15 @@ class StreamedIo:
     self._spec = spec
     self._place = spec.placement
     self._streams = schedule_lib.Streams(spec.schedule)
+
+  @property
+  def placement(self):
+    return self._place
+
+  def StageInputs(self, reads, buffer, fresh):
+    """buffer [S, mb, ...], stage s taking its column entry fresh[s]
+    where reads[s] (only stage 0 ever does)."""
+    return rotating_buffer.WithFreshColumn(reads, buffer, fresh)
 
   @property
   def _num_stages(self):
@@ -417,6 +435,15 @@ class MadeAtStageZero:
   def __init__(self, spec):
     self._spec = spec
     self._place = spec.placement
+
+  @property
+  def placement(self):
+    return self._place
+
+  def StageInputs(self, reads, buffer, fresh):
+    """buffer [S, mb, ...], stage 0 taking its stand-in zeros (fresh
+    [S, mb, ...]) where reads: the cell makes the real ones."""
+    return rotating_buffer.WithFreshColumn(reads, buffer, fresh)
 
   def ToNative(self, mb_leaves):
     return [tf.stop_gradient(x) for x in mb_leaves]

@@ -297,19 +297,21 @@ def _ForwardLoop(cell, io, theta, native, state_leaves, var_values, caps):
       states=[tensor_lists.Reserve(s, t) for s in extras_spec.states])
 
   def Body(i, carry):
-    rows = gradient_waves.Row(cell.tables, i, place)
-    fresh, reading = io.Read(native, carry.reading, i)
-    stage_in = [place.SplitStages(rotating_buffer.StageInputs(
-        rows.reads, b, f, place.splits_stage_dim))
-                for b, f in zip(carry.buffer, fresh)]
-    new, extras, _ = cell.Forward(theta, stage_in, carry.vars, rows,
-                                  [x[i] for x in states], caps)
+    rows = gradient_waves.Row(cell.tables, i, place)  # [S] each
+
+    def RunStages(stage_in):  # [S, mb, ...] per leaf
+      new, extras, _ = cell.Forward(theta, stage_in, carry.vars, rows,
+                                    [x[i] for x in states], caps)
+      return new.buffer, (new, extras)
+
+    stepped = rotating_buffer.Step(io, i, rows, native, carry.reading,
+                                   carry.buffer, RunStages,
+                                   writing=carry.writing)
+    new, extras = stepped.ran
     return i + 1, NestedMap(
-        buffer=[place.SplitStages(rotating_buffer.RotateStages(
-            o, split=place.splits_stage_dim))
-                for o in new.buffer],
-        vars=new.vars, reading=reading,
-        writing=io.Write(carry.writing, i, new.buffer),
+        buffer=stepped.buffer,  # [S, mb, ...] per leaf
+        vars=new.vars,  # [S, (R,) ...] per variable
+        reading=stepped.reading, writing=stepped.writing,
         aux=tensor_lists.SetRow(carry.aux, i, place.ReplicateBookkeeping(
             tf.reduce_sum(extras.aux))),
         summaries=tf.nest.map_structure(

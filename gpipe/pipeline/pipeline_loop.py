@@ -319,28 +319,27 @@ def _RunPhase(spec, io, undo, phase, loop_theta, state0, inputs):
 
 def _Iteration(spec: LoopSpec, io, phase, loop_theta, state, inp):
   """One loop iteration: the phase's stages run on their slots."""
-  sched = spec.schedule
   place = spec.placement
-  per_stage = place.SplitStages  # [S] vectors live with their stages
-  it = place.ReplicateBookkeeping(inp.iteration)
-  rows = inp.rows.Transform(place.ReplicateBookkeeping)
-  fresh, reading = io.Read(loop_theta.microbatches, state.reading, it)
-  stage_in = [per_stage(rotating_buffer.StageInputs(
-      rows.reads, per_stage(b), f, place.splits_stage_dim))
-              for b, f in zip(state.buffer, fresh)]
-  step = stage_step.Step(spec, stage_step.StageRange.Of(phase,
-                                                        sched.num_stages),
-                         loop_theta.weights, rows, stage_in, inp.states,
-                         state.vars)
+  it = place.ReplicateBookkeeping(inp.iteration)  # i, int32 []
+  rows = inp.rows.Transform(place.ReplicateBookkeeping)  # [S] each
+  stages = stage_step.StageRange.Of(phase, spec.schedule.num_stages)
+
+  def RunStages(stage_in):  # [S, mb, ...] per leaf
+    step = stage_step.Step(spec, stages, loop_theta.weights, rows, stage_in,
+                           inp.states, state.vars)
+    return step.outputs, step
+
+  stepped = rotating_buffer.Step(io, it, rows, loop_theta.microbatches,
+                                 state.reading, state.buffer, RunStages,
+                                 writing=state.writing)
+  step = stepped.ran
   new_state = NestedMap(
-      buffer=[per_stage(rotating_buffer.RotateStages(
-          o, split=place.splits_stage_dim))
-              for o in step.outputs],
-      vars=step.vars, reading=reading,
-      writing=io.Write(state.writing, it, step.outputs))
+      buffer=stepped.buffer,  # [S, mb, ...] per leaf
+      vars=step.vars,  # [S, (R,) ...] per variable
+      reading=stepped.reading, writing=stepped.writing)
   extras = NestedMap(
-      outputs=io.KeptRows(step.outputs),
-      aux_loss=place.ReplicateBookkeeping(tf.reduce_sum(step.aux)),
-      summaries=step.summaries,
-      states=step.states)
+      outputs=io.KeptRows(stepped.outputs),  # [S or 1, mb, ...] per leaf
+      aux_loss=place.ReplicateBookkeeping(tf.reduce_sum(step.aux)),  # []
+      summaries=step.summaries,  # {name: ([S], [S])}
+      states=step.states)  # [S, ...] per state leaf
   return new_state, extras

@@ -1,4 +1,5 @@
-"""The ops on the pipeline's [S, ...] buffers, each with its gradient.
+"""The pipeline's [S, ...] buffer: one iteration over it, and its ops, each
+with its gradient.
 
 One iteration, S = 3 (slot s holds what stage s - 1 produced; slot 0 what
 the last stage produced, which a linear pipeline drops and a circular one
@@ -8,34 +9,97 @@ feeds into its next repeat)::
     stages   [ y0'| y1'| y2']  --MaskBubbles: bubbles pass their input-->
     rotated  [ y2'| y0'| y1']  --RotateStages--> next iteration's buffer
 
-On a split stage dim a rotation is one collective-permute, and so is its
-gradient (the opposite rotation); the other ops are per stage, on each
-device's own slot.
+`Step` is that iteration, the one definition the reverse loop
+(gpipe.pipeline.pipeline_loop), the 1f1b forward loop and the 1f1b gradient
+loop's forward wave (gpipe.pipeline.one_f_one_b) run. On a split stage dim
+a rotation is one collective-permute, and so is its gradient (the opposite
+rotation); the other ops are per stage, on each device's own slot.
 """
+
+import dataclasses
+from typing import Any, Callable, List, Optional
 
 import tensorflow as tf
 
 from lingvo.core import py_utils
 
 
-def StageInputs(reads, rotated, stage0_input, split=True):
-  """The stages' inputs: the rotated buffer, stage 0 maybe a fresh input.
+@dataclasses.dataclass(frozen=True)
+class Stepped:
+  """One iteration over the buffer (Step); every list has a tensor per
+  buffer leaf.
 
-  The carried buffer is last iteration's outputs already rotated by one
-  stage (see RotateStages): slot s holds what stage s - 1 produced, and
-  slot 0 what the last stage produced. Stage 0 takes the fresh microbatch
-  whenever the schedule says it reads one: always when linear (the wrapped
-  slot is dropped), in the first S iterations of each R * S block when
-  circular (otherwise it keeps the wrapped slot: the microbatch's next
-  repeat). `reads` ([S] bools, the schedule's StageRow) says where;
-  `stage0_input` is one microbatch ([...], every stage's the same) or each
-  stage's own ([S, ...], read from a stream). `split`: whether the stage
-  dim is split over devices (the placement's splits_stage_dim).
+  Attributes:
+    stage_in: [S, mb, ...] what each stage ran on.
+    ran: what run_stages returned besides the outputs.
+    outputs: [S, mb, ...] what each stage produced (a bubble: its input).
+    buffer: [S, mb, ...] the next iteration's buffer, the outputs rotated.
+    reading: the loop io's input state after this iteration's read.
+    writing: the loop io's output state after this iteration's write (None
+      where nothing is written).
   """
-  if stage0_input.shape.rank == rotated.shape.rank:
-    mask = tf.reshape(reads, [-1] + [1] * (rotated.shape.rank - 1))
-    return tf.where(mask, stage0_input, rotated)
-  return _SelectFresh(reads, stage0_input, rotated, split)
+  stage_in: List[tf.Tensor]
+  ran: Any
+  outputs: List[tf.Tensor]
+  buffer: List[tf.Tensor]
+  reading: List[tf.Tensor]
+  writing: Optional[List[tf.Tensor]]
+
+
+def Step(io, iteration, rows, native, reading, buffer,
+         run_stages: Callable, writing=None) -> Stepped:
+  """One iteration of the pipeline over its buffer.
+
+  Args:
+    io: the loop's inputs and outputs (a gpipe.pipeline.loop_io.LoopIo).
+    iteration: int32 scalar, the iteration's index i.
+    rows: the schedule's table row i (gpipe.pipeline.stage_step.Tables),
+      [S] entries each, replicated.
+    native: the loop's inputs as io.ToNative made them.
+    reading: io's input state (streams; [] where there are none).
+    buffer: [S, mb, ...] per leaf, last iteration's outputs rotated.
+    run_stages: stage inputs ([S, mb, ...] per leaf) -> (outputs [S, mb,
+      ...] per leaf, bubbles masked; anything else the stages made).
+    writing: io's output state, or None: the outputs are not written.
+  """
+  place = io.placement
+  fresh, reading = io.Read(native, reading, iteration)  # stage 0's inputs
+  stage_in = [place.SplitStages(io.StageInputs(rows.reads,
+                                               place.SplitStages(b), f))
+              for b, f in zip(buffer, fresh)]  # [S, mb, ...]
+  outputs, ran = run_stages(stage_in)  # [S, mb, ...]
+  rotated = [place.SplitStages(RotateStages(o, split=place.splits_stage_dim))
+             for o in outputs]  # [S, mb, ...]: slot s <- stage s - 1
+  if writing is not None:  # the last stage's, where it finishes one
+    writing = io.Write(writing, iteration, outputs)
+  return Stepped(stage_in=stage_in, ran=ran, outputs=outputs, buffer=rotated,
+                 reading=reading, writing=writing)
+
+
+# The stages' inputs: the rotated buffer, stage 0 maybe a fresh input.
+#
+# The carried buffer is last iteration's outputs already rotated by one
+# stage (see RotateStages): slot s holds what stage s - 1 produced, and slot
+# 0 what the last stage produced. Stage 0 takes the fresh microbatch
+# whenever the schedule says it reads one: always when linear (the wrapped
+# slot is dropped), in the first S iterations of each R * S block when
+# circular (otherwise it keeps the wrapped slot: the microbatch's next
+# repeat). `reads` ([S] bools, the schedule's StageRow) says where. The
+# loop io says which of the two the fresh input is (its StageInputs).
+
+
+def WithFreshColumn(reads, rotated, column):
+  """rotated [S, mb, ...] with slot s replaced by column[s] where reads[s]:
+  each stage has its own fresh entry (a stream's column, [S, mb, ...])."""
+  mask = tf.reshape(reads, [-1] + [1] * (rotated.shape.rank - 1))
+  return tf.where(mask, column, rotated)
+
+
+def WithFreshMicrobatch(reads, rotated, microbatch, split):
+  """rotated [S, mb, ...] with slot s replaced by `microbatch` [mb, ...]
+  (every stage's the same) where reads[s]. `split`: whether the stage dim
+  is split over devices (the placement's splits_stage_dim)."""
+  return _SelectFresh(reads, microbatch, rotated, split)
 
 
 def _SelectFresh(reads, fresh, rotated, split):

@@ -135,7 +135,7 @@ def test_stage_inputs_follow_the_schedule(s, m, r, split):
     # Iteration i's row of the loop's tables says where stage 0 reads.
     got = []
     for i in range(sched.num_iterations):
-      y = rotating_buffer.StageInputs(
+      y = rotating_buffer.WithFreshMicrobatch(
           stage_step.RowsAt(sched, tf.constant(i)).reads, rotated, fresh,
           split)
       got.append((y,) + tuple(tf.gradients(y, [fresh, rotated],
