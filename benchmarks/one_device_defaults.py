@@ -3,7 +3,7 @@
     python -m benchmarks.one_device_defaults [--bodies gelu,tanh] [--modes jit]
 
 On one device, remat_policy=None keeps the dots' outputs for a body of at
-least pipeline_loop.MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS a microbatch, and
+least loop_spec.MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS a microbatch, and
 skip_bubbles=None skips the fill's and drain's bubble slots under XLA for
 one of at least MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES. For section 6's bodies
 and shapes (benchmarks.one_device) this times, in rotation in one process,
@@ -21,7 +21,7 @@ import tensorflow as tf
 from benchmarks import measure
 from benchmarks import one_device
 from gpipe.lingvo_support import flags_and_seeds
-from gpipe.pipeline import pipeline_loop
+from gpipe.pipeline import loop_spec
 
 ALTERNATIVES = (('recompute', dict(remat_policy='recompute')),
                 ('one loop', dict(skip_bubbles=False)))
@@ -39,12 +39,12 @@ class Row:
 
 
 def SlotMflops(body, s, m, r):
-  """pipeline_loop.SlotFlops of the body on one microbatch, in millions."""
+  """loop_spec.SlotFlops of the body on one microbatch, in millions."""
   with tf.Graph().as_default():
     layer = one_device.LayerParams(body, s, m, r).Instantiate()
     sched = layer.Schedule(m)
     rows = tf.zeros([m, body.batch // m, body.dim])
-    return pipeline_loop.SlotFlops(sched, layer.theta.Flatten(), [rows]) / 1e6
+    return loop_spec.SlotFlops(sched, layer.theta.Flatten(), [rows]) / 1e6
 
 
 def MeasureRow(body, mode, s, m, r, reps):

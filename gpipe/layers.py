@@ -17,29 +17,26 @@ exactly what running the S * R layers one after another computes.
 Params and variable names/shapes follow Lingvo's
 `gshard_layers.LayerwiseShardablePipelinedLayer`, so its configs and
 checkpoints carry over. This module holds the Params and the public API,
-and picks the path one FProp call takes (modules of gpipe.pipeline unless
-named; docs/how-it-works.md walks through it):
+and picks the path one FProp call takes, in one place each (modules of
+gpipe.pipeline unless named; docs/how-it-works.md walks through it):
 
     check the Params   param_checks
-    not pipelined      unrolled (the S * R layers in turn), or on one device
-                       layer_by_layer (each layer on every microbatch)
-    split inputs       gpipe.microbatch     [B, ...] -> [M, B/M, ...]
-    run the loop       pipeline_loop        T iterations over the buffer
-                       (one_f_one_b         its gradient in forward order,
-                        with '1f1b')        two waves)
-      its inputs and   loop_io              whole on every device, or
-      outputs                               streamed over the stages
-      each iteration   stage_step           every stage once, bubbles masked
-                       stage_runners        (one device: vectorized_stages,
-                                            all as one computation)
-                       stage_call           the one body call site
-    reassemble         gpipe.microbatch     [M, B/M, ...] -> [B, ...]
+    unrolled           unrolled: the S * R layers in turn   (FPropFn)
+    split inputs       gpipe.microbatch     [B, ...] -> [M, mb, ...]
+    run a loop                                               (_RunLoop)
+      one device       layer_by_layer: each layer on every microbatch
+      the schedule     pipeline_loop: T iterations over the [S, mb, ...]
+                       buffer, the gradient in reverse (gpipe.recurrent)
+                       one_f_one_b: the same, the gradient in forward
+                       order (backward_schedule='1f1b')
+      each iteration   rotating_buffer.Step: read (loop_io), every stage
+                       once, bubbles masked (stage_step), rotate
+    reassemble         gpipe.microbatch     [M, mb, ...] -> [B, ...]
 
 What varies is delegated: where the weights live (layouts), which circular
 repeat is in use (repeats), where tensors are placed (`gpipe.sharding`), the
-schedule's arithmetic (`gpipe.schedule`), the loop and its gradient loop
-(`gpipe.recurrent`; with backward_schedule='1f1b' gradient_waves), what that
-gradient stores or recomputes (`gpipe.loops.remat`).
+schedule's arithmetic (`gpipe.schedule`), what the gradient stores or
+recomputes (`gpipe.loops.remat`).
 """
 
 from typing import Optional
@@ -53,11 +50,13 @@ from gpipe import microbatch
 from gpipe.pipeline import layer_by_layer
 from gpipe.pipeline import layer_params
 from gpipe.pipeline import layouts
+from gpipe.pipeline import loop_spec
 from gpipe.pipeline import param_checks
 from gpipe.pipeline import per_stage_states
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import repeats
 from gpipe.pipeline import nest
+from gpipe.pipeline import one_f_one_b
 from gpipe.pipeline import side_outputs
 from gpipe.pipeline import stage_call
 from gpipe.pipeline import stage_ends
@@ -220,7 +219,7 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
                           mb_loss, mb_first)
     with tf.name_scope(p.name), compiled_loops.Allowed(
         p.compile_loops == 'auto'):
-      result = pipeline_loop.Run(
+      result = self._RunLoop(
           spec, self._LoopTheta(theta), [x[None] for x in made.leaves], [],
           self._layout.NonTrainableValues(theta, spec.var_names))
       side_outputs.AddStageSummaries(result.summaries, p.num_stages)
@@ -333,9 +332,8 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
     with tf.name_scope(p.name), compiled_loops.Allowed(
         p.compile_loops == 'auto'):
       try:
-        result = self._layer_by_layer.Run(spec, loop_theta,
-                                          inputs.args.leaves, state_leaves,
-                                          var_values)
+        result = self._RunLoop(spec, loop_theta, inputs.args.leaves,
+                               state_leaves, var_values)
       except Exception as e:
         if not inputs.split:
           e.add_note(microbatch.MicrobatchedNote(inputs))
@@ -361,10 +359,45 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
       return loss.Sums(loss.weights, outputs, loss.inputs)
     return outputs
 
+  def _RunLoop(self, spec, theta, mb_leaves, state_leaves, var_values):
+    """The one place a microbatched call's path is chosen, and run.
+
+        layer by layer    one device, where the call allows (every layer
+                          on all microbatches: gpipe.pipeline.layer_by_layer)
+        the pod's schedule, its backward as backward_schedule says:
+          'reverse'       gpipe.pipeline.pipeline_loop
+          '1f1b'          gpipe.pipeline.one_f_one_b
+
+    (FPropFn chose unrolled, the S * R layers one after another on the
+    whole batch, before anything was microbatched.)
+
+    Args:
+      spec: the call's loop_spec.LoopSpec.
+      theta: the stage-stacked weights, placed, [S, (R,) ...] each.
+      mb_leaves: the [M, mb, ...] tensor leaves of the microbatched inputs.
+      state_leaves: the [T, S, ...] padded per-stage state leaves.
+      var_values: the carried non-trainable values, [S, (R,) ...] each.
+
+    Returns:
+      The loop_spec.LoopResult.
+    """
+    if self._layer_by_layer.Runs(spec):
+      try:
+        result = layer_by_layer.Run(spec, theta, mb_leaves, state_leaves,
+                                    self._layer_by_layer.remat_policy)
+        self._layer_by_layer.Ran()
+        return result
+      except vectorized_stages.CannotVectorize as e:
+        self._layer_by_layer.CannotVectorize(e)
+    spec = loop_spec.WithRematPolicy(spec, theta, mb_leaves)
+    if spec.backward_schedule == '1f1b':
+      return one_f_one_b.Run(spec, theta, mb_leaves, state_leaves, var_values)
+    return pipeline_loop.Run(spec, theta, mb_leaves, state_leaves, var_values)
+
   def _LoopSpec(self, sched, fn_name, args, states, mb_kwargs,
                 kwargs_no_batch, loss=None, first_stage=None):
     """What the loop (or one of its iterations) needs besides tensors."""
-    return pipeline_loop.LoopSpec(
+    return loop_spec.LoopSpec(
         schedule=sched, body=self._body, fn_name=fn_name,
         runner=stage_runners.For(self._layout.stage_parallel,
                                  self._placement, self._vectorizing),

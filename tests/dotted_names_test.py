@@ -1,7 +1,7 @@
 """Every dotted gpipe name the code and the docs mention names something.
 
 Docstrings and pages point readers on by name (`gpipe.schedule.Streams`,
-`gpipe.pipeline.loop_io.StreamedIo`); a module renamed or a function
+`gpipe.pipeline.streamed_io.StreamedIo`); a module renamed or a function
 removed leaves such a pointer dangling, and nothing else would notice.
 """
 

@@ -115,7 +115,7 @@ BUGS = (
         ('tests/training_semantics_test.py', '-k',
          'aux_losses_and_summaries_equal and S1-M3')),
     Bug('1f1b-drops-aux-gradient', "the aux loss's gradient dropped (1f1b)",
-        'gpipe/pipeline/gradient_waves.py',
+        'gpipe/pipeline/one_f_one_b/gradient_loop.py',
         'aux=tf.fill([num_stages], consts.d_aux),',
         'aux=tf.zeros([num_stages]),',
         ('tests/training_semantics_test.py', 'tests/training_state_test.py',
@@ -140,10 +140,12 @@ BUGS = (
          'aux_losses_and_summaries_equal and S3-M2 and graph')),
     Bug('skip-bubbles-computes-all', 'the fill and drain run every stage',
         'gpipe/pipeline/pipeline_loop.py',
-        'step = stage_step.Step(spec, stage_step.StageRange.Of(phase,',
+        'step = stage_step.Step(spec, stages, loop_theta.weights, rows, '
+        'stage_in,',
         'step = stage_step.Step(spec, stage_step.StageRange.Of(\n'
-        '      schedule_lib.Phase(phase.begin, phase.end, 0, '
-        'sched.num_stages),',
+        '        schedule_lib.Phase(phase.begin, phase.end, 0, '
+        'spec.schedule.num_stages), spec.schedule.num_stages),\n'
+        '        loop_theta.weights, rows, stage_in,',
         ('tests/pipeline/skip_bubbles_test.py', '-k', 'fill_and_drain')),
     Bug('skip-bubbles-first-stages-weights',
         "a phase's loop takes the first stages' weights, not its own",
@@ -161,14 +163,14 @@ BUGS = (
         ('tests/pipeline/skip_bubbles_test.py', '-k', 'none_skips')),
     Bug('remat-default-saves-partitioned',
         'remat_policy=None keeps the dots partitioned too',
-        'gpipe/pipeline/pipeline_loop.py',
+        'gpipe/pipeline/loop_spec.py',
         "  if (spec.runner.any_stage_range and spec.backward_schedule == "
         "'reverse' and",
         "  if (spec.backward_schedule == 'reverse' and",
         ('tests/pipeline/remat_default_test.py',)),
     Bug('remat-default-never-saves',
         'remat_policy=None never keeps the dots',
-        'gpipe/pipeline/pipeline_loop.py',
+        'gpipe/pipeline/loop_spec.py',
         "    return 'save_dots'\n  return 'recompute'",
         "    return 'recompute'\n  return 'recompute'",
         ('tests/pipeline/remat_default_test.py',)),

@@ -7,26 +7,31 @@ parts (internal: their names may change).
     param_checks       every bad Param or combination, refused at Instantiate
     layouts            where the body's weights live: stacked, per stage,
                        Lingvo's stage-parallel layout
-    stage_vars         the body's non-trainable variables, carried through
+    non_trainable_vars the body's non-trainable variables, carried through
                        the loop
     repeats            a circular stage's repeat out of its [R, ...] weights
+                       (TakeFromRS, TakeFromSR: named by their axis order)
     per_stage_states   per-stage states (decoding) and one iteration's
                        stage calls, for callers that drive their own loop
     unrolled           unroll: the S * R layers one after another
+    loop_spec          what a loop is given (LoopSpec) and gives back
+                       (LoopResult); its remat policy and its io
     layer_by_layer     one device: each layer on every microbatch at once
-    pipeline_loop      the loop: T iterations over the rotating buffer
-    one_f_one_b        backward_schedule='1f1b': its gradient in forward
-                       order
-    gradient_waves     that gradient's loop: a forward and a backward wave
-                       an iteration
+    pipeline_loop      the pod's schedule: T iterations over the rotating
+                       buffer, its gradient in reverse
+    one_f_one_b        backward_schedule='1f1b': the same forward, its
+                       gradient in forward order (a subpackage: its loops,
+                       rings and per-stage rows)
     stage_ends         FPropWithLoss: the first stage's inputs and the
-                       last stage's loss, made inside that loop
-    loop_io            the loop's inputs and outputs: whole, or streamed
-    rotating_buffer    the [S, ...] buffer's ops, each with its gradient
-    stage_slots        rows a stage reads and writes on its own (and rings)
+                       last stage's loss, made inside the 1f1b loop
+    loop_io            the loop's inputs and outputs: the interface, whole
+                       or made at stage 0
+    streamed_io        stream_io: inputs and outputs split over the stages
+    rotating_buffer    one iteration over the [S, mb, ...] buffer (Step),
+                       and its ops, each with its gradient
     stage_step         one iteration's stage work, bubbles masked
     stage_runners      every stage of an iteration: vectorized, one after
-                       another, or partitioned
+                       another, or partitioned (the StageRunner interface)
     vectorized_stages  every stage as one computation, on one device
     stage_call         the one call site of the body
     side_outputs       aux losses and summaries, bubbles masked

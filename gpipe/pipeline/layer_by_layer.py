@@ -32,7 +32,7 @@ import tensorflow as tf
 from gpipe.loops import compiled_loops
 from gpipe import microbatch
 from gpipe.pipeline import nest
-from gpipe.pipeline import pipeline_loop
+from gpipe.pipeline import loop_spec
 from gpipe.pipeline import vectorized_stages
 from gpipe import recurrent
 from lingvo.core import py_utils
@@ -59,12 +59,14 @@ def Resolve(param) -> bool:
 
 
 class LayerByLayer:
-  """A layer's runs on one device: layer by layer where it can, else the
-  pipeline loop, saying why in one log line per reason.
+  """Whether a layer's calls run layer by layer, and what they found: the
+  layer (gpipe.layers.PipelinedLayer) asks Runs(spec) before each call and
+  runs the pipeline loop where it says no, which it says in one log line
+  per reason.
 
   A body that cannot be vectorized over the microbatches is found out once
-  (by trying) and runs the pipeline loop from then on; the other reasons
-  are read off each call's LoopSpec (WhyNot).
+  (by trying: CannotVectorize) and runs the pipeline loop from then on; the
+  other reasons are read off each call's LoopSpec (WhyNot).
   """
 
   def __init__(self, enabled, owner, remat_policy):
@@ -76,21 +78,22 @@ class LayerByLayer:
     self._cannot_vectorize = None
     self._said = set()
 
-  def Run(self, spec, theta, mb_leaves, state_leaves, var_values):
-    """One call: (a pipeline_loop.LoopResult)."""
-    if self.enabled:
-      reason = self._cannot_vectorize or WhyNot(spec)
-      if reason is None:
-        try:
-          result = Run(spec, theta, mb_leaves, state_leaves,
-                       self.remat_policy)
-          self.ran = True
-          return result
-        except vectorized_stages.CannotVectorize as e:
-          reason = self._cannot_vectorize = str(e)
+  def Runs(self, spec) -> bool:
+    """Whether this call runs layer by layer (if not, says why once)."""
+    if not self.enabled:
+      return False
+    reason = self._cannot_vectorize or WhyNot(spec)
+    if reason is not None:
       self._Say(reason)
-    return pipeline_loop.Run(spec, theta, mb_leaves, state_leaves,
-                             var_values)
+    return reason is None
+
+  def Ran(self):
+    self.ran = True
+
+  def CannotVectorize(self, error):
+    """The body turned out not to vectorize: the pipeline loop from now on."""
+    self._cannot_vectorize = str(error)
+    self._Say(self._cannot_vectorize)
 
   def _Say(self, reason):
     self.reason = reason
@@ -118,15 +121,18 @@ def WhyNot(spec) -> Optional[str]:
     return ('under XLA a call with per-stage states (decoding) runs faster '
             'in the pipeline loop, which reads and writes the state slots in '
             'place (docs/benchmarks.md#measured-behind-the-codes-choices).')
+  if spec.first_stage is not None:
+    return ('its first stage makes its inputs inside the 1f1b loop '
+            '(FirstStageInput).')
   return None
 
 
 def Run(spec, theta, mb_leaves, state_leaves,
-        remat_policy) -> pipeline_loop.LoopResult:
+        remat_policy) -> loop_spec.LoopResult:
   """The S x R layers one after another, each on all microbatches.
 
   Args:
-    spec: the pipeline_loop.LoopSpec (WhyNot(spec) is None).
+    spec: the loop_spec.LoopSpec (WhyNot(spec) is None).
     theta: the stage-stacked weights, [S, (R,) ...].
     mb_leaves: the [M, ...] tensor leaves of the microbatched inputs.
     state_leaves: the [T, S, ...] padded per-stage state leaves (each
@@ -158,7 +164,7 @@ def Run(spec, theta, mb_leaves, state_leaves,
         remat_policy=remat_policy, return_states=False)
   per_stage = lambda x: tf.reshape(x, [sched.circular_repeat,
                                        sched.num_stages])
-  return pipeline_loop.LoopResult(
+  return loop_spec.LoopResult(
       outputs=list(final.x),
       states=[microbatch.WriteStatesByLayer(old, new, sched)
               for old, new in zip(state_leaves, extras.states)],

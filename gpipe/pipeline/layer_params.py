@@ -90,7 +90,7 @@ def _DefineMemory(p):
       'None (the default): `recompute` in the pipeline\'s loop, but '
       '`save_dots` on one device for a body of at least 2 MFLOPs a '
       'microbatch with the reverse schedule (2 x rows x one layer\'s '
-      'weights: `gpipe.pipeline.pipeline_loop.RematPolicy`; faster steps for '
+      'weights: `gpipe.pipeline.loop_spec.RematPolicy`; faster steps for '
       'such bodies, [docs/benchmarks.md](docs/benchmarks.md)), and '
       '`save_dots` layer by layer '
       '(`layer_by_layer`: the dots\' outputs of every layer for the whole '
@@ -131,7 +131,7 @@ def _DefineMemory(p):
       'they are whole (a model axis), on the entry\'s largest dim that '
       'divides: the rings take 1/n of the memory on each of its n devices, '
       'for one all-gather of an entry over the axis when the backward wave '
-      'reads it (`gpipe.pipeline.stage_slots.SplitRingLayout`). None: '
+      'reads it (`gpipe.pipeline.one_f_one_b.rings.SplitRingLayout`). None: '
       'entries whole.')
 
 

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from gpipe.pipeline import nest
 from gpipe.pipeline import stage_call
-from gpipe.pipeline import stage_vars
+from gpipe.pipeline import non_trainable_vars
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -102,12 +102,12 @@ class StackedLayout:
     """The stage-stacked weights the loop carries, placed."""
     return self.Place(theta, placement).body
 
-  # -- Non-trainable variables (see gpipe.pipeline.stage_vars). -------------
+  # -- Non-trainable variables (see gpipe.pipeline.non_trainable_vars). -------------
 
   def NonTrainableNames(self, layer):
     """Names (as in the body's theta) of its non-trainable variables."""
     return [name for name, _ in
-            stage_vars.NonTrainableItems(self.Body(layer).vars)]
+            non_trainable_vars.NonTrainableItems(self.Body(layer).vars)]
 
   def NonTrainableValues(self, theta, names):
     """The named variables' values in theta, each [S, (R,) ...]."""
@@ -124,7 +124,7 @@ class StackedLayout:
 
   def AfterAssigning(self, layer, names, values, outputs):
     """Writes the final non-trainable values back (see
-    gpipe.pipeline.stage_vars); returns outputs that run after the writes."""
+    gpipe.pipeline.non_trainable_vars); returns outputs that run after the writes."""
     if not names:
       return outputs
     with tf.control_dependencies(self.AssignOps(layer, names, values)):
@@ -133,14 +133,14 @@ class StackedLayout:
   def RunLayerOnBatch(self, body, fn_name, theta, repeat, stage, inputs,
                       kwargs, kwargs_no_batch, var_names, carried):
     """One logical layer on the whole batch; returns (outputs, carried)."""
-    take = lambda v: stage_vars.TakeStageSlice(v, stage, repeat, self.repeats)
+    take = lambda v: non_trainable_vars.TakeStageSlice(v, stage, repeat, self.repeats)
     res = stage_call.CallStage(
         body, fn_name, self.LayerTheta(theta, repeat, stage), inputs,
         dict(kwargs, **kwargs_no_batch),
         where=f'layer {repeat * self.num_stages + stage} (unrolled)',
         var_names=var_names, var_values=[take(v) for v in carried])
     carried = [
-        stage_vars.PutStageSlice(v, stage, repeat, n, self.repeats)
+        non_trainable_vars.PutStageSlice(v, stage, repeat, n, self.repeats)
         for v, n in zip(carried, res.new_vars)
     ]
     return res.outputs, carried

@@ -1,20 +1,25 @@
-"""How the pipeline loop takes its inputs and hands back its outputs.
+"""How the pipeline loop takes its inputs and hands back its outputs: the
+interface every kind implements (LoopInputs, LoopIo), and the kinds that
+keep the batch whole (WholeIo) or make it at stage 0 (MadeAtStageZero);
+StreamedIo is gpipe.pipeline.streamed_io's, and gpipe.pipeline.loop_spec.Io
+picks one.
 
 Stage 0 reads each microbatch once, in order; the last stage finishes each
 once, in order. Where the [M, ...] microbatches live between is the
 `stream_io` param's choice:
 
     WholeIo (stream_io=False)          StreamedIo (stream_io=True)
-    inputs   [M, ...] on every device  [K, S, ...]: stage s keeps the K =
-                                       ceil(M / S) microbatches s K .. s K + K
-                                       - 1 (gpipe.schedule.Streams)
-    read     row i, stage 0 takes it   a slot's column [S, ...] rotates one
-                                       stage towards stage 0 after stage 0
-                                       read its entry
-    outputs  [M, S, ...]: the last     [K, S, ...] like the inputs: a slot's
-             stage's slot of the       column rotates, the last stage's
-             iterations that finish    output goes to its last entry
-             a microbatch
+    inputs   [M, mb, ...] on every     [K, S, mb, ...]: stage s keeps the
+             device                    K = ceil(M / S) microbatches s K ..
+                                       s K + K - 1 (gpipe.schedule.Streams)
+    read     row i [mb, ...], stage 0  a slot's column [S, mb, ...] rotates
+             takes it                  one stage towards stage 0 after
+                                       stage 0 read its entry
+    outputs  [M, S, mb, ...]: the      [K, S, mb, ...] like the inputs: a
+             last stage's slot of the  slot's column rotates, the last
+             iterations that finish a  stage's output goes to its last
+             microbatch ([M, 1, mb,    entry
+             ...] on one device)
 
 so no device of a streamed pipeline holds the whole batch: each holds
 1/S of the inputs, outputs and (in the 1f1b gradient loop) their
@@ -23,36 +28,35 @@ stage, input gradients written at stage 0). A rotation is one
 collective-permute of one microbatch per iteration.
 """
 
+import abc
+
 import tensorflow as tf
 
 from gpipe.loops import tensor_lists
 from gpipe import microbatch
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_ends
-from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
 
 
-def For(spec):
-  if spec.first_stage is not None:
-    return MadeAtStageZero(spec)
-  return StreamedIo(spec) if spec.stream_io else WholeIo(spec)
-
-
-def _Constant(table):
+def Constant(table):
   return tf.constant(table, tf.int32)
 
 
-def _IsStage(num_stages, stage, like):
+def IsStage(num_stages, stage, like):
   """[S, 1, ...] bools broadcasting against `like`: True at `stage`."""
   return tf.reshape(tf.equal(tf.range(num_stages), stage),
                     [num_stages] + [1] * (like.shape.rank - 1))
 
 
-class WholeIo:
-  """stream_io=False: the [M, ...] inputs and outputs on every device."""
+class LoopInputs(abc.ABC):
+  """How a loop reads its inputs and writes their gradients: what the
+  forward loops (gpipe.pipeline.rotating_buffer.Step) and the 1f1b
+  gradient loop ask of every kind. `native` is the inputs as the kind keeps
+  them; `reading` and `writing` its loop state ([] where it carries none).
+  """
 
   def __init__(self, spec):
     self._spec = spec
@@ -61,6 +65,88 @@ class WholeIo:
   @property
   def placement(self):
     return self._place
+
+  @abc.abstractmethod
+  def ToNative(self, mb_leaves):
+    """The [M, mb, ...] input leaves as this kind keeps them."""
+
+  @abc.abstractmethod
+  def Filler(self, native):
+    """The first buffer, [S, mb, ...] per leaf: real data in every slot."""
+
+  @abc.abstractmethod
+  def StageInputs(self, reads, buffer, fresh):
+    """The stages' inputs [S, mb, ...]: buffer [S, mb, ...], stage 0
+    taking what Read gave it where reads ([S] bools) says."""
+
+  @abc.abstractmethod
+  def StartReading(self, native):
+    """The reading state before iteration 0."""
+
+  @abc.abstractmethod
+  def Read(self, native, reading, iteration):
+    """(stage 0's fresh input per leaf, reading) at `iteration`."""
+
+  @abc.abstractmethod
+  def StartWritingGradients(self, like):
+    """The input gradients' writing state (1f1b's gradient loop)."""
+
+  @abc.abstractmethod
+  def WriteGradient(self, writing, rows, d_inputs):
+    """writing with stage 0's input gradient, where its layer is the first
+    (rows: the backward table's row)."""
+
+  @abc.abstractmethod
+  def FinishWritingGradients(self, writing, like):
+    """The [M, mb, ...] input gradients per leaf (None: none)."""
+
+
+class LoopIo(LoopInputs):
+  """LoopInputs, and how the loop writes its outputs and reads their
+  gradients: the kinds that hand outputs back (WholeIo, StreamedIo)."""
+
+  @abc.abstractmethod
+  def Outputs(self, native):
+    """The loop's written outputs -> [M, mb, ...] leaves."""
+
+  @abc.abstractmethod
+  def ReverseLoopParts(self, native, filler):
+    """(what the reverse loop reads as theta, the state entries it
+    carries, how to undo an iteration's changes to them, or None)."""
+
+  @abc.abstractmethod
+  def KeptRows(self, outputs):
+    """What a reverse-loop iteration keeps as extras for the outputs."""
+
+  @abc.abstractmethod
+  def ReverseNativeOutputs(self, kept_rows, writing):
+    """The reverse loop's outputs as Outputs takes them."""
+
+  @abc.abstractmethod
+  def StartWriting(self, like):
+    """The outputs' writing state before iteration 0."""
+
+  @abc.abstractmethod
+  def Write(self, writing, iteration, outputs):
+    """writing with the last stage's outputs [S, mb, ...] of `iteration`,
+    where it finishes a microbatch."""
+
+  @abc.abstractmethod
+  def FinishWriting(self, writing, like):
+    """The written outputs, as Outputs takes them."""
+
+  @abc.abstractmethod
+  def StartReadingGradients(self, d_native):
+    """The output gradients' reading state (1f1b's gradient loop)."""
+
+  @abc.abstractmethod
+  def ReadGradient(self, reading, rows):
+    """(each leaf's output gradient [S or 1, mb, ...] for the call the
+    last stage differentiates, reading)."""
+
+
+class WholeIo(LoopIo):
+  """stream_io=False: the [M, ...] inputs and outputs on every device."""
 
   def StageInputs(self, reads, buffer, fresh):
     """buffer [S, mb, ...], stage 0 taking fresh [mb, ...] where reads."""
@@ -136,7 +222,7 @@ class WholeIo:
   def Write(self, writing, iteration, outputs):
     rows = self._spec.schedule.OutputIndexPerIteration()
     num_mb = self._spec.schedule.num_microbatches
-    row = tf.gather(_Constant([num_mb if r < 0 else r for r in rows]),
+    row = tf.gather(Constant([num_mb if r < 0 else r for r in rows]),
                     iteration)
     return [tensor_lists.SetRow(l, row, self._LastSlot(o))
             for l, o in zip(writing, outputs)]
@@ -184,245 +270,7 @@ class WholeIo:
     ]
 
 
-class StreamedIo:
-  """stream_io=True: inputs, outputs and their gradients split over the
-  stages, [K, S, ...] streams (the module docstring)."""
-
-  def __init__(self, spec):
-    self._spec = spec
-    self._place = spec.placement
-    self._streams = schedule_lib.Streams(spec.schedule)
-
-  @property
-  def placement(self):
-    return self._place
-
-  def StageInputs(self, reads, buffer, fresh):
-    """buffer [S, mb, ...], stage s taking its column entry fresh[s]
-    where reads[s] (only stage 0 ever does)."""
-    return rotating_buffer.WithFreshColumn(reads, buffer, fresh)
-
-  @property
-  def _num_stages(self):
-    return self._spec.schedule.num_stages
-
-  def _PlaceStream(self, x):
-    return self._place.SplitStages(x, 1)
-
-  def ToNative(self, mb_leaves):
-    """[M, ...] (split over the stages) -> [K, S, ...] streams, padded with
-    copies of microbatch 0 (what bubbles compute on: real data)."""
-    pad = self._streams.padded_microbatches - self._spec.schedule.num_microbatches
-    out = []
-    for x in mb_leaves:
-      shape = x.shape.as_list()
-      if pad:
-        x = tf.concat([x, tf.broadcast_to(x[:1], [pad] + shape[1:])], 0)
-      x = tf.reshape(x, [self._num_stages, self._streams.num_slots] + shape[1:])
-      perm = [1, 0] + list(range(2, x.shape.rank))
-      out.append(self._PlaceStream(tf.transpose(x, perm)))
-    return out
-
-  def Filler(self, native):
-    """The first buffer [S, ...] per leaf: each stage's first microbatch
-    (real data, on its own device)."""
-    return [self._place.SplitStages(tf.stop_gradient(x[0])) for x in native]
-
-  def Outputs(self, native):
-    """[K, S, ...] output streams (home layout) -> [M, ...] (split over
-    the stages)."""
-    return [self.FromStream(x) for x in native]
-
-  def FromStream(self, stream):
-    """[K, S, ...] streams in their home layout -> [M, ...]."""
-    perm = [1, 0] + list(range(2, stream.shape.rank))
-    x = tf.transpose(stream, perm)
-    shape = x.shape.as_list()
-    x = tf.reshape(x, [shape[0] * shape[1]] + shape[2:])
-    return self._place.SpreadLoopDim(x[:self._spec.schedule.num_microbatches])
-
-  def Home(self, stream):
-    """A written stream with each slot rotated home (Streams.FixupShifts):
-    a slot written n < S times sits S - n places short."""
-    shifts = self._streams.FixupShifts()
-    groups = {}
-    for slot, shift in enumerate(shifts):
-      groups.setdefault(shift, []).append(slot)
-    if list(groups) == [0]:
-      return stream
-    parts, order = [], []
-    for shift, slots in groups.items():
-      part = tf.gather(stream, slots)
-      parts.append(self._RotateSlots(part, -shift))
-      order += slots
-    whole = tf.concat(parts, 0)
-    back = [order.index(k) for k in range(len(shifts))]
-    return self._PlaceStream(tf.gather(whole, back))
-
-  def _RotateSlots(self, columns, shift):
-    """[k, S, ...] columns, each rotated by `shift` stages."""
-    perm = [1, 0] + list(range(2, columns.shape.rank))
-    rotated = rotating_buffer.RotateStages(
-        tf.transpose(columns, perm), shift, self._place.splits_stage_dim)
-    return tf.transpose(rotated, perm)
-
-  # -- Column ops: slot `slot`'s [S, ...] entries.
-
-  def _Column(self, stream, slot):
-    return self._place.SplitStages(tf.gather(stream, tf.maximum(slot, 0)))
-
-  def _SetColumn(self, stream, slot, column):
-    index = tf.reshape(tf.maximum(slot, 0), [1, 1])
-    return self._PlaceStream(
-        tf.tensor_scatter_nd_update(stream, index, column[None]))
-
-  def _Toward0(self, column):
-    return self._place.SplitStages(rotating_buffer.RotateStages(
-        column, -1, self._place.splits_stage_dim))
-
-  def _Away0(self, column):
-    return self._place.SplitStages(rotating_buffer.RotateStages(
-        column, 1, self._place.splits_stage_dim))
-
-  def _At(self, table, iteration):
-    return tf.gather(_Constant(table), iteration)
-
-  # -- The reverse schedule's loop (gpipe.pipeline.pipeline_loop, via
-  # recurrent).
-
-  def ReverseLoopParts(self, native, filler):
-    """(what the loop reads as theta, the state entries it carries, how to
-    undo an iteration's changes to them): the streams, which the loop
-    carries but keeps no history of; its gradient undoes each iteration's
-    rotations instead (recurrent.Undo)."""
-    streams = NestedMap(reading=self.StartReading(native),
-                        writing=self.StartWriting(filler))
-
-    def Undo(after, inputs):
-      before = after.copy()
-      before.reading = self.UndoRead(after.reading, inputs.iteration)
-      before.writing = self.UndoWrite(after.writing, inputs.iteration)
-      return before
-
-    return [], streams, Undo
-
-  def KeptRows(self, outputs):
-    del outputs
-    return []
-
-  def ReverseNativeOutputs(self, kept_rows, writing):
-    del kept_rows
-    return self.FinishWriting(writing, None)
-
-  # -- The forward loop.
-
-  def StartReading(self, native):
-    return list(native)
-
-  def Read(self, native, reading, iteration):
-    """(each stage's entry of the slot stage 0 reads [S, ...], reading
-    with that slot's column rotated towards stage 0)."""
-    del native
-    slot = self._At(self._streams.ReadSlots(), iteration)
-    fresh, new = [], []
-    for stream in reading:
-      column = self._Column(stream, slot)
-      fresh.append(column)
-      advanced = tf.where(slot >= 0, self._Toward0(column), column)
-      new.append(self._SetColumn(stream, slot, advanced))
-    return fresh, new
-
-  def UndoRead(self, reading, iteration):
-    """The streams before Read at `iteration` (the reverse loop's
-    gradient recovers them instead of storing them)."""
-    slot = self._At(self._streams.ReadSlots(), iteration)
-    out = []
-    for stream in reading:
-      column = self._Column(stream, slot)
-      back = tf.where(slot >= 0, self._Away0(column), column)
-      out.append(self._SetColumn(stream, slot, back))
-    return out
-
-  def StartWriting(self, like):
-    return [self._PlaceStream(tf.zeros(
-        [self._streams.num_slots] + x.shape.as_list(), x.dtype)) for x in like]
-
-  def Write(self, writing, iteration, outputs):
-    """The last stage's outputs into their slot's last entry, the column
-    rotated towards stage 0 first."""
-    slot = self._At(self._streams.WriteSlots(), iteration)
-    out = []
-    for stream, o in zip(writing, outputs):
-      column = self._Column(stream, slot)
-      last = _IsStage(self._num_stages, self._num_stages - 1, o)
-      written = tf.where(last, o, self._Toward0(column))
-      out.append(self._SetColumn(stream, slot,
-                                 tf.where(slot >= 0, written, column)))
-    return out
-
-  def UndoWrite(self, writing, iteration):
-    """The streams before Write at `iteration`: the entry written was
-    empty (zero) before, as every slot's first entry is."""
-    slot = self._At(self._streams.WriteSlots(), iteration)
-    out = []
-    for stream in writing:
-      column = self._Column(stream, slot)
-      last = _IsStage(self._num_stages, self._num_stages - 1, column)
-      back = self._Away0(tf.where(last, tf.zeros_like(column), column))
-      out.append(self._SetColumn(stream, slot,
-                                 tf.where(slot >= 0, back, column)))
-    return out
-
-  def FinishWriting(self, writing, like):
-    """The written streams, each slot rotated home."""
-    del like
-    return [self.Home(x) for x in writing]
-
-  # -- The 1f1b backward wave.
-
-  def _GradientSlot(self, rows, stage, flag):
-    """The slot of the microbatch `stage` differentiates, -1 unless
-    rows.<flag>[stage]."""
-    k = self._streams.num_slots
-    return tf.where(getattr(rows, flag)[stage], rows.microbatch[stage] % k, -1)
-
-  def StartReadingGradients(self, d_native):
-    return [self._PlaceStream(d) for d in d_native]
-
-  def ReadGradient(self, reading, rows):
-    """(each leaf's [S, ...] column, the last stage's entry the output
-    gradient it needs, reading with the column rotated first)."""
-    slot = self._GradientSlot(rows, -1, 'last_layer')
-    d_out, new = [], []
-    for stream in reading:
-      column = self._Column(stream, slot)
-      advanced = tf.where(slot >= 0, self._Toward0(column), column)
-      d_out.append(advanced)
-      new.append(self._SetColumn(stream, slot, advanced))
-    return d_out, new
-
-  def StartWritingGradients(self, like):
-    return self.StartWriting(like)
-
-  def WriteGradient(self, writing, rows, d_inputs):
-    """Stage 0's input gradient into its slot's first entry, the column
-    then rotated towards stage 0."""
-    slot = self._GradientSlot(rows, 0, 'first_layer')
-    out = []
-    for stream, d in zip(writing, d_inputs):
-      column = self._Column(stream, slot)
-      first = _IsStage(self._num_stages, 0, d)
-      written = self._Toward0(tf.where(first, d, column))
-      out.append(self._SetColumn(stream, slot,
-                                 tf.where(slot >= 0, written, column)))
-    return out
-
-  def FinishWritingGradients(self, writing, like):
-    del like
-    return [self.Home(x) for x in writing]
-
-
-class MadeAtStageZero:
+class MadeAtStageZero(LoopInputs):
   """With a FirstStageInput (gpipe.pipeline.stage_ends): stage 0 makes each
   microbatch's inputs inside the loop's cell, from per-example inputs the
   cell reads by microbatch, so nothing is read here, no input gradient is
@@ -431,14 +279,6 @@ class MadeAtStageZero:
   microbatch's inputs [1, ...] per leaf, as the first stage makes them:
   the buffer's first value (real data) and stage 0's stand-in read, which
   the cell replaces."""
-
-  def __init__(self, spec):
-    self._spec = spec
-    self._place = spec.placement
-
-  @property
-  def placement(self):
-    return self._place
 
   def StageInputs(self, reads, buffer, fresh):
     """buffer [S, mb, ...], stage 0 taking its stand-in zeros (fresh

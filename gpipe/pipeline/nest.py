@@ -5,7 +5,13 @@ with None entries allowed; these helpers act on the tensor leaves and leave
 everything else in place.
 """
 
+from typing import Mapping, Sequence, Union
+
 import tensorflow as tf
+
+# A tensor, None, or a tuple, list, dict or NestedMap of those.
+Structure = Union[tf.Tensor, None, Sequence['Structure'],
+                  Mapping[str, 'Structure']]
 
 
 def IsTensor(x):

@@ -1,37 +1,29 @@
-"""The pipeline loop: T iterations over a rotating [S, ...] buffer.
+"""The pipeline loop with the reverse backward: T iterations over a rotating
+[S, ...] buffer, and a gradient loop over them in reverse.
 
 One FProp call of a pipelined layer, in order:
 
-    split     inputs [B, ...] -> [M, B/M, ...]           (gpipe.microbatch)
-    loop      for i in 0..T-1:                                (this module)
-                stage inputs = rotated buffer, stage 0 maybe microbatch i
-                every stage runs once, bubbles masked
-                                              (gpipe.pipeline.stage_step)
-                buffer rotated by one stage   (gpipe.pipeline.rotating_buffer)
-    reassemble  last stage's outputs -> [M, B/M, ...] -> [B, ...]
+    split     inputs [B, ...] -> [M, mb, ...]              (gpipe.microbatch)
+    loop      for i in 0..T-1:                                  (this module)
+                one step of the buffer (gpipe.pipeline.rotating_buffer.Step):
+                stage inputs [S, mb, ...] = rotated buffer, stage 0 maybe
+                microbatch i; every stage runs once, bubbles masked
+                (gpipe.pipeline.stage_step); buffer rotated by one stage
+    reassemble  last stage's outputs -> [M, mb, ...] -> [B, ...]
 
 Which stage works on which microbatch and repeat, and which slots are
-bubbles, comes from `gpipe.schedule.Schedule`. The backward pass is the
-`backward_schedule` param's: 'reverse' runs this module's loop through
+bubbles, comes from `gpipe.schedule.Schedule`. The loop runs through
 `gpipe.recurrent`, whose gradient is a second loop in reverse order over
 the buffer each iteration kept (what else it stores or recomputes:
-`gpipe.loops.remat`); '1f1b' (`gpipe.pipeline.one_f_one_b`) keeps no buffer per
-iteration and runs its gradient in forward order.
+`gpipe.loops.remat`). backward_schedule='1f1b' runs gpipe.pipeline.one_f_one_b
+instead (the layer chooses: gpipe.layers.PipelinedLayer's RunLoop).
 """
-
-import dataclasses
-from typing import Any, Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
 from gpipe.loops import compiled_loops
-from gpipe.pipeline import loop_io
-from gpipe.pipeline import nest
-from gpipe.pipeline import one_f_one_b
+from gpipe.pipeline import loop_spec
 from gpipe.pipeline import rotating_buffer
-from gpipe.pipeline import stage_call
-from gpipe.pipeline import stage_runners
-from gpipe.pipeline import stage_slots
 from gpipe.pipeline import stage_step
 from gpipe import recurrent
 from gpipe import schedule as schedule_lib
@@ -41,114 +33,24 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class LoopSpec:
-  """Everything the loop needs besides the tensors it carries.
-
-  Attributes:
-    schedule: which stage works on what, per iteration.
-    body: the body layer.
-    fn_name: the body method each stage runs.
-    runner: runs every stage of an iteration (a
-      gpipe.pipeline.stage_runners.StageRunner, which says what it can do).
-    repeats: the circular-repeat selector (gpipe.pipeline.repeats).
-    placement: the sharding placement (gpipe.sharding.StagePlacement).
-    args: the structure of the microbatched positional inputs.
-    states: the structure of the padded per-stage states.
-    mb_kwargs: per-example kwargs, [M, ...].
-    kwargs_no_batch: kwargs every stage gets whole.
-    base_seed: the step seed; (layer, microbatch) gets base_seed +
-      Schedule.StepSeedOffset(layer, microbatch).
-    global_step: the caller's global step (read before the loop: the
-      backward pass recomputes the body outside the caller's context), or
-      None.
-    var_names: the body's non-trainable variables the loop carries.
-    remat_policy: what the forward pass stores for the backward pass (the
-      name of a gpipe.loops.remat policy); None: as RematPolicy decides.
-    skip_bubbles: on one device, run the fill and drain iterations on the
-      stages that hold their useful work only (Schedule.Phases); None:
-      where it pays (SkipsBubbles).
-    backward_schedule: 'reverse' or '1f1b' (gpipe.pipeline.one_f_one_b).
-    stream_io: whether the inputs and outputs are split over the stages
-      (gpipe.pipeline.loop_io).
-    ring_split_mesh_dim: the mesh axis the 1f1b rings' entries are split
-      over too (gpipe.pipeline.stage_slots.SplitRingLayout), or None.
-    loss: a gpipe.pipeline.stage_ends.LastStageLoss (its inputs
-      microbatched, [M, ...]) the last stage takes, '1f1b' only; None.
-    first_stage: a gpipe.pipeline.stage_ends.FirstStageInput (its inputs
-      microbatched) stage 0 makes its inputs with, with `loss` only; None.
-  """
-  schedule: schedule_lib.Schedule
-  body: stage_call.Body
-  fn_name: str
-  runner: stage_runners.StageRunner
-  repeats: Any
-  placement: Any
-  args: nest.TensorLeaves
-  states: Any
-  mb_kwargs: Dict[str, Any]
-  kwargs_no_batch: Dict[str, Any]
-  base_seed: tf.Tensor
-  global_step: Optional[tf.Tensor]
-  var_names: Tuple[str, ...]
-  remat_policy: Optional[str]
-  skip_bubbles: Optional[bool] = False
-  backward_schedule: str = 'reverse'
-  stream_io: bool = False
-  ring_split_mesh_dim: Optional[int] = None
-  loss: Any = None
-  first_stage: Any = None
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class LoopResult:
-  """What the loop produced.
-
-  Attributes:
-    outputs: the [M, ...] tensor leaves of the outputs, microbatch order.
-    states: the updated padded per-stage state leaves, [T, S, ...].
-    aux_loss: the valid calls' aux losses summed over all iterations.
-    summaries: {name: (sum of value * weight [T, S], weights [T, S])} of
-      every summary the body added, bubbles zeroed.
-    vars: the final values of the carried non-trainable variables.
-    losses: with spec.loss, its sums over the batch (then no outputs).
-  """
-  outputs: List[tf.Tensor]
-  states: List[tf.Tensor]
-  aux_loss: tf.Tensor
-  summaries: Dict[str, Tuple[tf.Tensor, tf.Tensor]]
-  vars: List[tf.Tensor]
-  losses: Any = None
-
-
-def Run(spec: LoopSpec, theta, mb_leaves, state_leaves,
-        var_values) -> LoopResult:
-  """Runs the loop.
+def Run(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
+        var_values) -> loop_spec.LoopResult:
+  """The loop whose gradient runs in reverse (gpipe.recurrent).
 
   Args:
-    spec: the LoopSpec.
-    theta: the stage-stacked weights, placed.
-    mb_leaves: the [M, ...] tensor leaves of the microbatched inputs.
+    spec: the LoopSpec, its remat_policy decided (WithRematPolicy).
+    theta: the stage-stacked weights, placed, [S, (R,) ...] each.
+    mb_leaves: the [M, mb, ...] tensor leaves of the microbatched inputs.
     state_leaves: the [T, S, ...] padded per-stage state leaves.
-    var_values: the carried non-trainable values, [S, (R,) ...].
+    var_values: the carried non-trainable values, [S, (R,) ...] each.
   """
-  spec = dataclasses.replace(
-      spec, remat_policy=RematPolicy(spec, theta, mb_leaves))
-  if spec.backward_schedule == '1f1b':
-    return LoopResult(**one_f_one_b.Run(spec, theta, mb_leaves, state_leaves,
-                                        var_values))
-  return _RunReverse(spec, theta, mb_leaves, state_leaves, var_values)
-
-
-def _RunReverse(spec, theta, mb_leaves, state_leaves, var_values):
-  """The loop whose gradient runs in reverse (gpipe.recurrent)."""
   place = spec.placement
   sched = spec.schedule
-  io = loop_io.For(spec)
+  io = loop_spec.Io(spec)
   native = io.ToNative(mb_leaves)
   filler = io.Filler(native)
   # Carried: the buffer, the body's non-trainable variables (see
-  # gpipe.pipeline.stage_vars) and with stream_io the streams. Without, the
+  # gpipe.pipeline.non_trainable_vars) and with stream_io the streams. Without, the
   # microbatches are read inside the loop, row by row (no [T, ...] copy of
   # them). The iteration index comes in as an input and each iteration's
   # aux loss goes out as an extra, summed afterwards: loop-carried scalars
@@ -176,7 +78,7 @@ def _RunReverse(spec, theta, mb_leaves, state_leaves, var_values):
     pieces.append(extras)
   summaries = {name: tuple(_Concat([e.summaries[name] for e in pieces]))
                for name in pieces[0].summaries}
-  return LoopResult(
+  return loop_spec.LoopResult(
       outputs=io.Outputs(io.ReverseNativeOutputs(
           _Concat([e.outputs for e in pieces]), state.writing)),
       states=[place.SplitStages(x, 1)
@@ -215,48 +117,8 @@ def SkipsBubbles(spec, theta, mb_leaves):
   if spec.skip_bubbles is not None:
     return spec.skip_bubbles
   return (compiled_loops.UnderXla() and
-          SlotFlops(spec.schedule, theta, mb_leaves) >=
+          loop_spec.SlotFlops(spec.schedule, theta, mb_leaves) >=
           MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES)
-
-
-# remat_policy=None keeps the dots' outputs (save_dots) on one device for a
-# body whose call on one microbatch takes at least this many FLOPs
-# (SlotFlops), rather than running its dots again in the backward loop:
-# above it, keeping them measured faster than recomputing; below, within
-# the noise, so those bodies keep recomputing
-# (docs/benchmarks.md#the-one-device-defaults-against-what-they-replace).
-MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS = 2e6
-
-
-def RematPolicy(spec, theta, mb_leaves):
-  """The loop's remat policy: the one the params ask for; None: save_dots
-  on one device, with the reverse schedule, for a body of at least
-  MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS, else recompute.
-
-  On one device the plain stack the pipeline stands for keeps all of its
-  dots' outputs: keeping them costs no more than running unpipelined
-  would. Partitioned, a chip's memory is what recomputing saves (and what
-  `gpipe.plan` plans for), and 1f1b is chosen to bound memory."""
-  if spec.remat_policy is not None:
-    return spec.remat_policy
-  if (spec.runner.any_stage_range and spec.backward_schedule == 'reverse' and
-      SlotFlops(spec.schedule, theta, mb_leaves) >=
-      MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS):
-    return 'save_dots'
-  return 'recompute'
-
-
-def SlotFlops(sched, theta, mb_leaves):
-  """A body call's FLOPs on one microbatch, as if each weight entered one
-  multiply-add per row: 2 x rows x one layer's weights, where rows are a
-  microbatch's positions (all dims but the first and the features) of its
-  largest input. The dots of dense layers, not those between activations
-  (attention's scores); an over-estimate for lookups."""
-  weights = sum(w.shape.num_elements() or 0 for w in tf.nest.flatten(theta)
-                if w.dtype.is_floating) / sched.num_layers
-  rows = max([x.shape[1:-1].num_elements() or 0 for x in mb_leaves
-              if x.shape.rank and x.shape.rank >= 2] or [1])
-  return 2 * rows * weights
 
 
 def _PhaseRows(inputs, phase):
@@ -317,7 +179,7 @@ def _RunPhase(spec, io, undo, phase, loop_theta, state0, inputs):
   return final, extras
 
 
-def _Iteration(spec: LoopSpec, io, phase, loop_theta, state, inp):
+def _Iteration(spec: loop_spec.LoopSpec, io, phase, loop_theta, state, inp):
   """One loop iteration: the phase's stages run on their slots."""
   place = spec.placement
   it = place.ReplicateBookkeeping(inp.iteration)  # i, int32 []

@@ -52,12 +52,12 @@ class Linear:
     del repeat
     return weights
 
-  def TakePerStage(self, value, repeat_ids):
+  def TakeFromRS(self, value, repeat_ids):
     """[R, S, ...] -> [S, ...]: stage s's repeat_ids[s] (stage-parallel)."""
     del repeat_ids
     return value
 
-  def TakeForEachStage(self, value, repeat_ids):
+  def TakeFromSR(self, value, repeat_ids):
     """[S, R, ...] -> [S, ...]: stage s's repeat_ids[s], for all stages at
     once (gpipe.pipeline.vectorized_stages).
 
@@ -105,18 +105,18 @@ class Circular(Linear):
 
     return tf.nest.map_structure(Select, weights)
 
-  def TakePerStage(self, value, repeat_ids):
+  def TakeFromRS(self, value, repeat_ids):
     num_stages = value.shape.as_list()[1]
     index = tf.stack([repeat_ids, tf.range(num_stages)], axis=-1)
     return tf.gather_nd(value, index)
 
-  def TakeForEachStage(self, value, repeat_ids):
+  def TakeFromSR(self, value, repeat_ids):
     if compiled_loops.UnderXla():
       hot = tf.one_hot(repeat_ids, self.count, dtype=value.dtype)  # [S, R]
       return tf.reduce_sum(value * self._ForEachStage(hot, value), axis=1)
-    return self._GatherForEachStage(value, repeat_ids)
+    return self._GatherFromSR(value, repeat_ids)
 
-  def _GatherForEachStage(self, value, repeat_ids):
+  def _GatherFromSR(self, value, repeat_ids):
     """value[s, repeat_ids[s]] for every s, by a gather of S rows."""
     shape = value.shape.as_list()
     num_stages = shape[0]

@@ -51,7 +51,7 @@ def Step(io, iteration, rows, native, reading, buffer,
   """One iteration of the pipeline over its buffer.
 
   Args:
-    io: the loop's inputs and outputs (a gpipe.pipeline.loop_io.LoopIo).
+    io: the loop's inputs and outputs (a gpipe.pipeline.loop_io.LoopInputs; to write, a LoopIo).
     iteration: int32 scalar, the iteration's index i.
     rows: the schedule's table row i (gpipe.pipeline.stage_step.Tables),
       [S] entries each, replicated.

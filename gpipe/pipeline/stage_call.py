@@ -4,7 +4,7 @@ Whether it runs one logical layer on the whole batch (unrolled), one stage
 of a loop iteration on one device, every device's own stage in a manual
 region, or all stages at once (a stage_parallel_body), the body method is
 called through `CallStage`. It gives the body its non-trainable variables
-(see gpipe.pipeline.stage_vars), optionally an isolating `StageContext` (step
+(see gpipe.pipeline.non_trainable_vars), optionally an isolating `StageContext` (step
 seed, global step, aux losses and summaries of its own), checks that the outputs
 have the inputs' structure, and returns a `StageResult`. An exception raised
 by the body gets a note saying which call of which layer raised it.
@@ -17,7 +17,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from gpipe.pipeline import nest
-from gpipe.pipeline import stage_vars
+from gpipe.pipeline import non_trainable_vars
 from lingvo.core import py_utils
 
 
@@ -84,7 +84,7 @@ def CallStage(body: Body, fn_name: str, theta, args: Sequence[Any], kwargs,
   num_ops = len(graph.get_operations()) if in_loop_graph else 0
   try:
     with ctx:
-      out, new_vars = stage_vars.CallWithStageVars(
+      out, new_vars = non_trainable_vars.CallWithStageVars(
           body.layer, fn, theta, list(var_names), list(var_values), args,
           kwargs)
   except Exception as e:

@@ -18,6 +18,7 @@ of it (`StageRunner`'s attributes) and runs the stages (`Run`):
 Each calls the body once per call site through `stage_call.CallStage` and
 returns a `StagesResult`."""
 
+import abc
 import dataclasses
 from typing import Any, List, Optional, Tuple
 
@@ -26,7 +27,7 @@ import tensorflow as tf
 from gpipe import microbatch
 from gpipe.pipeline import nest
 from gpipe.pipeline import stage_call
-from gpipe.pipeline import stage_vars
+from gpipe.pipeline import non_trainable_vars
 from gpipe import sharding
 
 
@@ -72,8 +73,9 @@ class StagesResult:
   vars: List[tf.Tensor]
 
 
-class StageRunner:
-  """Runs every stage of one iteration, and says what it can do.
+class StageRunner(abc.ABC):
+  """Runs every stage of one iteration, and says what it can do: the
+  interface the loops and the layer type against.
 
   Attributes:
     any_stage_range: it runs whatever range of the stages it is given (one
@@ -95,8 +97,9 @@ class StageRunner:
   vectorizes = False
   stage_dim_inside = False
 
+  @abc.abstractmethod
   def Run(self, spec, theta, it: 'IterationStages') -> 'StagesResult':
-    raise NotImplementedError
+    """Every stage's body call on `it` (each tensor [S, ...])."""
 
 
 class OneByOne(StageRunner):
@@ -163,7 +166,7 @@ def RunOneByOne(spec, theta, it: IterationStages) -> StagesResult:
     with tf.name_scope(f'stage_{stage:03d}'):
       repeat = it.repeat_ids[stage]
       current = [
-          stage_vars.TakeStageSlice(v, stage, repeat, spec.repeats)
+          non_trainable_vars.TakeStageSlice(v, stage, repeat, spec.repeats)
           for v in it.var_values
       ]
       res = stage_call.CallStage(
@@ -243,7 +246,7 @@ def RunTogether(spec, theta, it: IterationStages) -> StagesResult:
   """A stage_parallel_body: one call computes all stages."""
   num_stages = spec.schedule.num_stages
   theta = tf.nest.map_structure(
-      lambda t: spec.repeats.TakePerStage(t, it.repeat_ids), theta)
+      lambda t: spec.repeats.TakeFromRS(t, it.repeat_ids), theta)
   res = stage_call.CallStage(
       spec.body, spec.fn_name, theta, it.args,
       _Kwargs(spec, lambda t: microbatch.SliceForStages(t, it.mb_ids)),

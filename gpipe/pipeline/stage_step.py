@@ -55,7 +55,7 @@ def Step(spec, stages, theta, rows, stage_in, state_slots,
   """Every stage's call on its input, bubbles masked.
 
   Args:
-    spec: the pipeline_loop.LoopSpec.
+    spec: the loop_spec.LoopSpec.
     stages: the StageRange that computes (the others are bubbles).
     theta: the range's stage-stacked weights, [count, ...].
     rows: the iteration's StageTables row, each [S] (replicated).

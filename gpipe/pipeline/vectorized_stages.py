@@ -103,7 +103,7 @@ def RunVectorized(spec, theta, it):
       lambda t: microbatch.SliceForStages(t, it.mb_ids), v)
             for k, v in spec.mb_kwargs.items()}
   theta = tf.nest.map_structure(
-      lambda t: spec.repeats.TakeForEachStage(t, it.repeat_ids), theta)
+      lambda t: spec.repeats.TakeFromSR(t, it.repeat_ids), theta)
   per_stage = dict(theta=theta, args=it.args, kwargs=kwargs, seed=it.seeds,
                    repeat=it.repeat_ids, vars=list(it.var_values))
   return VectorizedCalls(spec, per_stage, {}, it.num_stages,
@@ -114,7 +114,7 @@ def VectorizedCalls(spec, per_call, shared, num_calls, where):
   """num_calls calls of the body as one vectorized computation.
 
   Args:
-    spec: the pipeline_loop.LoopSpec.
+    spec: the loop_spec.LoopSpec.
     per_call: {theta, args, kwargs, seed, repeat, vars}, or some of them,
       each with a leading [num_calls] dim: call i gets entry [i] of each.
     shared: the rest of those entries, the same for every call (weights

@@ -119,7 +119,7 @@ def Rings(hlo_text, gradient_bodies, ring_size):
 
   Each stage keeps its stage inputs (and what the remat policy stores) in
   rings of ring_size entries, per device [stages of the device, ring_size,
-  ...] (gpipe.pipeline.stage_slots.Ring): a loop's carried arrays of rank 3 or
+  ...] (gpipe.pipeline.one_f_one_b.rings.Ring): a loop's carried arrays of rank 3 or
   more whose second dim is ring_size. The gradient loops carry the same rings (a
   phase that only reads them may take them in otherwise): the largest set
   of one loop counts.

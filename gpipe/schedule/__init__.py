@@ -435,7 +435,7 @@ class OneFOneB:
 
 
 class Streams:
-  """Where stream_io keeps each microbatch (gpipe.pipeline.loop_io.StreamedIo).
+  """Where stream_io keeps each microbatch (gpipe.pipeline.streamed_io.StreamedIo).
 
   A stream holds the [M, ...] inputs (outputs, their gradients) split over
   the stages: stage s keeps microbatches s K .. s K + K - 1 in its K =

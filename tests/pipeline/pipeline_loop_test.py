@@ -12,6 +12,7 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe.pipeline import nest
+from gpipe.pipeline import loop_spec
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import repeats
 from gpipe.pipeline import rotating_buffer
@@ -44,7 +45,7 @@ def _FakeRun(spec, theta, it):
 
 
 def _Spec(sched, x_mb, remat_policy='recompute'):
-  return pipeline_loop.LoopSpec(
+  return loop_spec.LoopSpec(
       schedule=sched, body=None, fn_name='FProp', runner=_FakeRunner(),
       repeats=repeats.For(sched.circular_repeat),
       placement=sharding.StagePlacement(sched.num_stages),

@@ -113,7 +113,7 @@ def test_1f1b_with_stream_io_holds_a_bounded_share_whatever_m():
       bound = (4 * batch_bytes // NUM_STAGES +
                (2 * r * NUM_STAGES + 8) * mb + 4 * r * weights)
       if r > 1:
-        # XLA:CPU builds the masked ring a read sums (stage_slots.Ring),
+        # XLA:CPU builds the masked ring a read sums (rings.Ring),
         # which outgrows the 8 spare microbatches when R S is large.
         bound += ring * mb
       assert temp <= bound, (r, m, temp / mb, bound / mb)
@@ -122,21 +122,21 @@ def test_1f1b_with_stream_io_holds_a_bounded_share_whatever_m():
 
 
 def test_a_bfloat16_ring_keeps_its_entries_in_16_bits():
-  """Under XLA a 1f1b ring of bfloat16 entries (gpipe.pipeline.stage_slots
-  .Ring) keeps them as their 16-bit patterns: what a read picks is the
+  """Under XLA a 1f1b ring of bfloat16 entries (gpipe.pipeline.one_f_one_b
+  .rings.Ring) keeps them as their 16-bit patterns: what a read picks is the
   entry written, bit for bit, and XLA:CPU's compiled ring is 16-bit, not
   the float32 it would widen bfloat16 to."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  from gpipe.pipeline import stage_slots  # pylint: disable=g-import-not-at-top
+  from gpipe.pipeline.one_f_one_b import rings  # pylint: disable=g-import-not-at-top
   from gpipe import sharding  # pylint: disable=g-import-not-at-top
   stages, size, width = 3, 5, 7
   rng = np.random.RandomState(0)
   entries = rng.normal(size=[size, stages, width]).astype(np.float32)
 
   def WriteAndRead(values):
-    ring = stage_slots.Ring(tf.TensorSpec([stages, width], tf.bfloat16), size,
-                            sharding.StagePlacement(stages))
+    ring = rings.Ring(tf.TensorSpec([stages, width], tf.bfloat16), size,
+                      sharding.StagePlacement(stages))
     assert ring.xla
     held = ring.Empty()
     for slot in range(size):

@@ -2,7 +2,7 @@
 
 The default keeps the dots' outputs (save_dots) on one device, with the
 reverse schedule, for a body of at least
-pipeline_loop.MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS a microbatch, and recomputes
+loop_spec.MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS a microbatch, and recomputes
 everywhere else (partitioned, 1f1b, small bodies). A policy asked for is
 what runs. The decision is checked as a table, then on a layer whose dense
 body is above the threshold: its default step stores the dots and equals
@@ -19,7 +19,7 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import schedule
-from gpipe.pipeline import pipeline_loop
+from gpipe.pipeline import loop_spec
 from gpipe.pipeline import stage_runners
 from lingvo.core import cluster_factory
 from tests import pipeline_harness as harness
@@ -45,9 +45,9 @@ def _Spec(remat_policy, runner, backward_schedule='reverse'):
 ])
 def test_none_saves_dots_on_one_device_for_a_compute_bound_body(
     monkeypatch, asked, runner, backward, flops, policy):
-  assert pipeline_loop.MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS == 2e6
-  monkeypatch.setattr(pipeline_loop, 'SlotFlops', lambda *_: flops)
-  assert pipeline_loop.RematPolicy(
+  assert loop_spec.MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS == 2e6
+  monkeypatch.setattr(loop_spec, 'SlotFlops', lambda *_: flops)
+  assert loop_spec.RematPolicy(
       _Spec(asked, runner, backward), (), ()) == policy
 
 

@@ -22,7 +22,7 @@ def test_linear_passes_everything_through():
   assert linear.Take(x, 0) is x
   assert linear.Put(x, 0, new) is new
   assert linear.TakeByOneHot({'w': x}, 0)['w'] is x
-  assert linear.TakePerStage(x, tf.zeros([S], tf.int32)) is x
+  assert linear.TakeFromRS(x, tf.zeros([S], tf.int32)) is x
   with linear.VariablePrefix():
     assert py_utils.GetVariableShapePrefixes() == []
 
@@ -59,7 +59,7 @@ def test_take_by_one_hot_equals_take_and_its_gradient_is_one_hot():
 def test_take_per_stage_picks_each_stages_repeat():
   values = np.random.RandomState(1).normal(size=[R, S, 2]).astype(np.float32)
   ids = np.array([2, 0, 1, 2], np.int32)
-  got = repeats.For(R).TakePerStage(tf.constant(values), tf.constant(ids))
+  got = repeats.For(R).TakeFromRS(tf.constant(values), tf.constant(ids))
   np.testing.assert_array_equal(got, values[ids, np.arange(S)])
 
 
@@ -75,7 +75,7 @@ def test_take_for_each_stage_and_its_gradient_against_numpy(mode):
   def Step(v, i, dy):
     with tf.GradientTape() as tape:
       tape.watch(v)
-      picked = repeats.For(R).TakeForEachStage(v, i)
+      picked = repeats.For(R).TakeFromSR(v, i)
     return picked, tape.gradient(picked, v, output_gradients=dy)
 
   args = [tf.constant(values), tf.constant(ids), tf.constant(cotangent)]

@@ -27,7 +27,9 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import layers
 from gpipe.loops import cell_graph
+from gpipe.loops import compiled_loops
 from gpipe.loops import deferred_dots
+from gpipe.pipeline import loop_spec
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import stage_runners
 from gpipe import schedule
@@ -162,7 +164,7 @@ def test_slot_flops_count_one_layers_weights_on_a_microbatchs_rows():
   theta = {'w': tf.zeros([2, 3, 8, 16]), 'b': tf.zeros([2, 3, 16]),
            'step': tf.zeros([2, 3], tf.int32)}
   mb_leaves = [tf.zeros([4, 5, 7, 8]), tf.zeros([4, 5, 2]), tf.zeros([4])]
-  assert pipeline_loop.SlotFlops(sched, theta, mb_leaves) == (
+  assert loop_spec.SlotFlops(sched, theta, mb_leaves) == (
       2 * (5 * 7) * (8 * 16 + 16))
 
 
@@ -177,9 +179,9 @@ def test_none_skips_under_xla_for_a_compute_bound_body(monkeypatch, param,
                                                        under_xla, flops,
                                                        skips):
   assert pipeline_loop.MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES == 1e6
-  monkeypatch.setattr(pipeline_loop.stage_slots, 'UnderXla',
+  monkeypatch.setattr(compiled_loops, 'UnderXla',
                       lambda: under_xla)
-  monkeypatch.setattr(pipeline_loop, 'SlotFlops', lambda *_: flops)
+  monkeypatch.setattr(loop_spec, 'SlotFlops', lambda *_: flops)
   assert pipeline_loop.SkipsBubbles(
       _Spec(param, stage_runners.OneByOne()), (), ()) == skips
   # Partitioned: never.

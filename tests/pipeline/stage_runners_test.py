@@ -116,6 +116,7 @@ def test_the_runner_a_layer_gets_says_what_it_can_do():
     (vectorized_stages.Vectorizing('auto', 'stack'), None),
 ])
 def test_layer_by_layer_reads_why_not_off_the_runner(runner, reason):
-  spec = types.SimpleNamespace(runner=runner, var_names=(), states=[])
+  spec = types.SimpleNamespace(runner=runner, var_names=(), states=[],
+                               first_stage=None)
   why = layer_by_layer.WhyNot(spec)
   assert (why is None) if reason is None else (reason in why), why

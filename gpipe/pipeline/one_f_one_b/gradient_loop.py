@@ -1,8 +1,9 @@
 """The 1f1b gradient loop: a forward and a backward wave per iteration.
 
-gpipe.pipeline.one_f_one_b has the picture; gpipe.schedule.OneFOneB the
-arithmetic (which call each stage's backward wave differentiates, and where its
-input waits in the ring). What the loop carries through its phases:
+gpipe.pipeline.one_f_one_b says what the waves do; gpipe.schedule.OneFOneB
+has the picture and the arithmetic (which call each stage's backward wave
+differentiates, and where its input waits in the ring). What the loop
+carries through its phases:
 
     buffer, vars, reading   the forward wave's, as the forward loop's
     rings                   per stage, ring_size entries: stage inputs,
@@ -16,7 +17,7 @@ input waits in the ring). What the loop carries through its phases:
     d_states                the per-stage state slots' gradients, [S, T, ...]
 
 Non-trainable values take no gradient: a body's updates of them go
-through `assign`, which cuts the gradient (gpipe.pipeline.stage_vars).
+through `assign`, which cuts the gradient (gpipe.pipeline.non_trainable_vars).
 
 With a LastStageLoss (gpipe.pipeline.stage_ends) the loop is the
 whole pass (`RunWithLoss`): no output gradient comes in, the last stage's
@@ -33,8 +34,9 @@ import tensorflow as tf
 from gpipe.loops import cell_graph
 from gpipe.loops import made_after
 from gpipe.loops import while_loops
+from gpipe.pipeline.one_f_one_b import per_stage_rows
+from gpipe.pipeline.one_f_one_b import rings
 from gpipe.pipeline import rotating_buffer
-from gpipe.pipeline import stage_slots
 from gpipe.pipeline import stage_step
 from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
@@ -83,7 +85,7 @@ def _ByIteration(x, place):
 
 
 class GradientLoop:
-  """The gradient of one forward loop (one_f_one_b._Pipelined)."""
+  """The gradient of one forward loop (run._Pipelined)."""
 
   def __init__(self, cell, io, theta, native, state_leaves, var_values,
                captures, loss=None):
@@ -103,8 +105,8 @@ class GradientLoop:
     place = self._place
     entry = lambda x: tf.TensorSpec(x.shape, x.dtype)
     size = self._waves.ring_size
-    self._rows = stage_slots.For(place, cell.spec.runner.manual_mesh)
-    ring = lambda spec: stage_slots.Ring(spec, size, place,
+    self._rows = per_stage_rows.For(place, cell.spec.runner.manual_mesh)
+    ring = lambda spec: rings.Ring(spec, size, place,
                                          cell.spec.ring_split_mesh_dim)
     self._rings = NestedMap(
         buffer=[ring(entry(x)) for x in cell.state0.buffer],

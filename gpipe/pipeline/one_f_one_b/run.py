@@ -1,37 +1,8 @@
-"""backward_schedule='1f1b': what a stage stores bounded by the stages.
-
-The reverse schedule's forward loop keeps each iteration's buffer for its
-backward loop: T stage inputs per stage, about R x the batch per device.
-With '1f1b' the forward loop keeps nothing per iteration, and the gradient
-is one loop in forward order (the arithmetic: gpipe.schedule.OneFOneB):
-
-    forward wave    each stage runs iteration j's forward again, from the
-                    pipeline's inputs, and pushes its stage input into a
-                    ring of 2 R S - 1 entries
-    backward wave   each stage differentiates the call whose output
-                    gradient has come back one stage on (the last layer's:
-                    the layer's output gradient), its input read back from
-                    the ring; the input gradient goes one stage back (the
-                    first layer's: the layer's input gradient)
-
-    S=3, M=4 (f,b)                      a stage holds
-    j          0   1   2   3   4   5    the ring, 2 R S - 1 stage inputs
-    stage 0  0,. 1,. 2,. 3,. .,0 .,1    a forward and a gradient buffer
-    stage 1  .,. 0,. 1,. 2,0 3,1 .,2    (with stream_io: 1/S of the inputs,
-    stage 2  .,. .,. 0,0 1,1 2,2 3,3     outputs and their gradients)
-
-whatever M is. The loss stays outside the layer, so no output gradient
-exists before the whole forward pass has run: the forward wave runs the
-forward a second time (one forward more than 'reverse' with the same remat
-policy), and the backward wave recomputes what its ring entry does not
-keep (remat_policy: 'recompute' keeps the stage input; 'save_dots' and
-'save_all' also the body's activations they name). The waves run in three
-loops (OneFOneB.Phases) so that no iteration computes a wave no stage
-needs. Each iteration's stage work is stage_step.Step, traced once
-(gpipe.loops.cell_graph) with its gradient, as the reverse loop runs it.
-
-The layer's gradient is still what TensorFlow's autodiff asks of it: the
-loop pair is one tf.custom_gradient, in graph mode and under XLA.
+"""The 1f1b pipeline's entry: the forward loop (keeping nothing per
+iteration) as one tf.custom_gradient whose gradient is the gradient loop
+(gradient_loop.GradientLoop); with a LastStageLoss, the gradient loop
+alone. Each iteration's stage work is the _StageCell: stage_step.Step
+traced once with its gradient (gpipe.loops.cell_graph).
 """
 
 import dataclasses
@@ -47,9 +18,9 @@ from gpipe.loops import compiled_loops
 from gpipe.loops import remat
 from gpipe.loops import tensor_lists
 from gpipe.loops import while_loops
-from gpipe.pipeline import gradient_waves
+from gpipe.pipeline.one_f_one_b import gradient_loop
 from gpipe.pipeline import stage_ends
-from gpipe.pipeline import loop_io
+from gpipe.pipeline import loop_spec
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_step
 from gpipe import recurrent
@@ -66,26 +37,27 @@ FORWARD_LOOP = 'one_f_one_b_forward'
 _CELL_ROWS = ('microbatch', 'repeat', 'seed_offset', 'valid', 'reads')
 
 
-def Run(spec, theta, mb_leaves, state_leaves, var_values):
-  """The 1f1b pipeline: a pipeline_loop.LoopResult's fields, as a dict
-  (with spec.loss: `losses`, its sums, and no outputs).
+def Run(spec, theta, mb_leaves, state_leaves,
+        var_values) -> loop_spec.LoopResult:
+  """The 1f1b pipeline (with spec.loss: `losses`, its sums, and no
+  outputs).
 
-  Args: as pipeline_loop.Run's.
+  Args: as gpipe.pipeline.pipeline_loop.Run's.
   """
   loss, first_stage = stage_ends.ForTheLoop(
       (spec.loss, spec.first_stage), spec.runner, spec.placement,
       spec.schedule.num_stages)
   spec = dataclasses.replace(spec, loss=loss, first_stage=first_stage)
-  io = loop_io.For(spec)
+  io = loop_spec.Io(spec)
   native = io.ToNative(mb_leaves)
   cell = _StageCell(spec, theta, io.Filler(native), state_leaves, var_values)
   if spec.loss is not None:
     return _WithLoss(cell, io, theta, native, var_values)
   result = _Pipelined(cell, io, theta, native, state_leaves, var_values)
-  return dict(outputs=io.Outputs(result.outputs),
-              states=[spec.placement.SplitStages(x, 1) for x in result.states],
-              aux_loss=result.aux, summaries=result.summaries,
-              vars=result.vars)
+  return loop_spec.LoopResult(
+      outputs=io.Outputs(result.outputs),
+      states=[spec.placement.SplitStages(x, 1) for x in result.states],
+      aux_loss=result.aux, summaries=result.summaries, vars=result.vars)
 
 
 class _StageCell:
@@ -95,7 +67,7 @@ class _StageCell:
 
   Attributes:
     graph: the CellGraph.
-    spec: the pipeline_loop.LoopSpec.
+    spec: the loop_spec.LoopSpec.
     state0: NestedMap(buffer=[S, ...] leaves, vars=[S, (R,) ...]).
     read_variables: the variables the cell reads (checked in the gradient).
     aux_added: whether the body adds aux losses.
@@ -192,7 +164,7 @@ def _Pipelined(cell, io, theta, native, state_leaves, var_values):
           recurrent.ZeroIfNone(g, x) if g is None else tf.convert_to_tensor(g)
           for g, x in zip(dys, tf.nest.flatten(result))])
       with compiled_loops.Allowed(compiles):
-        grads = gradient_waves.GradientLoop(
+        grads = gradient_loop.GradientLoop(
             cell, io, th, nat, states, var_vals, caps).Run(d)
       if variables is None:
         return grads
@@ -228,7 +200,7 @@ def _Unflattener(graph, structure):
 
 def _WithLoss(cell, io, theta, native, var_values):
   """The gradient loop alone, scoring each microbatch at the last stage
-  (gradient_waves.GradientLoop.RunWithLoss), as a custom gradient: its
+  (gradient_loop.GradientLoop.RunWithLoss), as a custom gradient: its
   value the loss's sums, its gradient the loop's gradients of the
   differentiated sum, scaled by that sum's incoming gradient."""
   graph = cell.graph
@@ -250,7 +222,7 @@ def _WithLoss(cell, io, theta, native, var_values):
   def Scored(*flat):
     th, nat, states, var_vals, caps = Unflatten(flat)
     with record.stop_recording(), compiled_loops.Allowed(compiles):
-      values, grads = gradient_waves.GradientLoop(
+      values, grads = gradient_loop.GradientLoop(
           cell, io, th, nat, states, var_vals, caps, loss=loss).RunWithLoss()
     values_structure.append(values)
     position = sorted(values.loss).index(loss.differentiated)
@@ -270,12 +242,13 @@ def _WithLoss(cell, io, theta, native, var_values):
   flat_out = Scored(*flat_args, *[graph.captures[i] for i in diff_caps])
   values = tf.nest.pack_sequence_as(values_structure[0], flat_out)
   place = cell.spec.placement
-  return dict(outputs=[], states=[], losses=values.loss,
-              aux_loss=tf.zeros([], tf.float32),
-              summaries={name: (place.SplitStages(vw[None], 1),
-                                place.SplitStages(w[None], 1))
-                         for name, (vw, w) in values.summaries.items()},
-              vars=values.vars)
+  return loop_spec.LoopResult(
+      outputs=[], states=[], losses=values.loss,
+      aux_loss=tf.zeros([], tf.float32),
+      summaries={name: (place.SplitStages(vw[None], 1),
+                        place.SplitStages(w[None], 1))
+                 for name, (vw, w) in values.summaries.items()},
+      vars=values.vars)
 
 
 def _ForwardLoop(cell, io, theta, native, state_leaves, var_values, caps):
@@ -297,7 +270,7 @@ def _ForwardLoop(cell, io, theta, native, state_leaves, var_values, caps):
       states=[tensor_lists.Reserve(s, t) for s in extras_spec.states])
 
   def Body(i, carry):
-    rows = gradient_waves.Row(cell.tables, i, place)  # [S] each
+    rows = gradient_loop.Row(cell.tables, i, place)  # [S] each
 
     def RunStages(stage_in):  # [S, mb, ...] per leaf
       new, extras, _ = cell.Forward(theta, stage_in, carry.vars, rows,

@@ -1,0 +1,253 @@
+"""stream_io=True: the loop's inputs, outputs and their gradients split over
+the stages, as [K, S, mb, ...] streams (gpipe.schedule.Streams).
+
+Stage s keeps the K = ceil(M / S) microbatches s K .. s K + K - 1. Stage 0
+reads a slot's entry, then the slot's column [S, mb, ...] rotates one
+stage towards stage 0; the last stage's output goes to a slot's last entry
+after its column rotates. Output gradients are read at the last stage after
+a rotation, input gradients written at stage 0, then the column rotates. A
+rotation is one collective-permute of one microbatch per iteration, and no
+device holds the whole batch. (gpipe.pipeline.loop_io: the interface.)
+"""
+
+import tensorflow as tf
+
+from gpipe.pipeline import loop_io
+from gpipe.pipeline import rotating_buffer
+from gpipe import schedule as schedule_lib
+from lingvo.core import py_utils
+
+NestedMap = py_utils.NestedMap
+
+
+class StreamedIo(loop_io.LoopIo):
+  """stream_io=True: inputs, outputs and their gradients split over the
+  stages, [K, S, ...] streams (the module docstring)."""
+
+  def __init__(self, spec):
+    super().__init__(spec)
+    self._streams = schedule_lib.Streams(spec.schedule)
+
+  def StageInputs(self, reads, buffer, fresh):
+    """buffer [S, mb, ...], stage s taking its column entry fresh[s]
+    where reads[s] (only stage 0 ever does)."""
+    return rotating_buffer.WithFreshColumn(reads, buffer, fresh)
+
+  @property
+  def _num_stages(self):
+    return self._spec.schedule.num_stages
+
+  def _PlaceStream(self, x):
+    return self._place.SplitStages(x, 1)
+
+  def ToNative(self, mb_leaves):
+    """[M, ...] (split over the stages) -> [K, S, ...] streams, padded with
+    copies of microbatch 0 (what bubbles compute on: real data)."""
+    pad = self._streams.padded_microbatches - self._spec.schedule.num_microbatches
+    out = []
+    for x in mb_leaves:
+      shape = x.shape.as_list()
+      if pad:
+        x = tf.concat([x, tf.broadcast_to(x[:1], [pad] + shape[1:])], 0)
+      x = tf.reshape(x, [self._num_stages, self._streams.num_slots] + shape[1:])
+      perm = [1, 0] + list(range(2, x.shape.rank))
+      out.append(self._PlaceStream(tf.transpose(x, perm)))
+    return out
+
+  def Filler(self, native):
+    """The first buffer [S, ...] per leaf: each stage's first microbatch
+    (real data, on its own device)."""
+    return [self._place.SplitStages(tf.stop_gradient(x[0])) for x in native]
+
+  def Outputs(self, native):
+    """[K, S, ...] output streams (home layout) -> [M, ...] (split over
+    the stages)."""
+    return [self.FromStream(x) for x in native]
+
+  def FromStream(self, stream):
+    """[K, S, ...] streams in their home layout -> [M, ...]."""
+    perm = [1, 0] + list(range(2, stream.shape.rank))
+    x = tf.transpose(stream, perm)
+    shape = x.shape.as_list()
+    x = tf.reshape(x, [shape[0] * shape[1]] + shape[2:])
+    return self._place.SpreadLoopDim(x[:self._spec.schedule.num_microbatches])
+
+  def Home(self, stream):
+    """A written stream with each slot rotated home (Streams.FixupShifts):
+    a slot written n < S times sits S - n places short."""
+    shifts = self._streams.FixupShifts()
+    groups = {}
+    for slot, shift in enumerate(shifts):
+      groups.setdefault(shift, []).append(slot)
+    if list(groups) == [0]:
+      return stream
+    parts, order = [], []
+    for shift, slots in groups.items():
+      part = tf.gather(stream, slots)
+      parts.append(self._RotateSlots(part, -shift))
+      order += slots
+    whole = tf.concat(parts, 0)
+    back = [order.index(k) for k in range(len(shifts))]
+    return self._PlaceStream(tf.gather(whole, back))
+
+  def _RotateSlots(self, columns, shift):
+    """[k, S, ...] columns, each rotated by `shift` stages."""
+    perm = [1, 0] + list(range(2, columns.shape.rank))
+    rotated = rotating_buffer.RotateStages(
+        tf.transpose(columns, perm), shift, self._place.splits_stage_dim)
+    return tf.transpose(rotated, perm)
+
+  # -- Column ops: slot `slot`'s [S, ...] entries.
+
+  def _Column(self, stream, slot):
+    return self._place.SplitStages(tf.gather(stream, tf.maximum(slot, 0)))
+
+  def _SetColumn(self, stream, slot, column):
+    index = tf.reshape(tf.maximum(slot, 0), [1, 1])
+    return self._PlaceStream(
+        tf.tensor_scatter_nd_update(stream, index, column[None]))
+
+  def _Toward0(self, column):
+    return self._place.SplitStages(rotating_buffer.RotateStages(
+        column, -1, self._place.splits_stage_dim))
+
+  def _Away0(self, column):
+    return self._place.SplitStages(rotating_buffer.RotateStages(
+        column, 1, self._place.splits_stage_dim))
+
+  def _At(self, table, iteration):
+    return tf.gather(loop_io.Constant(table), iteration)
+
+  # -- The reverse schedule's loop (gpipe.pipeline.pipeline_loop, via
+  # recurrent).
+
+  def ReverseLoopParts(self, native, filler):
+    """(what the loop reads as theta, the state entries it carries, how to
+    undo an iteration's changes to them): the streams, which the loop
+    carries but keeps no history of; its gradient undoes each iteration's
+    rotations instead (recurrent.Undo)."""
+    streams = NestedMap(reading=self.StartReading(native),
+                        writing=self.StartWriting(filler))
+
+    def Undo(after, inputs):
+      before = after.copy()
+      before.reading = self.UndoRead(after.reading, inputs.iteration)
+      before.writing = self.UndoWrite(after.writing, inputs.iteration)
+      return before
+
+    return [], streams, Undo
+
+  def KeptRows(self, outputs):
+    del outputs
+    return []
+
+  def ReverseNativeOutputs(self, kept_rows, writing):
+    del kept_rows
+    return self.FinishWriting(writing, None)
+
+  # -- The forward loop.
+
+  def StartReading(self, native):
+    return list(native)
+
+  def Read(self, native, reading, iteration):
+    """(each stage's entry of the slot stage 0 reads [S, ...], reading
+    with that slot's column rotated towards stage 0)."""
+    del native
+    slot = self._At(self._streams.ReadSlots(), iteration)
+    fresh, new = [], []
+    for stream in reading:
+      column = self._Column(stream, slot)
+      fresh.append(column)
+      advanced = tf.where(slot >= 0, self._Toward0(column), column)
+      new.append(self._SetColumn(stream, slot, advanced))
+    return fresh, new
+
+  def UndoRead(self, reading, iteration):
+    """The streams before Read at `iteration` (the reverse loop's
+    gradient recovers them instead of storing them)."""
+    slot = self._At(self._streams.ReadSlots(), iteration)
+    out = []
+    for stream in reading:
+      column = self._Column(stream, slot)
+      back = tf.where(slot >= 0, self._Away0(column), column)
+      out.append(self._SetColumn(stream, slot, back))
+    return out
+
+  def StartWriting(self, like):
+    return [self._PlaceStream(tf.zeros(
+        [self._streams.num_slots] + x.shape.as_list(), x.dtype)) for x in like]
+
+  def Write(self, writing, iteration, outputs):
+    """The last stage's outputs into their slot's last entry, the column
+    rotated towards stage 0 first."""
+    slot = self._At(self._streams.WriteSlots(), iteration)
+    out = []
+    for stream, o in zip(writing, outputs):
+      column = self._Column(stream, slot)
+      last = loop_io.IsStage(self._num_stages, self._num_stages - 1, o)
+      written = tf.where(last, o, self._Toward0(column))
+      out.append(self._SetColumn(stream, slot,
+                                 tf.where(slot >= 0, written, column)))
+    return out
+
+  def UndoWrite(self, writing, iteration):
+    """The streams before Write at `iteration`: the entry written was
+    empty (zero) before, as every slot's first entry is."""
+    slot = self._At(self._streams.WriteSlots(), iteration)
+    out = []
+    for stream in writing:
+      column = self._Column(stream, slot)
+      last = loop_io.IsStage(self._num_stages, self._num_stages - 1, column)
+      back = self._Away0(tf.where(last, tf.zeros_like(column), column))
+      out.append(self._SetColumn(stream, slot,
+                                 tf.where(slot >= 0, back, column)))
+    return out
+
+  def FinishWriting(self, writing, like):
+    """The written streams, each slot rotated home."""
+    del like
+    return [self.Home(x) for x in writing]
+
+  # -- The 1f1b backward wave.
+
+  def _GradientSlot(self, rows, stage, flag):
+    """The slot of the microbatch `stage` differentiates, -1 unless
+    rows.<flag>[stage]."""
+    k = self._streams.num_slots
+    return tf.where(getattr(rows, flag)[stage], rows.microbatch[stage] % k, -1)
+
+  def StartReadingGradients(self, d_native):
+    return [self._PlaceStream(d) for d in d_native]
+
+  def ReadGradient(self, reading, rows):
+    """(each leaf's [S, ...] column, the last stage's entry the output
+    gradient it needs, reading with the column rotated first)."""
+    slot = self._GradientSlot(rows, -1, 'last_layer')
+    d_out, new = [], []
+    for stream in reading:
+      column = self._Column(stream, slot)
+      advanced = tf.where(slot >= 0, self._Toward0(column), column)
+      d_out.append(advanced)
+      new.append(self._SetColumn(stream, slot, advanced))
+    return d_out, new
+
+  def StartWritingGradients(self, like):
+    return self.StartWriting(like)
+
+  def WriteGradient(self, writing, rows, d_inputs):
+    """Stage 0's input gradient into its slot's first entry, the column
+    then rotated towards stage 0."""
+    slot = self._GradientSlot(rows, 0, 'first_layer')
+    out = []
+    for stream, d in zip(writing, d_inputs):
+      column = self._Column(stream, slot)
+      first = loop_io.IsStage(self._num_stages, 0, d)
+      written = self._Toward0(tf.where(first, d, column))
+      out.append(self._SetColumn(stream, slot,
+                                 tf.where(slot >= 0, written, column)))
+    return out
+
+  def FinishWritingGradients(self, writing, like):
+    del like
+    return [self.Home(x) for x in writing]
