@@ -115,7 +115,7 @@ class LoopIo(LoopInputs):
     carries, how to undo an iteration's changes to them, or None)."""
 
   @abc.abstractmethod
-  def KeptRows(self, outputs):
+  def KeptOutputs(self, outputs):
     """What a reverse-loop iteration keeps as extras for the outputs."""
 
   @abc.abstractmethod
@@ -190,7 +190,7 @@ class WholeIo(LoopIo):
     del filler
     return native, NestedMap(reading=[], writing=[]), None
 
-  def KeptRows(self, outputs):
+  def KeptOutputs(self, outputs):
     """What an iteration keeps as extras for the outputs."""
     return [self._LastSlot(o) for o in outputs]
 

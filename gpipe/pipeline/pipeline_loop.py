@@ -200,7 +200,7 @@ def _Iteration(spec: loop_spec.LoopSpec, io, phase, loop_theta, state, inp):
       vars=step.vars,  # [S, (R,) ...] per variable
       reading=stepped.reading, writing=stepped.writing)
   extras = NestedMap(
-      outputs=io.KeptRows(stepped.outputs),  # [S or 1, mb, ...] per leaf
+      outputs=io.KeptOutputs(stepped.outputs),  # [S or 1, mb, ...] per leaf
       aux_loss=place.ReplicateBookkeeping(tf.reduce_sum(step.aux)),  # []
       summaries=step.summaries,  # {name: ([S], [S])}
       states=step.states)  # [S, ...] per state leaf

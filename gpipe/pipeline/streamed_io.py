@@ -137,7 +137,7 @@ class StreamedIo(loop_io.LoopIo):
 
     return [], streams, Undo
 
-  def KeptRows(self, outputs):
+  def KeptOutputs(self, outputs):
     del outputs
     return []
 

@@ -250,25 +250,30 @@ class GradientLoop:
     """Each stage differentiates the call schedule.OneFOneB gives it."""
     place = self._place
     per_stage = place.SplitStages
-    rows = Row(self._backward_tables, j - self._waves.delay, place)
-    slots = per_stage(rows.ring_slot)
+    rows = Row(self._backward_tables, j - self._waves.delay, place)  # [S]
+    slots = per_stage(rows.ring_slot)  # [S]: each stage's own
+    # Each entry [S, ...]: the input (and what the policy kept) of the call
+    # each stage differentiates.
     entries = tf.nest.map_structure(lambda r, ring: r.Read(ring, slots),
                                     self._rings, carry.rings)
-    if self._loss is None:
+    if self._loss is None:  # d_out: [S or 1, mb, ...] per leaf
       d_out, d_reading = self._io.ReadGradient(carry.d_reading, rows)
     else:  # the last layer's output gradient is the loss's, in the cell
       d_out, d_reading = [tf.zeros_like(b) for b in carry.d_buffer], []
-    last = per_stage(rows.last_layer)
+    last = per_stage(rows.last_layer)  # [S] bools
+    # dy [S, mb, ...] per leaf: the layer's output gradient where a stage's
+    # call is the last layer's, else the one the next stage handed back.
     dy = [per_stage(tf.where(_Mask(last, o), o,
                              rotating_buffer.RotateStages(
                                  b, -1, place.splits_stage_dim)))
           for o, b in zip(d_out, carry.d_buffer)]
-    at = per_stage(rows.iteration)
+    at = per_stage(rows.iteration)  # [S]: the forward iteration of the call
     grads = self._Differentiate(rows, at, entries, dy, consts)
-    first = per_stage(rows.first_layer)
+    first = per_stage(rows.first_layer)  # [S] bools
     out = carry.copy()
     out.d_reading = d_reading
     out.d_writing = self._io.WriteGradient(carry.d_writing, rows, grads.d_x)
+    # [S, mb, ...] per leaf, handed one stage back next iteration.
     out.d_buffer = [per_stage(tf.where(_Mask(first, x), tf.zeros_like(x), x))
                     for x in grads.d_x]
     out.d_theta = [a + g for a, g in zip(carry.d_theta, grads.theta)]

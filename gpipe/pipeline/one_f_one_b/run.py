@@ -260,7 +260,8 @@ def _ForwardLoop(cell, io, theta, native, state_leaves, var_values, caps):
   filler = cell.state0.buffer
   extras_spec = cell.graph.extras_spec
   carry = NestedMap(
-      buffer=filler, vars=[place.SplitStages(v) for v in var_values],
+      buffer=filler,  # [S, mb, ...] per leaf
+      vars=[place.SplitStages(v) for v in var_values],  # [S, (R,) ...]
       reading=io.StartReading(native), writing=io.StartWriting(filler),
       # Per iteration, summed after the loop: a loop-carried scalar is what
       # the partitioner tends to give the body's manual sharding.
