@@ -46,6 +46,8 @@ from params.lm_task import CopyLMParams
 from params.lm_task import HeldOut
 from params.lm_task import ParameterBytes  # pylint: disable=unused-import
 from params.lm_task import PipelinedLMTask  # pylint: disable=unused-import
+from params import text_input
+from params import text_lm
 
 
 @model_registry.RegisterSingleTaskModel
@@ -75,6 +77,37 @@ class CopyLMSmall(base_model_params.SingleTaskModelParams):
         blocks_per_stage=1, num_stages=4, circular_repeat=1,
         num_microbatches=4, dropout_prob=0.0, shard_stages_1d=False,
         learning_rate=3e-3, max_steps=300, max_seq_len=2 * self.COPY_LENGTH)
+
+
+@model_registry.RegisterSingleTaskModel
+class TextLMSmall(base_model_params.SingleTaskModelParams):
+  """Byte-level LM of text files, by default the standard library's source.
+
+  4 stages x 1 causal Transformer block (width 128, 4 heads, feed-forward
+  512), windows of 128 bytes, 16 a step in 4 microbatches; Adam, the
+  learning rate decaying to a tenth over train.max_steps. The demo's model
+  (`python -m gpipe.demo`). `input.file_pattern` points it at other text
+  (docs/own-text.md).
+  """
+  SEQ_LEN = 128
+  MAX_STEPS = 400
+
+  def Train(self):
+    return text_input.TextInput.Params().Set(
+        seq_len=self.SEQ_LEN, batch_size=16, data_seed=1234)
+
+  def Dev(self):
+    return text_lm.HeldOut(self.Train())
+
+  def Test(self):
+    return text_lm.HeldOut(self.Train())
+
+  def Task(self):
+    return text_lm.TextLMParams(
+        seq_len=self.SEQ_LEN, model_dim=128, num_heads=4, hidden_dim=512,
+        blocks_per_stage=1, num_stages=4, circular_repeat=1,
+        num_microbatches=4, learning_rate=3e-3, max_steps=self.MAX_STEPS,
+        decay_steps=self.MAX_STEPS)
 
 
 @model_registry.RegisterSingleTaskModel
