@@ -49,7 +49,7 @@ def _Args(argv=None):
   parser.add_argument('--steps', type=int, default=None,
                       help="train until this global step (default: the "
                       "model's train.max_steps)")
-  parser.add_argument('--minutes', type=float, default=3.0,
+  parser.add_argument('--minutes', type=float, default=4.0,
                       help='or stop training after this many minutes')
   parser.add_argument('--logdir', default=None,
                       help='checkpoint and TensorBoard directory, resumed '

@@ -83,18 +83,22 @@ class CopyLMSmall(base_model_params.SingleTaskModelParams):
 class TextLMSmall(base_model_params.SingleTaskModelParams):
   """Byte-level LM of text files, by default the standard library's source.
 
-  4 stages x 1 causal Transformer block (width 128, 4 heads, feed-forward
-  512), windows of 128 bytes, 16 a step in 4 microbatches; Adam, the
-  learning rate decaying to a tenth over train.max_steps. The demo's model
-  (`python -m gpipe.demo`). `input.file_pattern` points it at other text
-  (docs/own-text.md).
+  4 stages x 1 causal Transformer block (width 96, 4 heads, feed-forward
+  384), windows of 64 bytes, 32 a step in 4 microbatches; Adam, the
+  learning rate decaying to a tenth over train.max_steps (500). The demo's
+  model (`python -m gpipe.demo`): of the sizes tried for a few minutes on
+  2 CPU cores, the one whose held-out bits per byte fell fastest.
+  `input.file_pattern` points it at other text (docs/own-text.md).
   """
-  SEQ_LEN = 128
-  MAX_STEPS = 400
+  SEQ_LEN = 64
+  MAX_STEPS = 500
+  MODEL_DIM = 96
+  CIRCULAR_REPEAT = 1
 
   def Train(self):
     return text_input.TextInput.Params().Set(
-        seq_len=self.SEQ_LEN, batch_size=16, data_seed=1234)
+        seq_len=self.SEQ_LEN, batch_size=32, data_seed=1234,
+        held_out_windows=512)
 
   def Dev(self):
     return text_lm.HeldOut(self.Train())
@@ -104,10 +108,20 @@ class TextLMSmall(base_model_params.SingleTaskModelParams):
 
   def Task(self):
     return text_lm.TextLMParams(
-        seq_len=self.SEQ_LEN, model_dim=128, num_heads=4, hidden_dim=512,
-        blocks_per_stage=1, num_stages=4, circular_repeat=1,
-        num_microbatches=4, learning_rate=3e-3, max_steps=self.MAX_STEPS,
+        seq_len=self.SEQ_LEN, model_dim=self.MODEL_DIM, num_heads=4,
+        hidden_dim=4 * self.MODEL_DIM, blocks_per_stage=1, num_stages=4,
+        circular_repeat=self.CIRCULAR_REPEAT, num_microbatches=4,
+        learning_rate=3e-3, max_steps=self.MAX_STEPS,
         decay_steps=self.MAX_STEPS)
+
+
+@model_registry.RegisterSingleTaskModel
+class TextLM30Min(TextLMSmall):
+  """TextLMSmall's stack twice as deep, as a circular pipeline: 4 stages x
+  2 repeats (8 blocks of width 96), 3000 steps; about 30 minutes on 2 CPU
+  cores (`python -m gpipe.demo --model lm.TextLM30Min --minutes 30`)."""
+  MAX_STEPS = 3000
+  CIRCULAR_REPEAT = 2
 
 
 @model_registry.RegisterSingleTaskModel

@@ -34,10 +34,11 @@ e), B windows a step, so a resumed run sees what it would have seen and
 every window is read once an epoch. Nothing is loaded whole: the generator
 keeps the file list and sizes, and reads each window's bytes from its
 file(s) when a batch is made. The held-out set is `held_out_windows` fixed
-windows, in runs of `HELD_OUT_RUN` consecutive windows evenly spaced over
-the held-out stream (so each run is contiguous text, as a compressor reads
-it: see `HeldOutBytes`), read in batches in turn, cyclically, as
-CopyTaskInput's held-out batches are.
+windows, in runs of consecutive windows (about 4 KB each,
+`HELD_OUT_RUN_TOKENS`) evenly spaced over the held-out stream, so that
+each run is contiguous text, as a compressor reads it (`HeldOutBytes`);
+its batches are read in turn, cyclically, as CopyTaskInput's held-out
+batches are.
 """
 
 import bisect
@@ -57,7 +58,7 @@ from lingvo.core import py_utils
 NUM_BYTES = 256
 EOD_ID = 256  # the token before each file's first byte
 VOCAB_SIZE = 257
-HELD_OUT_RUN = 16  # consecutive windows per run of the held-out set
+HELD_OUT_RUN_TOKENS = 4096  # about this much contiguous text per held-out run
 
 
 def StdlibPattern():
@@ -162,7 +163,8 @@ class TextInput(base_input_generator.BaseInputGenerator):
     """Every held-out window index [held_out_windows], in reading order."""
     p = self.params
     return HeldOutWindowIndices(self.stream.num_windows(p.seq_len),
-                                p.held_out_windows)
+                                p.held_out_windows,
+                                max(1, HELD_OUT_RUN_TOKENS // p.seq_len))
 
   def Windows(self, indices):
     """Windows [n, seq_len + 1] int32 of the stream, by index."""
@@ -318,12 +320,13 @@ def _HeldOutByHash(root, files, fraction):
   return sorted(held)
 
 
-def HeldOutWindowIndices(num_windows, count):
-  """`count` window indices in runs of HELD_OUT_RUN consecutive windows,
-  the runs evenly spaced over num_windows (all windows if there are fewer)."""
+def HeldOutWindowIndices(num_windows, count, run):
+  """`count` window indices in runs of `run` consecutive windows, the runs
+  evenly spaced over num_windows (all windows, repeated, if there are
+  fewer)."""
   if num_windows <= count:
     return np.resize(np.arange(num_windows), count)
-  run = min(HELD_OUT_RUN, count)
+  run = min(run, count)
   num_runs = -(-count // run)
   firsts = np.linspace(0, num_windows - run, num_runs).astype(np.int64)
   return (firsts[:, None] + np.arange(run)).reshape([-1])[:count]

@@ -157,8 +157,8 @@ def test_held_out_batches_cycle_through_the_held_out_windows(root):
 
 
 def test_held_out_runs_are_evenly_spaced_consecutive_windows():
-  got = text_input.HeldOutWindowIndices(1000, 48)
-  run = text_input.HELD_OUT_RUN
+  run = 16
+  got = text_input.HeldOutWindowIndices(1000, 48, run)
   assert len(got) == 48
   runs = got.reshape([-1, run])
   np.testing.assert_array_equal(runs - runs[:, :1], np.tile(np.arange(run),
