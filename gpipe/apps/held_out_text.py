@@ -75,13 +75,15 @@ class HeldOutReport:
             f'--- sampled continuation ---\n{self.sample}\n---')
 
 
-def EvaluateHeldOut(cfg, logdir, text):
+def EvaluateHeldOut(cfg, logdir, text, sample=True):
   """The HeldOutReport of the latest checkpoint in logdir.
 
   Args:
     cfg: the model's params with its held-out input (e.g. 'Test').
     logdir: where the checkpoint is.
     text: token ids [n] -> str (the task module's `Text`).
+    sample: also sample a continuation (through the pipeline: the stack
+      must not be unrolled); False: the report's sample is empty.
   """
   flags_and_seeds.EnsureFlagsParsed()
   latest = tf.train.latest_checkpoint(logdir)
@@ -99,8 +101,12 @@ def EvaluateHeldOut(cfg, logdir, text):
     nats = _Nats(task, holder)
     prompt_len = task.params.decode_prompt_len
     prompts = holder[:, :prompt_len]
-    sampled = task.Sample(task.theta, prompts, task.params.decode_num_tokens)
-    picks, margin = task.FullSequencePicks(task.theta, prompts, sampled)
+    if sample:
+      sampled = task.Sample(task.theta, prompts,
+                            task.params.decode_num_tokens)
+      picks, margin = task.FullSequencePicks(task.theta, prompts, sampled)
+    else:
+      sampled = picks = margin = tf.zeros([batch_size, 0])
     saver = tf.compat.v1.train.Saver()
     with tf.compat.v1.Session(graph=graph) as sess:
       saver.restore(sess, latest)
@@ -119,7 +125,7 @@ def EvaluateHeldOut(cfg, logdir, text):
                                 np.concatenate(all_weights)),
       compressors=CompressorBitsPerByte(generator.HeldOutBytes()),
       prompt=text(first[0, :prompt_len]), sample=text(sampled_v[0]),
-      sample_agreement=float(1 - differ.mean()),
+      sample_agreement=float(1 - differ.mean()) if differ.size else 1.0,
       largest_margin_where_different=float(margin_v[differ].max())
       if differ.any() else 0.0,
       seconds=time.time() - began)
