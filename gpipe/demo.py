@@ -1,6 +1,6 @@
 """Demo: train a pipelined Transformer LM on CPU, then show its schedule.
 
-    python -m gpipe.demo [--model lm.TextLMSmall] [--steps N] [--minutes 3]
+    python -m gpipe.demo [--model lm.TextLMSmall] [--steps N] [--minutes 4]
                          [--logdir DIR] [--out schedule.png]
 
 1. Checks the registered model params (fails fast, before building).

@@ -15,8 +15,10 @@ import tensorflow as tf
 from gpipe.apps import held_out_text
 from gpipe.apps import trainer
 from gpipe.lingvo_support import flags_and_seeds
+from gpipe.lingvo_support import registered_models
 from lingvo.core import base_model
 from lingvo.core import py_utils
+import params.lm  # pylint: disable=unused-import  (registers the models)
 from params import text_input
 from params import text_lm
 
@@ -161,11 +163,8 @@ def test_one_override_points_every_job_at_the_users_files(tmp_path,
   for i in range(4):
     (tmp_path / f'note{i}.txt').write_bytes(_TEXT[i:] * 2)
   pattern = str(tmp_path / '*.txt')
-  flags = tf.compat.v1.flags.FLAGS
-  monkeypatch.setattr(flags, 'model_params_override',
+  monkeypatch.setattr(tf.compat.v1.flags.FLAGS, 'model_params_override',
                       f'input.file_pattern: "{pattern}"')
-  from gpipe.lingvo_support import registered_models  # pylint: disable=g-import-not-at-top
-  import params.lm  # pylint: disable=g-import-not-at-top,unused-import
   train = registered_models.GetParams('lm.TextLMSmall', 'Train').input
   test = registered_models.GetParams('lm.TextLMSmall', 'Test').input
   assert train.file_pattern == test.file_pattern == pattern
