@@ -154,8 +154,7 @@ def test_a_short_training_run_lowers_the_held_out_bits(text_files, tmp_path):
                                                                'xz -9'}
 
 
-def test_one_override_points_every_job_at_the_users_files(tmp_path,
-                                                         monkeypatch):
+def test_one_override_points_every_job_at_the_users_files(tmp_path):
   """`--model_params_override='input.file_pattern: ...'` reaches the
   training and the held-out inputs alike (Lingvo's registry applies it to
   every dataset's params), and the held-out files are then split off by
@@ -163,12 +162,20 @@ def test_one_override_points_every_job_at_the_users_files(tmp_path,
   for i in range(4):
     (tmp_path / f'note{i}.txt').write_bytes(_TEXT[i:] * 2)
   pattern = str(tmp_path / '*.txt')
-  monkeypatch.setattr(tf.compat.v1.flags.FLAGS, 'model_params_override',
-                      f'input.file_pattern: "{pattern}"')
-  train = registered_models.GetParams('lm.TextLMSmall', 'Train').input
-  test = registered_models.GetParams('lm.TextLMSmall', 'Test').input
+  # Set and restored by hand: the flag object is shared by every test of
+  # the process (monkeypatch's undo deletes an absl flag).
+  flags = tf.compat.v1.flags.FLAGS
+  before = flags.model_params_override
+  flags.model_params_override = f'input.file_pattern: "{pattern}"'
+  try:
+    train = registered_models.GetParams('lm.TextLMSmall', 'Train').input
+    test = registered_models.GetParams('lm.TextLMSmall', 'Test').input
+  finally:
+    flags.model_params_override = before
   assert train.file_pattern == test.file_pattern == pattern
   assert (train.split, test.split) == ('train', 'held_out')
+  assert registered_models.GetParams(
+      'lm.TextLMSmall', 'Train').input.file_pattern != pattern
   with tf.Graph().as_default():
     gen = train.Set(seq_len=16).Instantiate()
   assert len(gen.held_out_files) == 1 and len(gen.train_files) == 3
