@@ -1,6 +1,6 @@
 """Demo: train a pipelined Transformer LM on CPU, then show its schedule.
 
-    python -m gpipe.demo [--model lm.CopyLMSmall] [--steps 200]
+    python -m gpipe.demo [--model lm.TextLMSmall] [--steps N] [--minutes 4]
                          [--logdir DIR] [--out schedule.png]
 
 1. Checks the registered model params (fails fast, before building).
@@ -8,14 +8,20 @@
    loss and gradients of the pipelined model equal those of the same model
    run unpipelined (unroll='always', dropout off) and prints the largest
    difference.
-3. Trains to global step --steps with a progress bar (loss, accuracy, step
-   time) and saves a checkpoint in --logdir (a new temporary directory by
-   default); rerunning with the same --logdir and more --steps resumes.
-   TensorBoard events go to --logdir too: loss, accuracy, step time, the
-   pipeline's per-stage summaries and the schedule as an image.
-4. Greedily decodes held-out copy prompts through the pipeline, one
-   position per step with per-stage caches (unroll='never'); prints the
-   copy accuracy and checks the tokens equal full-sequence greedy decoding.
+3. Trains to global step --steps (default: the model's train.max_steps),
+   or for --minutes, whichever comes first, with a progress bar (loss,
+   accuracy, step time), then prints the loss curve, and saves a
+   checkpoint in --logdir (a new temporary directory by default);
+   rerunning with the same --logdir and more --steps resumes. TensorBoard
+   events go to --logdir too: loss, accuracy, step time, the pipeline's
+   per-stage summaries and the schedule as an image.
+4. The default model, lm.TextLMSmall, learns bytes of text (the standard
+   library's Python source): prints its held-out bits per byte beside
+   gzip -9's and xz -9's on the same bytes, and a held-out prompt's
+   continuation sampled through the pipeline, one byte per step with
+   per-stage caches, checked against full-sequence decoding. The copy
+   model (--model lm.CopyLMSmall) greedily decodes held-out copy prompts
+   the same way and prints the copy accuracy.
 5. Prints the schedule (iterations, bubble fraction, useful work per stage)
    and draws it to --out (default: <logdir>/schedule.png).
 """
@@ -38,26 +44,38 @@ def _Args(argv=None):
       prog='python -m gpipe.demo', description=__doc__.split('\n\n')[0],
       epilog=__doc__.split('\n\n', 2)[2].rstrip(),
       formatter_class=quiet.HelpFormatter)
-  parser.add_argument('--model', default='lm.CopyLMSmall',
+  parser.add_argument('--model', default='lm.TextLMSmall',
                       help='registered model params')
-  parser.add_argument('--steps', type=int, default=200,
-                      help='train until this global step')
+  parser.add_argument('--steps', type=int, default=None,
+                      help="train until this global step (default: the "
+                      "model's train.max_steps)")
+  parser.add_argument('--minutes', type=float, default=4.0,
+                      help='or stop training after this many minutes')
   parser.add_argument('--logdir', default=None,
                       help='checkpoint and TensorBoard directory, resumed '
                       'from (default: a new temporary directory)')
   parser.add_argument('--out', default=None,
                       help='schedule diagram, a .png path (default: '
                       '<logdir>/schedule.png)')
+  parser.add_argument('--nolayer_by_layer', dest='layer_by_layer',
+                      action='store_false',
+                      help='train on the pipeline schedule a pod runs, not '
+                      'layer by layer (the same results, slower on one '
+                      'device; the check and the decoding run the '
+                      'schedule either way)')
   parser.add_argument('--verbose', action='store_true',
                       help='also show TensorFlow, XLA and Lingvo logs')
   parser.add_argument('--skip_check', action='store_true',
                       help='skip the pipelined-vs-unrolled check')
   parser.add_argument('--skip_decode', action='store_true',
-                      help='skip decoding held-out copies after training')
+                      help='skip evaluating and decoding held-out data '
+                      'after training')
   argv = sys.argv[1:] if argv is None else argv
   args = parser.parse_args(flag_spellings.Respell(argv, _OLD_SPELLINGS,
                                                   parser.prog))
-  if args.steps < 1:
+  if args.minutes <= 0:
+    parser.error(f'--minutes must be > 0, got {args.minutes}.')
+  if args.steps is not None and args.steps < 1:
     parser.error(f'--steps must be >= 1 (the global step to train to), got '
                  f'{args.steps}.')
   problem = args.out and schedule_plot.OutPathProblem(args.out)
@@ -91,14 +109,18 @@ if __name__ == '__main__':
   quiet.UnlessVerbose()
 
 # pylint: disable=g-import-not-at-top,g-bad-import-order
+import math
 import tempfile
 import time
 
+from gpipe.apps import held_out_text
 from gpipe.apps import trainer
 from gpipe.lingvo_support import registered_models
+from gpipe.pipeline import layer_by_layer
 from gpipe.schedule import plot as schedule_plot
 from gpipe.schedule import text as schedule_text
 import params.lm
+import params.text_lm
 # pylint: enable=g-import-not-at-top,g-bad-import-order
 
 
@@ -120,6 +142,7 @@ def main(argv=None):
     cfg = ModelParams(args.model)
   except ValueError as e:
     parser.error(str(e))
+  steps = args.steps or cfg.task.train.max_steps
   logdir = args.logdir or tempfile.mkdtemp(prefix='gpipe_demo_')
   out = args.out or f'{logdir}/schedule.png'
   sched = trainer.StackSchedule(cfg)
@@ -139,6 +162,7 @@ def main(argv=None):
     if args.skip_check:
       return
     began = time.time()
+    layer_by_layer.SetProgramDefault(False)  # the check runs the schedule
     comparison = trainer.CompareWithUnrolled(
         cfg, trainer.InitialValues(sess, tg.task))
     step = int(sess.run(tg.global_step))
@@ -150,10 +174,15 @@ def main(argv=None):
                        'unrolled one.')
 
   began = time.time()
-  history = trainer.Train(cfg, args.steps, logdir=logdir,
+  is_text = hasattr(cfg.task.cls, 'FullSequencePicks')
+  # One device: train layer by layer (lingvo_trainer's default too).
+  layer_by_layer.SetProgramDefault(args.layer_by_layer)
+  history = trainer.Train(cfg, steps, logdir=logdir,
                           progress=trainer.Progress(),
-                          on_start=CheckBeforeTraining)
+                          on_start=CheckBeforeTraining,
+                          seconds=60 * args.minutes)
   elapsed = time.time() - began
+  layer_by_layer.SetProgramDefault(False)  # decoding runs the schedule
   if history:
     first, last = history[0], history[-1]
     steps_seconds = sum(r.seconds for r in history)
@@ -161,20 +190,15 @@ def main(argv=None):
           f'({elapsed:.1f} s with building and checking): loss '
           f'{first.loss:.4f} -> {last.loss:.4f}, accuracy '
           f'{first.accuracy:.3f} -> {last.accuracy:.3f}')
+    print(LossCurve(history, bits=is_text))
   else:
     print(f'nothing to train: {logdir} is already at step '
-          f'{trainer.CheckpointStep(logdir)} >= --steps {args.steps}.')
+          f'{trainer.CheckpointStep(logdir)} >= --steps {steps}.')
   reached = trainer.CheckpointStep(logdir)
   print(f'checkpoint in {logdir} at step {reached} (continue with --logdir '
-        f'{logdir} --steps {reached + args.steps})')
+        f'{logdir} --steps {reached + steps})')
   if not args.skip_decode:
-    decoding = trainer.DecodeHeldOut(ModelParams(args.model, 'Test'), logdir)
-    print(decoding.Describe(), flush=True)
-    if not decoding.Agrees():
-      raise SystemExit(
-          'MISMATCH: decoding through the pipeline step by step picked other '
-          'tokens than full-sequence greedy decoding (logit margin '
-          f'{decoding.largest_margin_where_different:.2e}).')
+    _EvaluateHeldOut(args.model, logdir, is_text)
   print(schedule_text.Summary(sched))
   print(schedule_text.Render(sched))
   schedule_plot.Draw(sched, out)
@@ -182,6 +206,38 @@ def main(argv=None):
   print(f'loss, accuracy, step time, per-stage summaries and the schedule: '
         f'{_TensorBoard()} --logdir {logdir}')
   return 0
+
+
+def _EvaluateHeldOut(model, logdir, is_text):
+  """Prints the held-out figures; exits if incremental decoding through the
+  pipeline picked other tokens than full-sequence decoding."""
+  cfg = ModelParams(model, 'Test')
+  if is_text:
+    result = held_out_text.EvaluateHeldOut(cfg, logdir, params.text_lm.Text)
+  else:
+    result = trainer.DecodeHeldOut(cfg, logdir)
+  print(result.Describe(), flush=True)
+  if not result.Agrees():
+    raise SystemExit(
+        'MISMATCH: decoding through the pipeline step by step picked other '
+        'tokens than full-sequence decoding (margin '
+        f'{result.largest_margin_where_different:.2e}).')
+
+
+def LossCurve(history, bits, points=10, width=40):
+  """The training loss at about `points` steps, as a bar chart (bits: the
+  loss in bits per byte, loss / ln 2, for a loss in nats per byte)."""
+  scale = 1 / math.log(2) if bits else 1.0
+  unit = 'bits per byte' if bits else 'loss'
+  picked = sorted({round(i * (len(history) - 1) / max(points - 1, 1))
+                   for i in range(points)})
+  values = [history[i].loss * scale for i in picked]
+  top = max(values) or 1.0
+  lines = [f'training curve ({unit}, one batch a step):']
+  for i, value in zip(picked, values):
+    bar = '#' * max(1, round(width * value / top))
+    lines.append(f'  step {history[i].step + 1:>6}  {value:7.3f}  {bar}')
+  return '\n'.join(lines)
 
 
 def _TensorBoard():

@@ -56,6 +56,15 @@ class CopyTaskInput(base_input_generator.BaseInputGenerator):
                        f'{p.held_out_batches} must be 0 (training data) or '
                        'the number of held-out batches.')
 
+  @classmethod
+  def SequenceLength(cls, p):
+    """(tokens a row, what sets it), for the task's checks."""
+    return 2 * p.copy_length, '2 * input.copy_length'
+
+  @classmethod
+  def VocabSize(cls, p):
+    return p.vocab_size
+
   def _InputBatch(self):
     p = self.params
     if p.held_out_batches:

@@ -83,14 +83,15 @@ class PipelinedLMTask(base_model.BaseTask):
     batch_size = None
     if input_p is not None:
       input_p.cls.ValidateParams(input_p)
-      seq_len = 2 * input_p.copy_length
+      seq_len, length_from = input_p.cls.SequenceLength(input_p)
       if seq_len > p.max_seq_len:
         raise ValueError(f'PipelinedLMTask: sequences of length {seq_len} '
-                         f'(2 * input.copy_length) exceed max_seq_len='
+                         f'({length_from}) exceed max_seq_len='
                          f'{p.max_seq_len}; raise max_seq_len.')
-      if input_p.vocab_size != p.vocab_size:
-        raise ValueError(f'PipelinedLMTask: input.vocab_size='
-                         f'{input_p.vocab_size} differs from vocab_size='
+      vocab_size = input_p.cls.VocabSize(input_p)
+      if vocab_size != p.vocab_size:
+        raise ValueError(f'PipelinedLMTask: the input\'s vocabulary of '
+                         f'{vocab_size} differs from vocab_size='
                          f'{p.vocab_size}; set both to the same value.')
       batch_size = input_p.batch_size
     if issubclass(p.stack.cls, gpipe_layers.PipelinedLayer):
@@ -263,11 +264,12 @@ class PipelinedLMTask(base_model.BaseTask):
         decoded=self.GreedyDecode(self.theta, prompts, copy_length),
         targets=input_batch.labels[:, copy_length:])
 
-  def GreedyDecode(self, theta, prompt, num_tokens):
+  def GreedyDecode(self, theta, prompt, num_tokens, pick=None):
     """prompt [b, P] -> the num_tokens greedy continuations [b, num_tokens].
 
     One ExtendStep per position: the prompt's tokens are fed one by one
-    (their predictions ignored), then each argmax is fed back.
+    (their predictions ignored), then each argmax is fed back (or what
+    pick(logits [b, vocab], position) picks: a sampler).
     """
     batch, prompt_len = py_utils.GetShape(prompt)
     total = prompt_len + num_tokens
@@ -280,10 +282,11 @@ class PipelinedLMTask(base_model.BaseTask):
           f'model\'s max_seq_len={max_len}. Decode fewer tokens or raise '
           'max_seq_len.')
     ids = tf.pad(prompt, [[0, 0], [0, num_tokens]])
+    pick = pick or (lambda logits, t: _Argmax(logits))
 
     def Step(t, ids, states):
       logits, states = self.ExtendStep(theta, ids[:, t], t, states)
-      return t + 1, _WriteColumn(ids, t + 1, _Argmax(logits), prompt_len), states
+      return t + 1, _WriteColumn(ids, t + 1, pick(logits, t), prompt_len), states
 
     _, ids, _ = tf.while_loop(
         lambda t, *_: t < total - 1, Step,

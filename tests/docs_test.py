@@ -58,6 +58,8 @@ _ELSEWHERE = {
 # Commands that take minutes: the page must say how long, near them.
 _SLOW = [
     r'.*-m benchmarks\.',
+    r'.*-m gpipe\.lingvo_trainer --model=lm\.TextLM',
+    r'.*-m gpipe\.demo --model lm\.TextLM',
     r'.*-m gpipe\.plan --model lm\.(CopyLMPod|Largest)',
     r'.*tools/mutants\.py$',
     r'.*tools/mutants\.py --quick$',

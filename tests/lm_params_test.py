@@ -418,9 +418,15 @@ def test_demo_trains_checks_and_draws_the_schedule(tmp_path):
   assert 'trained steps 0..2' in text
   # The resume hint trains further than the checkpoint.
   assert f'continue with --logdir {tmp_path / "run"} --steps 6' in text
-  assert re.search(r'decoded 64 held-out copies through the pipeline: token '
-                   r'accuracy [0-9.]+, exact copies [0-9.]+; equal to '
-                   r'full-sequence greedy decoding: 1.000 of tokens', text)
+  # The default model learns text: its held-out figures beside the
+  # compressors', and a sample decoded through the pipeline.
+  assert re.search(r'held-out bits per byte at step 3: [0-9.]+ on [0-9,]+ '
+                   r'bytes \(same bytes: gzip -9 [0-9.]+, xz -9 [0-9.]+\)',
+                   text)
+  assert 'equal to the full-sequence picks: 1.000 of bytes' in text
+  assert '--- sampled continuation ---' in text
+  assert re.search(r'training curve \(bits per byte, one batch a step\):\n'
+                   r'  step      1 ', text)
   assert 'bubble fraction 0.429' in text  # 4 stages, 4 microbatches: 3/7
   assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert os.path.exists(str(tmp_path / 'run' / 'ckpt-3.index'))
@@ -428,6 +434,7 @@ def test_demo_trains_checks_and_draws_the_schedule(tmp_path):
 
 @pytest.mark.parametrize('argv, message', [
     (['--steps', '0'], r'--steps must be >= 1'),
+    (['--minutes', '0'], r'--minutes must be > 0'),
     (['--logdir', '/proc/gpipe_run'], r'--logdir /proc/gpipe_run: cannot '
      r'create it'),
     (['--out', '/proc/gpipe/schedule.png'], r'--out /proc/gpipe: cannot '

@@ -52,7 +52,7 @@ def test_check_partitioning_is_verbose_on_request():
 
 @pytest.mark.parametrize('module, default', [
     ('gpipe.check_partitioning', '(default: 0.0001)'),
-    ('gpipe.demo', '(default: 200)'),
+    ('gpipe.demo', '(default: lm.TextLMSmall)'),
     ('gpipe.schedule', '(default: 1)'),
     ('gpipe.plan', '(default: v6e)'),
 ])

@@ -3,5 +3,8 @@ gpipe.demo, gpipe.lingvo_trainer, gpipe.plan and gpipe.schedule).
 
     trainer          graph-mode training of a registered model, with
                      checkpoints and TensorBoard events (gpipe.demo)
+    held_out_text    a trained text LM on held-out text: bits per byte
+                     beside gzip and xz, a continuation sampled through the
+                     pipeline (gpipe.demo)
     flag_spellings   older spellings of the commands' flags, still taken
 """

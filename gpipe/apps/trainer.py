@@ -71,7 +71,7 @@ class StepResult:
 
 
 def Train(cfg, steps, logdir=None, progress=None, on_start=None,
-          save_every=None, summary_every=10):
+          save_every=None, summary_every=10, seconds=None):
   """Trains until global step `steps`; returns the StepResults of this run.
 
   Args:
@@ -88,6 +88,8 @@ def Train(cfg, steps, logdir=None, progress=None, on_start=None,
       metric the task reports, e.g. the pipeline's `<name>/stage_<i>`, and
       `step_time_seconds`); the run also writes its pipeline schedule as
       an image (see ScheduleImage).
+    seconds: also stop after the step that ends this long after the first
+      step began (None: no limit).
 
   Returns:
     A list of StepResult, one per step taken.
@@ -103,7 +105,10 @@ def Train(cfg, steps, logdir=None, progress=None, on_start=None,
       on_start(sess, tg)
     if progress:
       progress.Start(start_step, steps)
+    deadline = None if seconds is None else time.time() + seconds
     for step in range(start_step, steps):
+      if deadline is not None and time.time() > deadline:
+        break
       began = time.time()
       loss, accuracy, metrics, _ = sess.run(
           [tg.loss, tg.accuracy, tg.metrics, tg.train_op])
