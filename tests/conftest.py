@@ -51,7 +51,8 @@ def _eager_random_ops_start_afresh():
 
 @pytest.fixture(autouse=True)
 def _tf_state_is_left_as_found():
-  """Fails a test that leaves graph mode or a default graph behind.
+  """Fails a test that leaves graph mode, a default graph or a Lingvo
+  variable store behind.
 
   Turning eager execution off is process-wide (e.g. Lingvo's
   py_utils.SetEagerMode(False)), and so is a graph entered and not left:
@@ -62,6 +63,7 @@ def _tf_state_is_left_as_found():
   before = None
   if tf is not None:
     before = (tf.executing_eagerly(), tf.compat.v1.get_default_graph())
+    store = getattr(before[1], 'lingvo_variable_store', None)
   yield
   tf = sys.modules.get('tensorflow')
   if tf is not None and before is not None:
@@ -69,6 +71,15 @@ def _tf_state_is_left_as_found():
     assert after == before, (
         f'the test left TF in another state: (eager, default graph) '
         f'{before} before, {after} after')
+    left = getattr(after[1], 'lingvo_variable_store', None)
+    if left is not store:
+      after[1].lingvo_variable_store = store  # the next tests start clean
+      pytest.fail(
+          "the test left a Lingvo variable store on the default graph (a "
+          "layer's __init__ that raised while building eagerly: Lingvo's "
+          'VariableStore does not restore the graph on an exception). Every '
+          'later test of the worker would reuse its variables; build such a '
+          'layer inside a tf.Graph().')
 
 
 def _LocalErrors():

@@ -177,5 +177,7 @@ def test_held_out_runs_are_evenly_spaced_consecutive_windows():
      r'held_out_windows=6 must be a positive multiple of batch_size=4'),
 ])
 def test_bad_params_name_the_param_and_the_fix(root, change, message):
-  with pytest.raises(ValueError, match=message):
+  # In a graph of its own: Lingvo leaves its variable store on the default
+  # graph when a layer's __init__ raises (tests/conftest.py).
+  with tf.Graph().as_default(), pytest.raises(ValueError, match=message):
     _Params(root).Set(**change).Instantiate()
