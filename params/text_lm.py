@@ -53,15 +53,20 @@ class TextLMTask(lm_task.PipelinedLMTask):
 
   def Pick(self, logits, position):
     """The byte the sampler takes from logits [b, vocab] at `position` (the
-    position fed; the byte goes to position + 1): argmax of logits / T +
-    Gumbel noise seeded by (decode_seed, position); EOD is never taken."""
+    position fed; the byte goes to position + 1): the argmax of _Ranked."""
+    return tf.argmax(self._Ranked(logits, position), -1,
+                     output_type=tf.int32)
+
+  def _Ranked(self, logits, position):
+    """logits [b, vocab] as the sampler ranks them: EOD never taken, then
+    (temperature T > 0) logits / T + Gumbel noise seeded by (decode_seed,
+    position)."""
     p = self.params
     logits = logits + tf.one_hot(text_input.EOD_ID, p.vocab_size,
                                  on_value=-1e9, dtype=logits.dtype)
     if not p.decode_temperature:
-      return tf.argmax(logits, -1, output_type=tf.int32)
-    return tf.argmax(self._Perturbed(logits, position), -1,
-                     output_type=tf.int32)
+      return logits
+    return self._Perturbed(logits, position)
 
   def _Perturbed(self, logits, position):
     p = self.params
@@ -86,7 +91,6 @@ class TextLMTask(lm_task.PipelinedLMTask):
       (picks [b, L], margin [b, L]: the top perturbed logit minus the
       runner-up, to tell a disagreement from a tie).
     """
-    p = self.params
     prompt_len = py_utils.GetShape(prompts)[1]
     num_tokens = py_utils.GetShape(sampled)[1]
     ids = tf.concat([prompts, sampled[:, :-1]], axis=1)
@@ -96,10 +100,7 @@ class TextLMTask(lm_task.PipelinedLMTask):
     picks, margins = [], []
     for k in range(num_tokens):
       position = prompt_len - 1 + k
-      column = logits[:, position] + tf.one_hot(
-          text_input.EOD_ID, p.vocab_size, on_value=-1e9, dtype=logits.dtype)
-      scored = (self._Perturbed(column, position) if p.decode_temperature
-                else column)
+      scored = self._Ranked(logits[:, position], position)
       top2, _ = tf.math.top_k(scored, k=2)
       picks.append(tf.argmax(scored, -1, output_type=tf.int32))
       margins.append(top2[:, 0] - top2[:, 1])
