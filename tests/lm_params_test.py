@@ -28,6 +28,7 @@ from lingvo.core import base_model
 from lingvo.core import py_utils
 import params.lm as lm
 from params import pod_blocks
+from tensorflow.core.protobuf import rewriter_config_pb2
 
 flags_and_seeds.EnsureFlagsParsed()
 
@@ -50,6 +51,17 @@ def TinyCfg(*, num_stages=2, circular_repeat=1, num_microbatches=3,
   cfg.input = lm.CopyTaskInput.Params().Set(
       vocab_size=vocab_size, copy_length=copy_length, batch_size=batch_size)
   return cfg
+
+
+def Session(graph=None):
+  """A session with graph optimizations off: on these small graphs they
+  take longer than running them (what runs is the graph as built)."""
+  return tf.compat.v1.Session(graph=graph, config=tf.compat.v1.ConfigProto(
+      graph_options=tf.compat.v1.GraphOptions(
+          optimizer_options=tf.compat.v1.OptimizerOptions(
+              opt_level=tf.compat.v1.OptimizerOptions.L0),
+          rewrite_options=rewriter_config_pb2.RewriterConfig(
+              disable_meta_optimizer=True))))
 
 
 # -- The data. ----------------------------------------------------------------
@@ -168,30 +180,59 @@ def test_demo_rejects_an_unknown_model_and_negative_steps(capsys):
 # -- Init equivalence. --------------------------------------------------------
 
 
-@pytest.mark.parametrize('num_stages, circular_repeat, num_microbatches', [
-    (2, 1, 3), (2, 2, 3)])
-def test_pipelined_lm_equals_unrolled_at_init(num_stages, circular_repeat,
-                                              num_microbatches):
-  cfg = TinyCfg(num_stages=num_stages, circular_repeat=circular_repeat,
-                num_microbatches=num_microbatches, dropout_prob=0.1)
+def _Compared(cfg, reference, values):
+  """trainer.CompareWithUnrolled of `cfg`'s pipelined model against an
+  unrolled `reference` = (loss, {name: gradient}) already run at `values`."""
+  c = cfg.Copy()
+  c.task = trainer.WithoutDropout(c.task)
+  c.task.stack.unroll = 'never'
+  loss, grads, _ = trainer._LossAndGradients(c, values)  # pylint: disable=protected-access
+  ref_loss, ref_grads = reference
+  abs_diff = rel_diff = 0.0
+  for name, ref in ref_grads.items():
+    err = np.abs(grads[name] - ref)
+    abs_diff = max(abs_diff, float(err.max()))
+    rel_diff = max(rel_diff, float((err / np.maximum(np.abs(ref), 1)).max()))
+  return trainer.Comparison(float(loss), float(ref_loss), abs_diff, rel_diff,
+                            len(ref_grads))
+
+
+def test_pipelined_lm_equals_unrolled_at_init():
+  """S=2, R=1, M=3 (dropout on, which the comparison turns off): the
+  pipelined model's loss and every gradient as the unrolled model's."""
+  cfg = TinyCfg(num_stages=2, circular_repeat=1, num_microbatches=3,
+                dropout_prob=0.1)
   comparison = trainer.CompareWithUnrolled(cfg)
   assert comparison.num_variables > 0
   assert comparison.Matches(), comparison.Describe()
 
 
-def test_layer_by_layer_lm_equals_unrolled_at_init(monkeypatch):
-  """The LM's Transformer blocks run layer by layer (each on all
-  microbatches at once): loss and every gradient as the unrolled model's."""
+def test_circular_lm_on_the_schedule_and_layer_by_layer_equals_unrolled(
+    monkeypatch):
+  """Circular, S=2, R=2, M=3: the pipelined model run on the schedule, and
+  its Transformer blocks run layer by layer (each on all microbatches at
+  once), each have the loss and every gradient of the unrolled model at
+  the same weights (one unrolled run, the reference of both)."""
+  cfg = TinyCfg(num_stages=2, circular_repeat=2, num_microbatches=3,
+                dropout_prob=0.1)
+  unrolled = cfg.Copy()
+  unrolled.task = trainer.WithoutDropout(unrolled.task)
+  unrolled.task.stack.unroll = 'always'
+  ref_loss, ref_grads, values = trainer._LossAndGradients(unrolled, None)  # pylint: disable=protected-access
+  reference = (ref_loss, ref_grads)
   ran = []
   run = layer_by_layer.Run
   monkeypatch.setattr(layer_by_layer, 'Run',
                       lambda *a: ran.append(1) or run(*a))
-  cfg = TinyCfg(num_stages=2, circular_repeat=2, num_microbatches=3)
-  cfg.task.stack.layer_by_layer = True
-  comparison = trainer.CompareWithUnrolled(cfg)
+  on_schedule = _Compared(cfg, reference, values)
+  assert not ran, 'the schedule ran layer by layer'
+  layered = cfg.Copy()
+  layered.task.stack.layer_by_layer = True
+  by_layer = _Compared(layered, reference, values)
   assert ran, 'the pipelined stack did not run layer by layer'
-  assert comparison.num_variables > 0
-  assert comparison.Matches(), comparison.Describe()
+  for comparison in (on_schedule, by_layer):
+    assert comparison.num_variables > 0
+    assert comparison.Matches(), comparison.Describe()
 
 
 def test_without_dropout_zeroes_every_dropout_param():
@@ -221,7 +262,7 @@ def _BuildTask(cfg, unroll, values=None):
   with graph.as_default():
     tf.compat.v1.random.set_random_seed(1)
     task = c.Instantiate().GetTask()
-  sess = tf.compat.v1.Session(graph=graph)
+  sess = Session(graph)
   with graph.as_default():
     sess.run(tf.compat.v1.global_variables_initializer())
     for v in task.vars.Flatten():
@@ -396,12 +437,13 @@ def test_greedy_decoding_longer_than_the_positions_is_refused():
 @pytest.mark.runs_long
 def test_demo_trains_checks_and_draws_the_schedule(tmp_path):
   """Run as a user runs it (python -m, a fresh process): it prints its own
-  lines only, none of TensorFlow's or Lingvo's logs."""
+  lines only, none of TensorFlow's or Lingvo's logs. Two steps: a range of
+  steps trained, and a resume hint past the checkpoint."""
   out = tmp_path / 'schedule.png'
   env = dict(os.environ)
   env.pop('TF_CPP_MIN_LOG_LEVEL', None)  # as in a user's shell
   run = subprocess.run(
-      [sys.executable, '-m', 'gpipe.demo', '--steps', '3', '--logdir',
+      [sys.executable, '-m', 'gpipe.demo', '--steps', '2', '--logdir',
        str(tmp_path / 'run'), '--out', str(out)],
       cwd=_ROOT, env=env, capture_output=True, text=True, timeout=600,
       check=False)
@@ -415,12 +457,12 @@ def test_demo_trains_checks_and_draws_the_schedule(tmp_path):
   checked = float(re.search(r'loss pipelined ([0-9.]+)', text).group(1))
   first = float(re.search(r'loss ([0-9.]+) -> ', text).group(1))
   assert abs(checked - first) < 1e-4, (checked, first)
-  assert 'trained steps 0..2' in text
+  assert 'trained steps 0..1' in text
   # The resume hint trains further than the checkpoint.
-  assert f'continue with --logdir {tmp_path / "run"} --steps 6' in text
+  assert f'continue with --logdir {tmp_path / "run"} --steps 4' in text
   # The default model learns text: its held-out figures beside the
   # compressors', and a sample decoded through the pipeline.
-  assert re.search(r'held-out bits per byte at step 3: [0-9.]+ on [0-9,]+ '
+  assert re.search(r'held-out bits per byte at step 2: [0-9.]+ on [0-9,]+ '
                    r'bytes \(same bytes: gzip -9 [0-9.]+, xz -9 [0-9.]+\)',
                    text)
   assert 'equal to the full-sequence picks: 1.000 of bytes' in text
@@ -429,7 +471,7 @@ def test_demo_trains_checks_and_draws_the_schedule(tmp_path):
                    r'  step      1 ', text)
   assert 'bubble fraction 0.429' in text  # 4 stages, 4 microbatches: 3/7
   assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-  assert os.path.exists(str(tmp_path / 'run' / 'ckpt-3.index'))
+  assert os.path.exists(str(tmp_path / 'run' / 'ckpt-2.index'))
 
 
 @pytest.mark.parametrize('argv, message', [
