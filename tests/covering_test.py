@@ -14,6 +14,7 @@ from tests import training_semantics_test
 from tests import training_state_test
 from tests.pipeline import one_f_one_b_test
 from tests.pipeline import stage_ends_test
+from tests.pipeline import vectorized_stages_test
 
 
 def _Features(n):
@@ -52,6 +53,7 @@ _SWEEPS = [
     (stage_ends_test, 'SWEEP'), (lingvo_parity_test, 'GRID'),
     (training_state_test, 'STATEFUL'), (decoding_test, 'DECODING'),
     (decoding_test, 'FROM_CACHE'), (gshard_builder_test, 'CASES'),
+    (vectorized_stages_test, 'AGREE'),
 ]
 
 

@@ -6,8 +6,8 @@ nothing but the time and the memory. The layer with it is checked against
 the harness's references, which run no gpipe code: S 1..4, M below, at,
 not a multiple of and above S, R 1..3, graph mode and jit, kwargs, nested
 inputs with None, per-stage variables, sharding annotations, remat
-policies, inputs already microbatched; decoding with per-stage caches
-against the full-sequence stack. Then against the same layer without it on
+policies, inputs already microbatched (each layout on one of the shapes'
+rows); decoding with per-stage caches against the full-sequence stack. Then against the same layer without it on
 the layouts of vectorized_stages_test (aux losses, summaries, dropout,
 bfloat16). Every one of those checks that the call did run layer by layer.
 Last, what runs the pipeline loop instead, and says why.
@@ -26,19 +26,27 @@ from tests import decoding_test
 from tests.pipeline import vectorized_stages_test as vst
 from tests import pipeline_harness as harness
 
-# (S, M, R, mode)
+# (S, M, R, mode, layout): each layout rides on a row of the shapes, so
+# one build checks both (the layouts were once rows of their own, each
+# another build). The rows without remat_policy run the default, save_dots
+# layer by layer.
 _SWEEP = [
-    (1, 3, 2, 'graph'),
-    (2, 1, 1, 'graph'),
-    (2, 3, 2, 'graph'),
-    (3, 4, 1, 'graph'),
-    (3, 7, 2, 'graph'),
-    (4, 4, 3, 'graph'),
-    (4, 5, 1, 'graph'),
-    (2, 3, 3, 'jit'),
-    (3, 4, 2, 'jit'),
-    (4, 6, 1, 'jit'),
+    (1, 3, 2, 'graph', {}),
+    (2, 1, 1, 'graph', {}),
+    (2, 3, 2, 'graph', dict(remat_policy='save_all', premicrobatched=True)),
+    (3, 4, 1, 'graph', dict(kwargs=True, kwargs_no_batch=True)),
+    (3, 7, 2, 'graph', dict(per_stage_vars=True)),
+    (4, 4, 3, 'graph', dict(shard_stages_1d=True)),
+    (4, 5, 1, 'graph', dict(body='multi', remat_policy='recompute')),
+    (2, 3, 3, 'jit', dict(kwargs=True, kwargs_no_batch=True)),
+    (3, 4, 2, 'jit', {}),
+    (4, 6, 1, 'jit', dict(body='multi', remat_policy='recompute')),
 ]
+
+
+def _LayoutId(layout):
+  return ''.join(f'-{k}' if v is True else f'-{v}'
+                 for k, v in sorted(layout.items()))
 
 
 def _Check(case, mode):
@@ -48,49 +56,21 @@ def _Check(case, mode):
   assert not layer.vectorizing.vectorized  # the pipeline loop never ran
 
 
-@pytest.mark.parametrize('s,m,r,mode', _SWEEP,
-                         ids=[f'S{s}-M{m}-R{r}-{mode}'
-                              for s, m, r, mode in _SWEEP])
-def test_equals_the_reference(s, m, r, mode):
+@pytest.mark.parametrize('s,m,r,mode,layout', _SWEEP,
+                         ids=[f'S{s}-M{m}-R{r}-{mode}{_LayoutId(l)}'
+                              for s, m, r, mode, l in _SWEEP])
+def test_equals_the_reference(s, m, r, mode, layout):
   _Check(harness.Case(num_stages=s, num_microbatches=m, circular_repeat=r,
-                      batch=2 * m, layer_by_layer=True), mode)
-
-
-_LAYOUT_CASES = {
-    'kwargs': harness.Case(num_stages=3, num_microbatches=4,
-                           circular_repeat=2, batch=8, kwargs=True,
-                           kwargs_no_batch=True, layer_by_layer=True),
-    'shard_stages_1d': harness.Case(num_stages=4, num_microbatches=5,
-                                    circular_repeat=2, batch=10,
-                                    shard_stages_1d=True,
-                                    layer_by_layer=True),
-    'per_stage_vars': harness.Case(num_stages=3, num_microbatches=4,
-                                   circular_repeat=2, batch=8,
-                                   per_stage_vars=True, layer_by_layer=True),
-    # The other cases run the default, save_dots layer by layer.
-    'multi-recompute': harness.Case(num_stages=4, num_microbatches=5,
-                                    batch=10, body='multi',
-                                    remat_policy='recompute',
-                                    layer_by_layer=True),
-    'save_all-premicrobatched': harness.Case(
-        num_stages=2, num_microbatches=3, circular_repeat=2, batch=6,
-        remat_policy='save_all', premicrobatched=True, layer_by_layer=True),
-}
-
-
-@pytest.mark.parametrize('name,mode', [(name, 'graph')
-                                       for name in sorted(_LAYOUT_CASES)] +
-                         [('kwargs', 'jit'), ('multi-recompute', 'jit')])
-def test_layouts_equal_the_reference(name, mode):
-  _Check(_LAYOUT_CASES[name], mode)
+                      batch=2 * m, layer_by_layer=True, **layout), mode)
 
 
 # The layouts the references above do not cover (aux losses, summaries,
-# dropout, bfloat16), graph mode and jit.
+# dropout, bfloat16), graph mode and jit (R3 with kwargs, once a layout
+# here too, is a row of the references' sweep).
 _UNCHANGED = [
     layout + (mode,) for layout in vst._LAYOUTS  # pylint: disable=protected-access
     for mode in ('graph', 'jit')
-    if layout[0] in ('aux-summaries-dropout', 'bfloat16', 'stacked-R3-M5')
+    if layout[0] in ('aux-summaries-dropout', 'bfloat16')
     and (mode == 'graph' or layout[0] == 'aux-summaries-dropout')]
 
 

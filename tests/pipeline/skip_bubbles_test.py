@@ -5,11 +5,12 @@ and last iterations compute only the half of the stages that holds their
 useful slots. It must change nothing but the time. The layer with it is
 checked against the harness's references, which run no gpipe code: S 1..4
 (odd S: halves of uneven size), M below, at, not a multiple of and above S,
-R 1..3, graph mode and jit, both stage runners, kwargs, nested inputs,
-per-stage variables, sharding annotations, streamed inputs and outputs
-(stream_io). Then against the same layer
-without it on the layouts of vectorized_stages_test those do not cover (aux
-losses, summaries, dropout, non-trainable state, bfloat16, save_all), and
+R 1..3, graph mode and jit, both stage runners, kwargs, nested inputs
+with a None, per-stage variables, sharding annotations, streamed inputs
+and outputs (stream_io), remat policies save_dots and save_all, each
+layout on one of the shapes' rows. Then against the same layer without it
+on the layouts of vectorized_stages_test those do not cover (aux losses,
+summaries, dropout, non-trainable state, bfloat16, R3 with kwargs), and
 decoding with per-stage states against the full-sequence stack. Finally,
 where it applies: one device only (partitioned, the step is one loop and
 equals the one-device step's three), and with the default (None) under XLA
@@ -39,61 +40,46 @@ from tests.pipeline import vectorized_stages_test as vst
 from tests import pipeline_harness as harness
 from tests import reference_bodies
 
-# (S, M, R, mode, vectorize_stages)
+# (S, M, R, mode, vectorize_stages, layout): each layout rides on a row of
+# the shapes, so one build checks both (the layouts were once rows of their
+# own, each another build).
 _SWEEP = [
-    (1, 3, 2, 'graph', 'auto'),
-    (2, 1, 1, 'graph', 'auto'),
-    (2, 3, 2, 'graph', 'auto'),
-    (3, 1, 1, 'graph', 'auto'),
-    (3, 4, 1, 'graph', 'auto'),
-    (3, 7, 2, 'graph', 'never'),
-    (4, 4, 2, 'graph', 'auto'),
-    (4, 5, 1, 'graph', 'never'),
-    (3, 4, 2, 'jit', 'auto'),
-    (3, 5, 1, 'jit', 'never'),
+    (1, 3, 2, 'graph', 'auto', {}),
+    # Nested inputs with a None, the default remat policy and save_all.
+    (2, 1, 1, 'graph', 'auto', dict(body='multi')),
+    (2, 3, 2, 'graph', 'auto', dict(body='multi', remat_policy='save_all')),
+    # Sharding annotations on one device: the ranges are slices of them.
+    (3, 1, 1, 'graph', 'auto', dict(pipeline_stage_mesh_dim=True)),
+    (3, 4, 1, 'graph', 'auto', dict(kwargs=True, kwargs_no_batch=True)),
+    (3, 7, 2, 'graph', 'never', dict(per_stage_vars=True)),
+    (4, 4, 2, 'graph', 'auto', dict(shard_stages_1d=True, stream_io=True)),
+    (4, 5, 1, 'graph', 'never', dict(body='multi', remat_policy='save_dots')),
+    (3, 4, 2, 'jit', 'auto', {}),
+    (3, 5, 1, 'jit', 'never', {}),
 ]
 
 
-@pytest.mark.parametrize('s,m,r,mode,vectorize', _SWEEP,
-                         ids=[f'S{s}-M{m}-R{r}-{mode}-{v}'
-                              for s, m, r, mode, v in _SWEEP])
-def test_equals_the_reference(s, m, r, mode, vectorize):
+def _LayoutId(layout):
+  return ''.join(f'-{k}' if v is True else f'-{v}'
+                 for k, v in sorted(layout.items()))
+
+
+@pytest.mark.parametrize('s,m,r,mode,vectorize,layout', _SWEEP,
+                         ids=[f'S{s}-M{m}-R{r}-{mode}-{v}{_LayoutId(l)}'
+                              for s, m, r, mode, v, l in _SWEEP])
+def test_equals_the_reference(s, m, r, mode, vectorize, layout):
   harness.CheckCase(
       harness.Case(num_stages=s, num_microbatches=m, circular_repeat=r,
                    batch=2 * m, vectorize_stages=vectorize,
-                   skip_bubbles=True), mode)
-
-
-_LAYOUT_CASES = [
-    harness.Case(num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
-                 kwargs=True, kwargs_no_batch=True, skip_bubbles=True),
-    # Sharding annotations on one device: the ranges are slices of them.
-    harness.Case(num_stages=4, num_microbatches=5, circular_repeat=2,
-                 batch=10, shard_stages_1d=True, skip_bubbles=True),
-    harness.Case(num_stages=4, num_microbatches=5, circular_repeat=2,
-                 batch=10, pipeline_stage_mesh_dim=True, skip_bubbles=True),
-    harness.Case(num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
-                 per_stage_vars=True, skip_bubbles=True),
-    harness.Case(num_stages=4, num_microbatches=5, batch=10, body='multi',
-                 remat_policy='save_dots', skip_bubbles=True),
-    harness.Case(num_stages=4, num_microbatches=5, circular_repeat=2,
-                 batch=10, stream_io=True, skip_bubbles=True),
-]
-
-
-@pytest.mark.parametrize('case', _LAYOUT_CASES,
-                         ids=['kwargs', 'shard_stages_1d', 'stage-mesh-dim',
-                              'per_stage_vars', 'multi-save_dots',
-                              'stream_io'])
-def test_layouts_equal_the_reference(case):
-  harness.CheckCase(case, 'graph')
+                   skip_bubbles=True, **layout), mode)
 
 
 # The layouts the references above do not cover, in graph mode; under jit
 # the one with side outputs (aux losses, summaries, dropout).
 _UNCHANGED = [layout + ('graph',) for layout in vst._LAYOUTS  # pylint: disable=protected-access
               if layout[0] not in ('stacked-R1-kwargs', 'per_stage_vars-R2',
-                                   'save_dots')] + [
+                                   'save_dots', 'nested-inputs-with-None',
+                                   'save_all')] + [
     layout + ('jit',) for layout in vst._LAYOUTS  # pylint: disable=protected-access
     if layout[0] == 'aux-summaries-dropout']
 

@@ -226,36 +226,39 @@ def test_1f1b_sweep_graph(num_stages, num_microbatches, circular_repeat, io):
   assert not [n for n in res['op_names'] if one_f_one_b.FORWARD_LOOP in n]
 
 
-_JIT = [(1, 1, 1), (2, 3, 2), (3, 4, 1), (4, 5, 2), (2, 2, 3)]
+# (S, M, R, inputs made at stage 0, streamed, body): the multi-input body's
+# row is the one with its inputs both made and streamed.
+_JIT = [(1, 1, 1, True, False, 'dense'), (2, 3, 2, False, True, 'dense'),
+        (3, 4, 1, True, True, 'multi'), (4, 5, 2, False, True, 'dense'),
+        (2, 2, 3, True, False, 'dense')]
 
 
-@pytest.mark.parametrize('num_stages,num_microbatches,circular_repeat', _JIT,
-                         ids=[f'S{s}-M{m}-R{r}' for s, m, r in _JIT])
-def test_1f1b_sweep_jit(num_stages, num_microbatches, circular_repeat):
-  index = _JIT.index((num_stages, num_microbatches, circular_repeat))
+@pytest.mark.parametrize(
+    'num_stages,num_microbatches,circular_repeat,first,stream_io,body', _JIT,
+    ids=[f'S{s}-M{m}-R{r}-{"made" if f else "given"}'
+         f'{"-stream_io" if io else ""}-{b}' for s, m, r, f, io, b in _JIT])
+def test_1f1b_sweep_jit(num_stages, num_microbatches, circular_repeat, first,
+                        stream_io, body):
+  """Under XLA: shapes, inputs given or made, streamed or not; the
+  multi-input body's outputs in the layer's structure (a tuple with a None
+  and a NestedMap), its nested leaf read by the loss."""
   _Check(Case(num_stages=num_stages, num_microbatches=num_microbatches,
               circular_repeat=circular_repeat, batch=2 * num_microbatches,
-              backward_schedule='1f1b', stream_io=bool(index % 2)), 'jit',
-         first=index % 2 == 0)
+              backward_schedule='1f1b', stream_io=stream_io, body=body),
+         'jit', first=first)
 
 
-@pytest.mark.parametrize('mode,first', [('graph', False), ('graph', True),
-                                        ('jit', True)])
-def test_a_body_of_nested_inputs(mode, first):
+@pytest.mark.parametrize('first,policy', [(False, 'save_dots'),
+                                          (True, 'save_all')])
+def test_a_body_of_nested_inputs(first, policy):
   """The loss sees the outputs in the layer's structure (a tuple with a
   None and a NestedMap) and reads a nested leaf; the first stage makes
-  that structure."""
-  _Check(Case(num_stages=3, num_microbatches=4, batch=8, body='multi',
-              backward_schedule='1f1b', stream_io=mode == 'jit'), mode,
-         first=first)
-
-
-@pytest.mark.parametrize('policy,first', [('save_dots', False),
-                                          ('save_all', True)])
-def test_ring_entries_that_keep_activations(policy, first):
-  _Check(Case(num_stages=3, num_microbatches=5, circular_repeat=2, batch=10,
-              backward_schedule='1f1b', remat_policy=policy), 'graph',
-         first=first)
+  that structure. Circular, with ring entries that keep activations
+  (remat_policy save_dots, save_all). Under XLA: test_1f1b_sweep_jit's
+  multi-input row."""
+  _Check(Case(num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
+              body='multi', backward_schedule='1f1b', remat_policy=policy),
+         'graph', first=first)
 
 
 @pytest.mark.parametrize('case', [

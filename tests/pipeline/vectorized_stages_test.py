@@ -31,6 +31,7 @@ import tensorflow as tf
 from gpipe import layers
 from lingvo.core import py_utils
 from tests import close
+from tests import covering
 from tests import decoding_test
 from tests import pipeline_harness as harness
 from tests import reference_bodies
@@ -198,9 +199,26 @@ def _LoadWeights(layer, sess=None):
       var.load(value, sess)
 
 
-@pytest.mark.parametrize('mode', ['graph', 'jit'])
-@pytest.mark.parametrize('name,params,batch,with_kwargs', _LAYOUTS,
-                         ids=[layout[0] for layout in _LAYOUTS])
+# The layouts in both modes, cut to a pairwise covering (tests/covering.py)
+# over the mode and each layout's settings: every setting meets both modes
+# (nested-inputs-with-None's settings all meet jit in other rows).
+_FULL_AGREE = [(i, mode) for i in range(len(_LAYOUTS))
+               for mode in ('graph', 'jit')]
+_AGREE_FEATURES = (
+    lambda r: r[1],
+    lambda r: _LAYOUTS[r[0]][1].single_stage_body.cls.__name__,
+    lambda r: _LAYOUTS[r[0]][1].circular_repeat,
+    lambda r: _LAYOUTS[r[0]][1].per_stage_vars,
+    lambda r: _LAYOUTS[r[0]][3],
+    lambda r: str(_LAYOUTS[r[0]][1].fprop_dtype),
+    lambda r: _LAYOUTS[r[0]][1].remat_policy)
+_AGREE = covering.Pairwise(_FULL_AGREE, _AGREE_FEATURES)
+
+
+@pytest.mark.parametrize(
+    'name,params,batch,with_kwargs,mode',
+    [_LAYOUTS[i] + (mode,) for i, mode in _AGREE],
+    ids=[f'{mode}-{_LAYOUTS[i][0]}' for i, mode in _AGREE])
 def test_vectorized_and_stage_by_stage_agree(name, params, batch, with_kwargs,
                                              mode):
   vec, vectorized = _Results(params, batch, with_kwargs, mode, 'auto')
@@ -226,11 +244,12 @@ def test_decoding_with_per_stage_states_on_both_paths(mode, vectorize):
                               vectorize_stages=vectorize)
 
 
+# Two cases carry the three layouts (kwargs and per-stage variables in
+# one build; nested inputs with save_dots), each in both modes.
 _NEVER_CASES = [
     harness.Case(num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
-                 kwargs=True, kwargs_no_batch=True, vectorize_stages='never'),
-    harness.Case(num_stages=3, num_microbatches=4, circular_repeat=2, batch=8,
-                 per_stage_vars=True, vectorize_stages='never'),
+                 kwargs=True, kwargs_no_batch=True, per_stage_vars=True,
+                 vectorize_stages='never'),
     harness.Case(num_stages=2, num_microbatches=3, circular_repeat=3, batch=6,
                  body='multi', remat_policy='save_dots',
                  vectorize_stages='never'),
@@ -239,7 +258,7 @@ _NEVER_CASES = [
 
 @pytest.mark.parametrize('mode', ['graph', 'jit'])
 @pytest.mark.parametrize('case', _NEVER_CASES,
-                         ids=['kwargs', 'per_stage_vars', 'multi-save_dots'])
+                         ids=['kwargs-per_stage_vars', 'multi-save_dots'])
 def test_stage_by_stage_equals_the_reference(case, mode):
   """The 'never' path against the harness's references, which run no gpipe
   code (the default path meets them in layers_test)."""
