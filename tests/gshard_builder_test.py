@@ -53,9 +53,9 @@ from gpipe import lingvo_compat
 from lingvo.core import cluster_factory
 from lingvo.core import gshard_builder
 from lingvo.core import py_utils
-from tensorflow.core.protobuf import rewriter_config_pb2
 from tests import close
 from tests import covering
+from tests import sessions
 
 DIM, HEADS, KV_DIM, HIDDEN, TIME, BATCH, VOCAB = 8, 2, 4, 16, 4, 8, 16
 EXPERTS, CAPACITY = 2, 4
@@ -79,14 +79,7 @@ def _AssertNonzero(grads, names):
 
 def _Run(fetches, assign_ops):
   """Initializes, copies the weights, runs `fetches` once."""
-  # Graph optimizations off: they take longer than running these graphs.
-  config = tf.compat.v1.ConfigProto(
-      graph_options=tf.compat.v1.GraphOptions(
-          optimizer_options=tf.compat.v1.OptimizerOptions(
-              opt_level=tf.compat.v1.OptimizerOptions.L0),
-          rewrite_options=rewriter_config_pb2.RewriterConfig(
-              disable_meta_optimizer=True)))
-  with tf.compat.v1.Session(config=config) as sess:
+  with sessions.AsBuilt() as sess:
     sess.run(tf.compat.v1.global_variables_initializer())
     sess.run(assign_ops)
     return sess.run(fetches)

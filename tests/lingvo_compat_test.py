@@ -15,9 +15,9 @@ from gpipe import layers
 from gpipe import lingvo_compat
 from lingvo.core import batch_major_attention
 from lingvo.core import gshard_layers
-from tensorflow.core.protobuf import rewriter_config_pb2
 from tests import close
 from tests import reference_bodies
+from tests import sessions
 
 DIM, HEADS, TIME = 8, 2, 4
 
@@ -65,17 +65,6 @@ def test_the_splitting_switch_places_only_unplaced_stages():
   assert not mesh.params.shard_stages_1d
   assert mesh.params.pipeline_stage_mesh_dim == 0
   assert not lingvo_compat.LingvoBuildsGpipe()
-
-
-def _Session():
-  """A session with graph optimizations off: on these small graphs they
-  take longer than running them (what runs is the graph as built)."""
-  return tf.compat.v1.Session(config=tf.compat.v1.ConfigProto(
-      graph_options=tf.compat.v1.GraphOptions(
-          optimizer_options=tf.compat.v1.OptimizerOptions(
-              opt_level=tf.compat.v1.OptimizerOptions.L0),
-          rewrite_options=rewriter_config_pb2.RewriterConfig(
-              disable_meta_optimizer=True))))
 
 
 def _Step(layer, x, paddings):
@@ -129,7 +118,7 @@ def test_pipelined_transformer_layers_equal_lingvos_unrolled(s, m, r, shard):
     out, grads, variables = _Step(ours, x, paddings)
     ref_out, ref_grads, ref_vars = _Step(theirs, x, paddings)
     copy = [r.assign(v) for r, v in zip(ref_vars, variables)]
-    with _Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       sess.run(copy)
       got, want = sess.run(((out, grads), (ref_out, ref_grads)))
@@ -175,7 +164,7 @@ def test_decoding_step_by_step_equals_the_causal_fprop(s, m, r):
     y, states = layer.ExtendStep(
         layer.theta, x_t, None, None,
         tf.nest.pack_sequence_as(states0, holders), t)
-    with _Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       want, flat = sess.run((full, tf.nest.flatten(states0)))
       steps = []

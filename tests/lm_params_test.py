@@ -28,7 +28,7 @@ from lingvo.core import base_model
 from lingvo.core import py_utils
 import params.lm as lm
 from params import pod_blocks
-from tensorflow.core.protobuf import rewriter_config_pb2
+from tests import sessions
 
 flags_and_seeds.EnsureFlagsParsed()
 
@@ -51,17 +51,6 @@ def TinyCfg(*, num_stages=2, circular_repeat=1, num_microbatches=3,
   cfg.input = lm.CopyTaskInput.Params().Set(
       vocab_size=vocab_size, copy_length=copy_length, batch_size=batch_size)
   return cfg
-
-
-def Session(graph=None):
-  """A session with graph optimizations off: on these small graphs they
-  take longer than running them (what runs is the graph as built)."""
-  return tf.compat.v1.Session(graph=graph, config=tf.compat.v1.ConfigProto(
-      graph_options=tf.compat.v1.GraphOptions(
-          optimizer_options=tf.compat.v1.OptimizerOptions(
-              opt_level=tf.compat.v1.OptimizerOptions.L0),
-          rewrite_options=rewriter_config_pb2.RewriterConfig(
-              disable_meta_optimizer=True))))
 
 
 # -- The data. ----------------------------------------------------------------
@@ -262,7 +251,7 @@ def _BuildTask(cfg, unroll, values=None):
   with graph.as_default():
     tf.compat.v1.random.set_random_seed(1)
     task = c.Instantiate().GetTask()
-  sess = Session(graph)
+  sess = sessions.AsBuilt(graph)
   with graph.as_default():
     sess.run(tf.compat.v1.global_variables_initializer())
     for v in task.vars.Flatten():

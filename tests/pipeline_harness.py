@@ -24,6 +24,7 @@ from gpipe import recurrent
 from lingvo.core import py_utils
 from tests import close
 from tests import reference_bodies
+from tests import sessions
 
 NestedMap = py_utils.NestedMap
 
@@ -283,7 +284,7 @@ def RunCase(case, mode):
       x_p, x_r = t['x']
       grads = _Dense(tf.gradients(loss, t['vars'] + [x_p]))
       ref_grads = _Dense(tf.gradients(ref_loss, t['vars'] + [x_r]))
-      with tf.compat.v1.Session() as sess:
+      with _Session(case) as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         res = _SessionRun(
             sess,
@@ -328,6 +329,13 @@ def RunCase(case, mode):
       kwargs, no_batch)
   return res
 
+
+def _Session(case):
+  """The graph as built, unless XLA compiles its loops inside it (which
+  needs the graph optimizations: tests/sessions.py)."""
+  if case.compile_loops == 'never':
+    return sessions.AsBuilt()
+  return tf.compat.v1.Session()
 
 
 def _ZeroValues(layer, case):

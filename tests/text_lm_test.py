@@ -21,7 +21,7 @@ from lingvo.core import py_utils
 import params.lm  # pylint: disable=unused-import  (registers the models)
 from params import text_input
 from params import text_lm
-from tests import lm_params_test
+from tests import sessions
 
 flags_and_seeds.EnsureFlagsParsed()
 
@@ -59,7 +59,7 @@ def _Built(cfg, unroll):
   with graph.as_default():
     tf.compat.v1.random.set_random_seed(3)
     task = c.Instantiate().GetTask()
-    sess = lm_params_test.Session(graph)
+    sess = sessions.AsBuilt(graph)
     sess.run(tf.compat.v1.global_variables_initializer())
   return graph, task, sess
 
