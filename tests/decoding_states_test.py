@@ -18,6 +18,7 @@ from gpipe.xla import partitioning
 from lingvo import compat as tf
 from lingvo.core import py_utils
 from tests import decoding_test
+from tests import sessions
 
 NestedMap = py_utils.NestedMap
 _Params = decoding_test.Params
@@ -93,7 +94,7 @@ def test_pad_microbatches_puts_each_state_where_its_stage_works(
     x = (10 * np.arange(num_microbatches)[:, None] +
          np.arange(num_stages)[None]).astype(np.float32)
     padded = layer.PadMicrobatches(tf.constant(x))
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       padded = sess.run(padded)
   assert padded.shape == (sched.num_iterations, num_stages)
   table = sched.Table()

@@ -22,6 +22,7 @@ from lingvo.core import base_layer
 from lingvo.core import py_utils
 from tests import close
 from tests import covering
+from tests import sessions
 
 NestedMap = py_utils.NestedMap
 
@@ -185,7 +186,7 @@ def _Decode(params, x, mode, start=None, first_position=0):
       y, states_out = step(x_t, states_in, t)
     else:
       y, states_out = dec.Step(x_t, states_in, t)
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       values = dict(zip([n for n, _ in dec.layer.vars.body.FlattenItems()],
                         sess.run([v for _, v in
@@ -320,7 +321,7 @@ def CheckDecoding(num_stages, num_microbatches, circular_repeat, batch, mode,
                     close.FLOAT32_AT_SCALE)
   close.AssertClose(_UnpadByTable(final.v, sched), np.stack(vals),
                     close.FLOAT32_AT_SCALE)
-  with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+  with tf.Graph().as_default(), sessions.AsBuilt() as sess:
     unpadded = sess.run(layer.UnpadStates(
         tf.nest.map_structure(tf.constant, final)))
   assert unpadded.k.shape == (num_stages * circular_repeat, batch, SEQ, DIM)
@@ -394,7 +395,7 @@ def test_the_layers_state_padding_follows_the_table(num_stages,
                    circular_repeat).Instantiate()
     padded = layer.PadMicrobatches(
         layer.MicrobatchStates(tf.constant(per_stage)))
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       padded = sess.run(padded)
   sched = layer.Schedule(num_microbatches)
   per_layer = np.concatenate([per_stage] * circular_repeat)
@@ -427,7 +428,7 @@ def test_the_test_body_extend_step_matches_its_fprop():
   with tf.Graph().as_default():
     body = CachedAttentionBody.Params().Set(name='b').Instantiate()
     y = body.FProp(body.theta, tf.constant(x))
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       y, w = sess.run([y, dict(body.theta)])
   np.testing.assert_allclose(y, _NumpyLayer(w, x)[0], rtol=1e-5, atol=1e-5)

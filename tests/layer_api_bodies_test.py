@@ -25,6 +25,7 @@ from lingvo.core import py_utils
 from tests import layer_api_test
 from tests import pipeline_harness as harness
 from tests import reference_bodies
+from tests import sessions
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _Params, _FProp = layer_api_test.Params, layer_api_test.FProp
@@ -80,7 +81,7 @@ def test_eval_of_premicrobatched_inputs_with_a_rank_specific_body():
     piped = layer.FProp(layer.theta, tf.constant(x))
     with cluster_factory.SetEval(True):
       unrolled = layer.FProp(layer.theta, tf.constant(x))
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       got, want = sess.run((unrolled, piped))
   assert got.shape == (3, 2, 4)
@@ -120,7 +121,7 @@ def test_eval_of_premicrobatched_per_microbatch_scalars(accumulation):
     piped = Run(layer)
     with cluster_factory.SetEval(True):
       unrolled = Run(layer)
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       got, want = sess.run((unrolled, piped))
   for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
@@ -224,7 +225,7 @@ def test_aux_loss_equals_sequential_per_microbatch(accumulation,
     assert len(ctx.aux_losses) == 1
     aux = ctx.aux_losses[0]
     grads = tf.gradients(aux, layer.vars.Flatten())
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       aux_v, grads_v, vars_v = sess.run([aux, grads, layer.vars])
   weights = harness.PerLayerWeights(
@@ -261,7 +262,7 @@ def test_a_body_with_stateful_dropout_cannot_be_trained():
                        r'with stateful ops \(RandomUniform.*gradients would '
                        r'be wrong.*DeterministicDropoutLayer'):
       tf.gradients(tf.reduce_sum(y), layer.vars.Flatten())
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       assert sess.run(y).shape == (4, 4)
 

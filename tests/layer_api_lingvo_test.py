@@ -24,6 +24,7 @@ from lingvo.core import py_utils
 from tests import layer_api_test
 from tests import pipeline_harness as harness
 from tests import reference_bodies
+from tests import sessions
 
 _ROOT = pathlib.Path(__file__).resolve().parent.parent
 _Params = layer_api_test.Params
@@ -42,7 +43,7 @@ def test_layer_theta_is_repeat_major(per_stage_vars, circular_repeat):
     theta = layer.theta
     picked = {(r, s): layer.layer_theta(theta, r, s)
               for r in range(circular_repeat) for s in range(s_count)}
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       picked_v, vars_v = sess.run([picked, layer.vars])
   values = {k: dict(v) for k, v in vars_v.items()}
@@ -102,7 +103,7 @@ def test_unroll_eval_only_unrolls_in_eval_and_pipelines_in_training():
         y_ref = layer.FProp(layer.theta, tf.ones([4, 4]))  # same mode twice
       has_loop = any(t in _OpTypes(graph) for t in ('While', 'StatelessWhile'))
       assert has_loop == (not do_eval)
-      with tf.compat.v1.Session() as sess:
+      with sessions.AsBuilt() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         a, b = sess.run([y, y_ref])
       np.testing.assert_array_equal(a, b)
@@ -184,7 +185,7 @@ def test_kwargs_with_a_batch_of_their_own(s, m, r, mode):
         h = layer.body.FProp(layer.layer_theta(layer.theta, rep, stage), h,
                              src)
     ref_grads = tf.gradients(tf.reduce_sum(h * tf.sin(h)), wrt)
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       y_v, g_v, ref_g, vars_v = sess.run([y, grads, ref_grads, layer.vars])
   expected = x_np
@@ -229,7 +230,7 @@ def test_body_fprop_runs_one_iteration_of_every_stage(s, m, r):
                                scale=tf.constant(scale_np))
     aux, = ctx.aux_losses
     assert aux.shape.as_list() == [s]
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       vars_v = sess.run(layer.vars)
       runs = [sess.run([out, aux], {iteration: i})
@@ -271,7 +272,7 @@ def test_body_fprop_no_microbatching_takes_either_theta():
     with pytest.raises(ValueError, match=r"theta must be the layer's theta "
                        r'or its stage-stacked body weights'):
       layer.BodyFPropNoMicrobatching(layer.theta.body.body, 'InitStates', 2)
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       (a, b), w = sess.run([per_stage, layer.vars.body.body.w])
   want = np.repeat(w.astype(np.float64).sum(axis=(1, 2))[:, None], 2, axis=1)

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from gpipe import recurrent
 from tests import recurrent_cases as cases
+from tests import sessions
 
 _B, _H, _T = cases.B, cases.H, cases.T
 
@@ -76,7 +77,7 @@ def test_what_each_policy_stores_and_recomputes(remat_policy):
     (forward,) = _WhileOps(graph)
     num_forward_outputs = len(forward.outputs)
     loss = tf.reduce_sum(states * states) + tf.reduce_sum(final)
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       forward_value = sess.run(states)
     grads = tf.gradients(loss, [w1, w2, h0, xs])
     backward = [op for op in _WhileOps(graph) if op is not forward]
@@ -89,7 +90,7 @@ def test_what_each_policy_stores_and_recomputes(remat_policy):
     assert backward_ops.count('MatMul') == 4 + matmuls
     assert backward_ops.count('Tanh') == tanhs
     assert backward_ops.count('TanhGrad') == 2
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       grad_values = sess.run(grads)
       np.testing.assert_array_equal(sess.run(states), forward_value)
     assert all(np.all(np.isfinite(g)) and np.any(g != 0) for g in grad_values)
@@ -185,7 +186,7 @@ def test_stateful_random_ops_raise_when_differentiated(remat_policy):
     with pytest.raises(ValueError, match=r'stateful ops \(RandomUniform.*'
                        r'gradients would be wrong.*DeterministicDropoutLayer'):
       tf.gradients(tf.reduce_sum(final), h0)
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       assert sess.run(final).shape == (_B, _H)
 
 

@@ -25,6 +25,7 @@ from tests import close
 from tests import decoding_test
 from tests.pipeline import vectorized_stages_test as vst
 from tests import pipeline_harness as harness
+from tests import sessions
 
 # (S, M, R, mode, layout): each layout rides on a row of the shapes, so
 # one build checks both (the layouts were once rows of their own, each
@@ -171,7 +172,7 @@ def test_a_body_that_cannot_be_vectorized_runs_the_pipeline_loop(caplog):
   with tf.Graph().as_default():
     layer = params.Instantiate()
     y = [layer.FProp(layer.theta, tf.constant(x)) for _ in range(2)]
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       vst._LoadWeights(layer, sess)
       got = sess.run(y)

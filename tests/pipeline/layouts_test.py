@@ -19,6 +19,7 @@ from gpipe.pipeline import repeats
 from gpipe import sharding
 from lingvo.core import base_layer
 from tests import reference_bodies
+from tests import sessions
 
 S, D = 3, 2
 KINDS = ['stacked', 'per_stage', 'stage_parallel']
@@ -91,7 +92,7 @@ def test_layer_theta_and_loop_theta_follow_the_layout(kind, r):
     picks = {(rep, s): layout.LayerTheta(host.theta, rep, s).w
              for rep in range(r) for s in range(S)}
     loop_w = layout.LoopTheta(host.theta, sharding.StagePlacement(S)).w
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       values, picks, loop_w = sess.run((host.vars, picks, loop_w))
   for (rep, s), got in picks.items():
@@ -123,7 +124,7 @@ def test_non_trainable_values_and_their_write_back(kind):
     new = [tf.reshape(tf.range(S * 2), [S, 2]),
            tf.reshape(tf.range(S * 2 * D, dtype=tf.float32), [S, 2, D])]
     assigns = layout.AssignOps(host, names, new)
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       sess.run(assigns)
       got, want = sess.run((layout.NonTrainableValues(host.theta, names),

@@ -21,6 +21,7 @@ from gpipe.pipeline import stage_step
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
 from lingvo.core import py_utils
+from tests import sessions
 
 ROWS, DIM = 2, 3
 
@@ -79,7 +80,7 @@ def test_loop_runs_every_layer_on_every_microbatch_in_order(s, m, r, store):
     want_grads = [tf.convert_to_tensor(g) for g in
                   tf.gradients(tf.reduce_sum(want * want), [w, x])]
     weighted, weight = res.summaries['mb']
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       got = sess.run(dict(out=out, want=want, grads=grads,
                           want_grads=want_grads, aux=res.aux_loss,
                           weighted=weighted, weight=weight))
@@ -102,7 +103,7 @@ def test_rotate_stages_is_a_roll_and_its_gradient_the_opposite_roll(
     x = tf.constant(x_np)
     y = rotating_buffer.RotateStages(x, shift, split)
     (g,) = tf.gradients(y, [x], grad_ys=[cot])
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       y_v, g_v = sess.run((y, g))
   np.testing.assert_array_equal(y_v, np.roll(x_np, shift, axis=0))
   np.testing.assert_array_equal(g_v, np.roll(cot, -shift, axis=0))
@@ -115,7 +116,7 @@ def test_mask_bubbles_passes_the_input_through_without_gradient():
     valid = tf.constant([True, False, True])
     y = rotating_buffer.MaskBubbles(valid, out, stage_in)
     g_out, g_in = tf.gradients(y, [out, stage_in])
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       y_v, g_out_v = sess.run((y, g_out))
   np.testing.assert_array_equal(y_v, [[1.0], [20.0], [3.0]])
   np.testing.assert_array_equal(g_out_v, [[1.0], [0.0], [1.0]])
@@ -141,7 +142,7 @@ def test_stage_inputs_follow_the_schedule(s, m, r, split):
           split)
       got.append((y,) + tuple(tf.gradients(y, [fresh, rotated],
                                            grad_ys=[cot])))
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       got = sess.run(got)
   for i, (value, d_fresh, d_rotated) in enumerate(got):
     want = np.arange(2 * s, dtype=np.float32).reshape(s, 2)

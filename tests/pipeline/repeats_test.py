@@ -7,6 +7,7 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe.pipeline import repeats
 from lingvo.core import py_utils
+from tests import sessions
 
 R, S = 3, 4
 
@@ -86,7 +87,7 @@ def test_take_for_each_stage_and_its_gradient_against_numpy(mode):
   else:
     with tf.Graph().as_default():
       fetch = Step(*[tf.constant(a.numpy()) for a in args])
-      with tf.compat.v1.Session() as sess:
+      with sessions.AsBuilt() as sess:
         picked, grad = sess.run(fetch)
   np.testing.assert_array_equal(picked, values[np.arange(S), ids])
   want = np.zeros_like(values)

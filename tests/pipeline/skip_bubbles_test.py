@@ -39,6 +39,7 @@ from tests import decoding_test
 from tests.pipeline import vectorized_stages_test as vst
 from tests import pipeline_harness as harness
 from tests import reference_bodies
+from tests import sessions
 
 # (S, M, R, mode, vectorize_stages, layout): each layout rides on a row of
 # the shapes, so one build checks both (the layouts were once rows of their
@@ -241,7 +242,7 @@ def test_the_fill_and_drain_compute_only_the_stages_with_work(s, m, r):
           unroll='never', vectorize_stages='never', skip_bubbles=skip,
           single_stage_body=_CountingBody.Params().Set(dim=4)).Instantiate()
       y = layer.FProp(layer.theta, tf.ones([2 * m, 4]))
-      with tf.compat.v1.Session() as sess:
+      with sessions.AsBuilt() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         _CountingBody.calls.clear()
         sess.run(y)

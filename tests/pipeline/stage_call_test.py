@@ -9,6 +9,7 @@ from gpipe.pipeline import stage_call
 from lingvo.core import base_layer
 from lingvo.core import py_utils
 from tests import reference_bodies
+from tests import sessions
 
 NestedMap = py_utils.NestedMap
 
@@ -59,7 +60,7 @@ def test_context_keeps_aux_losses_and_summaries_from_the_caller():
         caller_summaries = py_utils.GetTpuSummaryTensors()
     assert caller_aux.aux_losses == [] and not caller_summaries
     assert [name for name, _, _ in res.summaries] == ['s', 's_1']
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       out, aux, seed, summaries = sess.run(
           (res.outputs, res.AuxLoss(), body.layer.seeds[0],
            [(v, w) for _, v, w in res.summaries]))
@@ -110,7 +111,7 @@ def test_non_trainable_assignments_come_back_instead_of_being_written():
         body, 'FProp', layer.theta, [x], {}, where='stage 0',
         var_names=['moving', 'count'],
         var_values=[tf.constant([0.5, -0.5]), tf.constant(7)])
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       (moving, count), stored = sess.run(
           (res.new_vars, (layer.vars.moving, layer.vars.count)))

@@ -29,6 +29,7 @@ from tests import close
 from tests import covering
 from tests import pipeline_harness as harness
 from tests import reference_bodies
+from tests import sessions
 
 NestedMap = py_utils.NestedMap
 Case = harness.Case
@@ -148,7 +149,7 @@ def _Run(case, mode, first=False):
                      grads=dense(tf.gradients(sums.loss, xs)),
                      ref_grads=dense(tf.gradients(ref.loss, xs)),
                      graph_ops=tf.constant(0))
-      with tf.compat.v1.Session() as sess:
+      with sessions.AsBuilt() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         ops = [op.name for op in tf.compat.v1.get_default_graph()
                .get_operations()]

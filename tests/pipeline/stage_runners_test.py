@@ -22,6 +22,7 @@ from gpipe.pipeline import vectorized_stages
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
 from tests import reference_bodies
+from tests import sessions
 
 S, M, R, ROWS, D = 3, 4, 2, 2, 4
 
@@ -71,7 +72,7 @@ def test_each_stage_gets_its_slot_repeat_and_microbatch(stage_parallel):
         stage_runners.RunOneByOne)
     res = runner(spec, theta, it)
     assert res.aux is None and res.summaries == [] and res.vars == []
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       (got,) = sess.run(res.outputs)
   np.testing.assert_allclose(got, _Want(d), rtol=1e-5, atol=1e-6)
 

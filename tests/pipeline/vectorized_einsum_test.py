@@ -14,6 +14,7 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe.pipeline import vectorized_stages
 from tests import close
+from tests import sessions
 
 CALLS, ROWS, DIM, HIDDEN = 3, 4, 5, 6
 
@@ -65,7 +66,7 @@ def test_vectorized_einsum_equals_a_loop_over_calls(name):
                             tf.float32)
     grads = tf.gradients(vectorized, operands, cotangent)
     looped_grads = tf.gradients(looped, operands, cotangent)
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       got, want, g, w = sess.run([vectorized, looped, grads, looped_grads])
   # The einsums made (the one-call trace's, the vectorized one): all of the
   # one call's ranks where the call axis was merged, one with more where

@@ -35,6 +35,7 @@ from tests import covering
 from tests import decoding_test
 from tests import pipeline_harness as harness
 from tests import reference_bodies
+from tests import sessions
 
 D = 4
 
@@ -162,7 +163,7 @@ def _Build(params, batch, with_kwargs, mode):
     with tf.Graph().as_default():
       layer = params.Instantiate()
       fetch = Build(layer)
-      with tf.compat.v1.Session() as sess:
+      with sessions.AsBuilt() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         _LoadWeights(layer, sess)
         res = sess.run(fetch)
@@ -321,7 +322,7 @@ def _ForwardAndGrad(body_cls, vectorize, mode='graph', differentiate=True):
       y = layer.FProp(layer.theta, tf.constant(x))
       grads = (tf.gradients(tf.reduce_sum(tf.sin(y)), layer.vars.Flatten())
                if differentiate else [])
-      with tf.compat.v1.Session() as sess:
+      with sessions.AsBuilt() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         _LoadWeights(layer, sess)
         return sess.run(y), sess.run(grads), layer
