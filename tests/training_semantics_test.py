@@ -199,7 +199,7 @@ def Run(case, mode, weights=None):
       _Load(pipe, case, weights)
     compiled_ref = case.keep_prob < 1.0
 
-    @tf.function(jit_compile=True)
+    @tf.function(jit_compile=True, autograph=False)
     def Step():
       with tf.GradientTape() as tape:
         t, variables = _PipelinedStep(case, pipe, x_np, cot_np,

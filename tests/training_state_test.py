@@ -162,7 +162,7 @@ class _StatefulStack:
       theta_values = [tf.convert_to_tensor(v).numpy()
                       for v in pipe.theta.Flatten()]
 
-      @tf.function(jit_compile=True)
+      @tf.function(jit_compile=True, autograph=False)
       def Step():
         with tf.GradientTape() as tape:
           t = self.Build(pipe, tape.watch)
