@@ -304,9 +304,11 @@ def parsed_flags():
 
 
 def _RunJit(layer, variables, x, cotangent):
-  """Forward and gradients under tf.function(jit_compile=True)."""
+  """Forward and gradients under tf.function(jit_compile=True), traced as
+  written (autograph=False), as Lingvo's own TF2 runners trace its layers;
+  gpipe's layer methods are never converted by autograph anyway."""
 
-  @tf.function(jit_compile=True)
+  @tf.function(jit_compile=True, autograph=False)
   def Step(x):
     with tf.GradientTape() as tape:
       tape.watch(x)

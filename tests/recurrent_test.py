@@ -17,7 +17,8 @@ policy stores and recomputes is in recurrent_remat_test.py; the cells and
 inputs Recurrent refuses are in recurrent_errors_test.py.
 
 Modes: TF1 graph mode (tf.Graph + tf.compat.v1.Session + tf.gradients) and TF2
-`tf.function(jit_compile=True)` + tf.GradientTape.
+`tf.function(jit_compile=True)` + tf.GradientTape, traced as written
+(autograph=False, as the pipelined layer traces Recurrent).
 """
 
 import functools
@@ -105,7 +106,7 @@ def _RunJitImpl(impl, cell, loss_kind, remat_policy,
   tensors = cases.ToTensors(case, theta_as_variables)
   w = [tf.constant(x) for x in weights]
 
-  @tf.function(jit_compile=True)
+  @tf.function(jit_compile=True, autograph=False)
   def Fn(tensors, w):
     xs = cases.FloatLeaves(tensors)
     with tf.GradientTape() as tape:
@@ -238,7 +239,8 @@ def test_extras_in_rows_and_no_returned_states(jit):
   got = {}
   for impl in cases.IMPLS:
     if jit:
-      fn = tf.function(functools.partial(Run, impl), jit_compile=True)
+      fn = tf.function(functools.partial(Run, impl), jit_compile=True,
+                       autograph=False)
       got[impl] = tf.nest.map_structure(
           lambda t: t.numpy(), fn(cases.ToTensors(case, False)))
     else:
@@ -298,7 +300,8 @@ def test_undo_recovers_unkept_state_for_the_backward_loop(jit):
   got = {}
   for impl in ('undo', 'kept', 'reference'):
     if jit:
-      fn = tf.function(functools.partial(Run, impl), jit_compile=True)
+      fn = tf.function(functools.partial(Run, impl), jit_compile=True,
+                       autograph=False)
       got[impl] = tf.nest.map_structure(
           lambda v: v.numpy(),
           fn({k: tf.constant(v) for k, v in values.items()}))

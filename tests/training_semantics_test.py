@@ -77,7 +77,7 @@ def _LayerTheta(case, theta, layer):
   """Layer `layer`'s weights, sliced by the documented variable layout."""
   r, s = divmod(layer, case.num_stages)
   if case.circular_repeat > 1:
-    return tf.nest.map_structure(lambda v: v[s][r], theta.body)
+    return tf.nest.map_structure(lambda v: v[s, r], theta.body)
   return tf.nest.map_structure(lambda v: v[s], theta.body)
 
 
@@ -87,13 +87,15 @@ def _Reference(case, pipe, theta, x):
   sched = schedule_lib.Schedule(case.num_stages, m_count, case.circular_repeat)
   outs, aux_total = [], 0.0
   summaries = []  # (stage, value, weight)
+  layer_thetas = [_LayerTheta(case, theta, layer)
+                  for layer in range(case.num_layers)]
   for m in range(m_count):
     h = x[m::m_count]
     for layer in range(case.num_layers):
       py_utils.ResetStepSeed(BASE_SEED + sched.StepSeedOffset(layer, m))
       with py_utils.AuxLossContext(reentrant=True) as aux_ctx:
         with py_utils.TpuSummaryTensorContext():
-          h = pipe.body.FProp(_LayerTheta(case, theta, layer), h)
+          h = pipe.body.FProp(layer_thetas[layer], h)
           (value, weight), = py_utils.GetTpuSummaryTensors().values()
       aux_total += tf.add_n(aux_ctx.aux_losses)
       summaries.append((layer % case.num_stages, value, weight))
@@ -134,57 +136,91 @@ def _Inputs(case, seed=0):
   return x.astype(np.float32), cot.astype(np.float32)
 
 
-def _Build(case, pipe, x_np, cot_np, watch=None):
-  """Both computations and their gradients, as a dict of tensors."""
-  theta = pipe.theta
+def _PipelinedStep(case, pipe, x_np, cot_np, watch=None):
+  """The layer's outputs and gradients, as a dict of tensors."""
   variables = pipe.vars.Flatten()
-  result = {}
-  for name, fn in (('pipe', _Pipelined), ('ref', _Reference)):
-    x = tf.constant(x_np)
-    if watch:
-      watch(x)
+  x = tf.constant(x_np)
+  if watch:
+    watch(x)
+  with py_utils.GlobalStepContext(tf.constant(GLOBAL_STEP, tf.int64)):
+    out, aux, summaries = _Pipelined(case, pipe, pipe.theta, x)
+  loss = tf.reduce_sum(out * cot_np) + aux
+  return dict(out=out, aux=aux, summaries=summaries, loss=loss,
+              x=x), variables
+
+
+def _ReferenceStep(case, pipe, theta, x_np, cot_np):
+  """The reference's outputs and gradients w.r.t. `theta`'s leaves (the
+  values of the layer's weights) and the input, as a dict of tensors."""
+  leaves = theta.Flatten()
+  x = tf.constant(x_np)
+  with tf.GradientTape() as tape:
+    tape.watch(leaves + [x])
     with py_utils.GlobalStepContext(tf.constant(GLOBAL_STEP, tf.int64)):
-      out, aux, summaries = fn(case, pipe, theta, x)
+      out, aux, summaries = _Reference(case, pipe, theta, x)
     loss = tf.reduce_sum(out * cot_np) + aux
-    result[name] = dict(out=out, aux=aux, summaries=summaries, loss=loss,
-                        x=x)
-  return result, variables
+  grads = tape.gradient(loss, leaves + [x])
+  return dict(out=out, aux=aux, summaries=summaries,
+              grads=[tf.convert_to_tensor(g) for g in grads])
+
+
+def _ThetaMatchesVars(pipe):
+  """The theta leaves the reference differentiates are the variables'."""
+  assert ([k for k, _ in pipe.theta.FlattenItems()] ==
+          [k for k, _ in pipe.vars.FlattenItems()])
 
 
 def Run(case, mode, weights=None):
-  """Returns {pipe|ref: {out, aux, summaries, grads}} as NumPy."""
+  """Returns {pipe|ref: {out, aux, summaries, grads}} as NumPy.
+
+  The reference runs op by op (eagerly: TensorFlow's own kernels, never
+  the layer's loops) on the values of the layer's weights, whatever mode
+  the layer ran in; but with dropout under jit, in the same compiled
+  function as the layer, since XLA draws other stateless random numbers
+  than TensorFlow's kernels do."""
   x_np, cot_np = _Inputs(case)
   if mode == 'graph':
     with tf.Graph().as_default():
       pipe = case.Params().Instantiate()
-      built, variables = _Build(case, pipe, x_np, cot_np)
-      fetch = {}
-      for name, t in built.items():
-        grads = tf.gradients(t['loss'], variables + [t['x']])
-        fetch[name] = dict(out=t['out'], aux=t['aux'],
-                           summaries=t['summaries'], grads=grads)
+      _ThetaMatchesVars(pipe)
+      t, variables = _PipelinedStep(case, pipe, x_np, cot_np)
+      grads = tf.gradients(t['loss'], variables + [t['x']])
+      fetch = dict(out=t['out'], aux=t['aux'], summaries=t['summaries'],
+                   grads=grads)
       with tf.compat.v1.Session() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         if weights is not None:
           _Load(pipe, case, weights, sess)
-        return sess.run(fetch)
-  pipe = case.Params().Instantiate()
-  if weights is not None:
-    _Load(pipe, case, weights)
+        got, theta_values = sess.run((fetch, pipe.theta.Flatten()))
+  else:
+    pipe = case.Params().Instantiate()
+    _ThetaMatchesVars(pipe)
+    if weights is not None:
+      _Load(pipe, case, weights)
+    compiled_ref = case.keep_prob < 1.0
 
-  @tf.function(jit_compile=True)
-  def Step():
-    with tf.GradientTape(persistent=True) as tape:
-      built, variables = _Build(case, pipe, x_np, cot_np, watch=tape.watch)
-    fetch = {}
-    for name, t in built.items():
+    @tf.function(jit_compile=True, autograph=False)
+    def Step():
+      with tf.GradientTape() as tape:
+        t, variables = _PipelinedStep(case, pipe, x_np, cot_np,
+                                      watch=tape.watch)
       grads = tape.gradient(t['loss'], variables + [t['x']])
-      fetch[name] = dict(out=t['out'], aux=t['aux'],
-                         summaries=t['summaries'],
-                         grads=[tf.convert_to_tensor(g) for g in grads])
-    return fetch
+      fetch = dict(pipe=dict(out=t['out'], aux=t['aux'],
+                             summaries=t['summaries'],
+                             grads=[tf.convert_to_tensor(g) for g in grads]))
+      if compiled_ref:
+        fetch['ref'] = _ReferenceStep(case, pipe, pipe.theta, x_np, cot_np)
+      return fetch
 
-  return tf.nest.map_structure(lambda t: t.numpy(), Step())
+    fetched = tf.nest.map_structure(lambda t: t.numpy(), Step())
+    if compiled_ref:
+      return fetched
+    got = fetched['pipe']
+    theta_values = [tf.convert_to_tensor(v).numpy()
+                    for v in pipe.theta.Flatten()]
+  theta = pipe.theta.Pack([tf.constant(v) for v in theta_values])
+  ref = _ReferenceStep(case, pipe, theta, x_np, cot_np)
+  return dict(pipe=got, ref=tf.nest.map_structure(lambda t: t.numpy(), ref))
 
 
 def _Load(pipe, case, weights, sess=None):

@@ -107,7 +107,7 @@ class _StatefulStack:
     return tf.reshape(tf.stack(outs, axis=1), self.x_np.shape)
 
   def Build(self, pipe, watch=None):
-    """The layer and the TF reference on the inputs, as a dict of tensors."""
+    """The layer on the inputs, as a dict of tensors."""
     x = tf.constant(self.x_np)
     if watch:
       watch(x)
@@ -116,12 +116,27 @@ class _StatefulStack:
     with tf.control_dependencies(tf.nest.flatten(initial)):
       out = pipe.FProp(pipe.theta, x)
     trainable = [v for v in pipe.vars.Flatten() if v.trainable]
-    theta_vars = {k: dict(v.FlattenItems()) for k, v in pipe.theta.items()}
-    ref = self.TfReference(theta_vars, initial, x)
     loss = tf.reduce_sum(out * self.cot)
-    ref_loss = tf.reduce_sum(ref * self.cot)
-    return dict(out=out, ref=ref, x=x, initial=initial, loss=loss,
-                ref_loss=ref_loss, trainable=trainable)
+    return dict(out=out, x=x, initial=initial, loss=loss, trainable=trainable)
+
+  def RefGrads(self, pipe, theta_values, initial):
+    """The TF reference op by op (eagerly) on the values of the layer's
+    theta and initial state: its outputs and its gradients w.r.t. the
+    trainable variables' theta and the input."""
+    theta = pipe.theta.Pack([tf.constant(v) for v in theta_values])
+    assert ([k for k, _ in theta.FlattenItems()] ==
+            [k for k, _ in pipe.vars.FlattenItems()])
+    trainable = [t for (_, t), (_, v) in zip(theta.FlattenItems(),
+                                             pipe.vars.FlattenItems())
+                 if v.trainable]
+    x = tf.constant(self.x_np)
+    with tf.GradientTape() as tape:
+      tape.watch(trainable + [x])
+      theta_vars = {k: dict(v.FlattenItems()) for k, v in theta.items()}
+      ref = self.TfReference(theta_vars, initial, x)
+      ref_loss = tf.reduce_sum(ref * self.cot)
+    ref_grads = tape.gradient(ref_loss, trainable + [x])
+    return ref.numpy(), [tf.convert_to_tensor(g).numpy() for g in ref_grads]
 
   @staticmethod
   def Final(pipe):
@@ -136,28 +151,30 @@ class _StatefulStack:
         pipe = self.params.Instantiate()
         t = self.Build(pipe)
         grads = tf.gradients(t['loss'], t['trainable'] + [t['x']])
-        ref_grads = tf.gradients(t['ref_loss'], t['trainable'] + [t['x']])
         with tf.compat.v1.Session() as sess:
           sess.run(tf.compat.v1.global_variables_initializer())
-          res = sess.run(dict(out=t['out'], ref=t['ref'],
-                              initial=t['initial'], grads=grads,
-                              ref_grads=ref_grads))
+          res, theta_values = sess.run((
+              dict(out=t['out'], initial=t['initial'], grads=grads),
+              pipe.theta.Flatten()))
           res['final'] = sess.run(self.Final(pipe))
-      return res
-    pipe = self.params.Instantiate()
+    else:
+      pipe = self.params.Instantiate()
+      theta_values = [tf.convert_to_tensor(v).numpy()
+                      for v in pipe.theta.Flatten()]
 
-    @tf.function(jit_compile=True)
-    def Step():
-      with tf.GradientTape(persistent=True) as tape:
-        t = self.Build(pipe, tape.watch)
-      grads = tape.gradient(t['loss'], t['trainable'] + [t['x']])
-      ref_grads = tape.gradient(t['ref_loss'], t['trainable'] + [t['x']])
-      return dict(out=t['out'], ref=t['ref'], initial=t['initial'],
-                  grads=[tf.convert_to_tensor(g) for g in grads],
-                  ref_grads=[tf.convert_to_tensor(g) for g in ref_grads])
+      @tf.function(jit_compile=True, autograph=False)
+      def Step():
+        with tf.GradientTape() as tape:
+          t = self.Build(pipe, tape.watch)
+        grads = tape.gradient(t['loss'], t['trainable'] + [t['x']])
+        return dict(out=t['out'], initial=t['initial'],
+                    grads=[tf.convert_to_tensor(g) for g in grads])
 
-    res = tf.nest.map_structure(lambda v: v.numpy(), Step())
-    res['final'] = tf.nest.map_structure(lambda v: v.numpy(), self.Final(pipe))
+      res = tf.nest.map_structure(lambda v: v.numpy(), Step())
+      res['final'] = tf.nest.map_structure(lambda v: v.numpy(),
+                                           self.Final(pipe))
+    res['ref'], res['ref_grads'] = self.RefGrads(pipe, theta_values,
+                                                 res['initial'])
     return res
 
 
