@@ -52,6 +52,7 @@ from lingvo.core import scatter_update
 from tests import close
 from tests import covering
 from tests import reference_bodies
+from tests import sessions
 
 _DIM = 4
 _BATCH = 12  # Divisible by every microbatch count used here.
@@ -209,7 +210,7 @@ def _RunGraph(params, inputs, kwarg_names=(), weights=None, seed=1234):
     assert all(g is not None for g in grads), grads
     # A gradient may come back as IndexedSlices; compare it densely.
     grads = [tf.convert_to_tensor(g) for g in grads]
-    with tf.compat.v1.Session(graph=graph) as sess:
+    with sessions.AsBuilt(graph) as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       if weights is not None:
         assert sorted(weights) == names, (sorted(weights), names)

@@ -284,7 +284,7 @@ def RunCase(case, mode):
       x_p, x_r = t['x']
       grads = _Dense(tf.gradients(loss, t['vars'] + [x_p]))
       ref_grads = _Dense(tf.gradients(ref_loss, t['vars'] + [x_r]))
-      with _Session(case) as sess:
+      with sessions.AsBuilt() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         res = _SessionRun(
             sess,
@@ -328,14 +328,6 @@ def RunCase(case, mode):
       reference_bodies.NP, case, PerLayerWeights(case, res['vars']), args,
       kwargs, no_batch)
   return res
-
-
-def _Session(case):
-  """The graph as built, unless XLA compiles its loops inside it (which
-  needs the graph optimizations: tests/sessions.py)."""
-  if case.compile_loops == 'never':
-    return sessions.AsBuilt()
-  return tf.compat.v1.Session()
 
 
 def _ZeroValues(layer, case):

@@ -32,6 +32,7 @@ from gpipe import recurrent
 from tests import close
 from tests import covering
 from tests import recurrent_cases as cases
+from tests import sessions
 
 _B, _H, _T = cases.B, cases.H, cases.T
 
@@ -93,7 +94,7 @@ def _RunGraphMode(cell, loss_kind, remat_policy, theta_as_variables):
       grads = tf.gradients(
           loss, xs, unconnected_gradients=tf.UnconnectedGradients.ZERO)
       fetches[impl] = (outputs, loss, [tf.convert_to_tensor(g) for g in grads])
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       return sess.run(fetches)
 
@@ -246,7 +247,7 @@ def test_extras_in_rows_and_no_returned_states(jit):
     else:
       with tf.Graph().as_default():
         fetches = Run(impl, cases.ToTensors(case, False))
-        with tf.compat.v1.Session() as sess:
+        with sessions.AsBuilt() as sess:
           got[impl] = sess.run(fetches)
   (outputs, loss, grads), (ref_outputs, ref_loss, ref_grads) = (
       got['recurrent'], got['reference'])
@@ -308,7 +309,7 @@ def test_undo_recovers_unkept_state_for_the_backward_loop(jit):
     else:
       with tf.Graph().as_default():
         fetches = Run(impl, {k: tf.constant(v) for k, v in values.items()})
-        with tf.compat.v1.Session() as sess:
+        with sessions.AsBuilt() as sess:
           got[impl] = sess.run(fetches)
   for impl in ('kept', 'reference'):
     _AssertClose(got['undo'][0], got[impl][0], f'loss vs {impl}',

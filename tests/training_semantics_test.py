@@ -28,6 +28,7 @@ from lingvo.core import py_utils
 from tests import close
 from tests import covering
 from tests import reference_bodies
+from tests import sessions
 
 DIM = reference_bodies.TrainingBody.Params().dim
 BASE_SEED = 1000
@@ -187,7 +188,7 @@ def Run(case, mode, weights=None):
       grads = tf.gradients(t['loss'], variables + [t['x']])
       fetch = dict(out=t['out'], aux=t['aux'], summaries=t['summaries'],
                    grads=grads)
-      with tf.compat.v1.Session() as sess:
+      with sessions.AsBuilt() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         if weights is not None:
           _Load(pipe, case, weights, sess)
@@ -405,7 +406,7 @@ def test_unrolled_summaries_are_named_and_averaged_per_stage(
         h = pipe.body.FProp(_LayerTheta(case, pipe.theta, layer), h)
         (value, weight), = py_utils.GetTpuSummaryTensors().values()
       want[layer % num_stages].append((value, weight))
-    with tf.compat.v1.Session() as sess:
+    with sessions.AsBuilt() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
       got, want = sess.run((got, want))
   assert len(got) == num_stages, sorted(got)

@@ -19,6 +19,7 @@ import tensorflow as tf
 from gpipe import layers
 from tests import covering
 from tests import reference_bodies
+from tests import sessions
 
 STATEFUL_SWEEP = [
     (1, 2, 1, False, 'reverse'), (2, 3, 1, False, 'reverse'),
@@ -151,7 +152,7 @@ class _StatefulStack:
         pipe = self.params.Instantiate()
         t = self.Build(pipe)
         grads = tf.gradients(t['loss'], t['trainable'] + [t['x']])
-        with tf.compat.v1.Session() as sess:
+        with sessions.AsBuilt() as sess:
           sess.run(tf.compat.v1.global_variables_initializer())
           res, theta_values = sess.run((
               dict(out=t['out'], initial=t['initial'], grads=grads),
