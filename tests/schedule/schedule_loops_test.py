@@ -21,8 +21,7 @@ _PHASE_SWEEP = [(s, m, r) for s in range(1, 7) for m in (1, 2, 3, 5, 8, 13)
                 for r in (1, 2, 3)]
 
 
-@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
-def test_phases_tile_the_loop_and_hold_every_useful_slot(s, m, r):
+def _PhasesTileTheLoopAndHoldEveryUsefulSlot(s, m, r):
   """Phases: consecutive runs covering [0, T); each computes a range of
   ceil(S/2) or S stages holding every valid slot of its iterations; at
   most three, the narrow ones first and last."""
@@ -79,8 +78,7 @@ def _ExpectedBackward(s, m, r):
           for (mb, l) in done}
 
 
-@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
-def test_backward_wave_runs_every_call_once_by_the_rule(s, m, r):
+def _BackwardWaveRunsEveryCallOnceByTheRule(s, m, r):
   """Every real (microbatch, layer) call is differentiated exactly once, at
   the stage that ran it, at the iteration the rule gives, reading the
   input its forward wrote at the same forward iteration; its input waits
@@ -113,8 +111,7 @@ def test_backward_wave_runs_every_call_once_by_the_rule(s, m, r):
   assert waves.ring_size == 2 * s * r - 1
 
 
-@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
-def test_gradient_phases_hold_both_waves(s, m, r):
+def _GradientPhasesHoldBothWaves(s, m, r):
   """The phases tile the gradient loop; the forward wave runs exactly in
   [0, T), the backward wave in [delay, delay + T)."""
   sched = Schedule(s, m, r)
@@ -147,8 +144,7 @@ def _Rotate(column):
   return column[1:] + column[:1]
 
 
-@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
-def test_streams_deliver_in_order_and_end_home(s, m, r):
+def _StreamsDeliverInOrderAndEndHome(s, m, r):
   """Simulated with Python lists, by the rules gpipe.schedule.Streams documents:
   stage 0 reads a slot's entry at stage 0, then the slot's column rotates;
   the last stage's output goes to a slot's last entry after its column
@@ -214,6 +210,16 @@ def test_streams_deliver_in_order_and_end_home(s, m, r):
       SetColumn(d_in, k, _Rotate(Column(d_in, k)))
   assert read_order == list(range(m)) == write_order
   assert Home(d_in) == expected
+
+
+@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
+def test_the_loops_follow_their_rules(s, m, r):
+  """The forward phases, the 1f1b gradient loop and stream_io's slots on
+  one (S, M, R): one test per row, not one per row and check."""
+  _PhasesTileTheLoopAndHoldEveryUsefulSlot(s, m, r)
+  _BackwardWaveRunsEveryCallOnceByTheRule(s, m, r)
+  _GradientPhasesHoldBothWaves(s, m, r)
+  _StreamsDeliverInOrderAndEndHome(s, m, r)
 
 
 if __name__ == '__main__':

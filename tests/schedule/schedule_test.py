@@ -224,8 +224,7 @@ def test_simulator_reproduces_hand_worked_examples():
 # -- Sweep against the simulator. ---------------------------------------------
 
 
-@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
-def test_table_and_shape_match_simulator(s, m, r):
+def _TableAndShapeMatchSimulator(s, m, r):
   sched = Schedule(s, m, r)
   sim = _Simulate(s, m, r)
   assert sched.num_iterations == sim.num_iterations
@@ -240,8 +239,7 @@ def test_table_and_shape_match_simulator(s, m, r):
   assert 0.0 <= sched.bubble_fraction < 1.0
 
 
-@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
-def test_per_slot_functions_match_simulator(s, m, r):
+def _PerSlotFunctionsMatchSimulator(s, m, r):
   sched = Schedule(s, m, r)
   sim = _Simulate(s, m, r)
   margin = 2 * s * r + 1
@@ -266,8 +264,7 @@ def test_per_slot_functions_match_simulator(s, m, r):
         assert type(value) is int  # pylint: disable=unidiomatic-typecheck
 
 
-@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
-def test_stage_tables_match_simulator(s, m, r):
+def _StageTablesMatchSimulator(s, m, r):
   """The [T][S] tables the loop reads, against the simulator: on valid
   slots the cell's microbatch and repeat; on bubbles a microbatch in range;
   stage 0 reads where the simulator says, no other stage ever."""
@@ -295,8 +292,7 @@ def test_stage_tables_match_simulator(s, m, r):
           (layer * m + mb) * schedule.STEP_SEEDS_PER_CALL), (i, stage)
 
 
-@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
-def test_per_microbatch_functions_match_simulator(s, m, r):
+def _PerMicrobatchFunctionsMatchSimulator(s, m, r):
   sched = Schedule(s, m, r)
   sim = _Simulate(s, m, r)
   for mb in range(m):
@@ -316,8 +312,7 @@ def test_per_microbatch_functions_match_simulator(s, m, r):
   assert sched.OutputIndexPerIteration() == finishes
 
 
-@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
-def test_numpy_grids_match_ints(s, m, r):
+def _NumpyGridsMatchInts(s, m, r):
   sched = Schedule(s, m, r)
   margin = 2 * s * r + 1
   it, st = _Grid(sched, margin)
@@ -352,8 +347,7 @@ def test_numpy_grids_match_ints(s, m, r):
     assert int(valid.sum()) == sim.useful_slots
 
 
-@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
-def test_layer_iteration_and_state_slots_match_the_simulator(s, m, r):
+def _LayerIterationAndStateSlotsMatchTheSimulator(s, m, r):
   # Per-stage decoding states live in slot (iteration, stage) of the work
   # item stage runs then: LayerIteration finds every (microbatch, layer)'s
   # slot, and StateMicrobatchPerSlot names the microbatch of every slot.
@@ -394,9 +388,7 @@ def test_only_tensor_ops_are_used(s, m, r):
 # -- Closed forms stated in the docstring. ------------------------------------
 
 
-@pytest.mark.parametrize('s,m', list(itertools.product(range(1, 6),
-                                                       range(1, 13))))
-def test_linear_num_iterations_formula(s, m):
+def _LinearNumIterationsFormula(s, m):
   sched = Schedule(s, m)
   assert sched.circular_repeat == 1
   assert not sched.circular
@@ -406,8 +398,7 @@ def test_linear_num_iterations_formula(s, m):
   assert Schedule(s, m, 1) == sched
 
 
-@pytest.mark.parametrize('s,m,r', [x for x in _SWEEP if x[2] > 1])
-def test_circular_num_iterations_formula(s, m, r):
+def _CircularNumIterationsFormula(s, m, r):
   sched = Schedule(s, m, r)
   assert sched.circular
   assert sched.num_padded_microbatches == math.ceil(m / s) * s
@@ -439,13 +430,30 @@ def test_render_circular_doc_example_exact_layout():
   assert schedule_text.Render(Schedule(2, 3, 2)) == _CIRCULAR_DOC_DIAGRAM
 
 
-@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
-def test_render_cells_match_simulator(s, m, r):
+def _RenderCellsMatchSimulator(s, m, r):
   rendered = schedule_text.Render(Schedule(s, m, r))
   lines = rendered.splitlines()
   assert len(lines) == s + 1
   assert len({len(line) for line in lines}) == 1  # Columns line up.
   assert _ParseDiagram(rendered) == _Simulate(s, m, r).table
+
+
+@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
+def test_schedule_matches_the_simulator(s, m, r):
+  """Every check of the sweep against the simulator, and the closed form
+  of T the docstring states, on one (S, M, R): one test per row, not one
+  per row and check (the checks are microseconds; a test item is not)."""
+  _TableAndShapeMatchSimulator(s, m, r)
+  _PerSlotFunctionsMatchSimulator(s, m, r)
+  _StageTablesMatchSimulator(s, m, r)
+  _PerMicrobatchFunctionsMatchSimulator(s, m, r)
+  _NumpyGridsMatchInts(s, m, r)
+  _LayerIterationAndStateSlotsMatchTheSimulator(s, m, r)
+  _RenderCellsMatchSimulator(s, m, r)
+  if r == 1:
+    _LinearNumIterationsFormula(s, m)
+  else:
+    _CircularNumIterationsFormula(s, m, r)
 
 
 # -- Parameter validation. ----------------------------------------------------
