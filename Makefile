@@ -16,10 +16,10 @@ demo: $(VENV)/.installed
 
 # worksteal: each worker starts on a contiguous half of the tests (module
 # fixtures built once) and takes over the other's tail when it runs dry.
-# --reruns 1 --rerun-except .: a test that crashes its worker (a segfault in
-# TensorFlow's runtime) runs once more in a new one; a failure is final.
+# A test that crashes its worker (a segfault in TensorFlow's runtime) runs
+# once more in a new one (tests/conftest.py); a failure is final.
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist worksteal --reruns 1 --rerun-except . --durations=10 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10 tests
 
 clean:
 	rm -rf $(VENV)
