@@ -243,8 +243,10 @@ def test_without_dropout_zeroes_every_dropout_param():
 # -- Causality and incremental decoding. --------------------------------------
 
 
-def _BuildTask(cfg, unroll, values=None):
-  """A fresh graph with the task (stack unroll as given) and a session."""
+def BuildTask(cfg, unroll, values=None):
+  """A fresh graph with the task (stack unroll as given), its variables
+  initialized or, given their `values` ({name: value}), loaded, and a
+  session running the graph as built."""
   c = cfg.Copy()
   c.task.stack.unroll = unroll
   graph = tf.Graph()
@@ -271,7 +273,7 @@ def _FullSequenceLogitsFn(graph, task, sess, shape):
 
 def test_the_lm_is_causal():
   """Logits at position i do not change when tokens after i do."""
-  graph, task, sess = _BuildTask(TinyCfg(), 'never')
+  graph, task, sess = BuildTask(TinyCfg(), 'never')
   logits_of = _FullSequenceLogitsFn(graph, task, sess, [6, 6])
   rng = np.random.RandomState(0)
   ids = rng.randint(2, 8, [6, 6]).astype(np.int32)
@@ -295,7 +297,7 @@ def test_decoding_through_the_pipeline_equals_the_unrolled_model(
   the unrolled model, token by token. batch_major: the pod configs' body."""
   cfg = TinyCfg(num_stages=num_stages, circular_repeat=circular_repeat,
                 num_microbatches=num_microbatches, batch_major=batch_major)
-  graph, task, sess = _BuildTask(cfg, 'never')
+  graph, task, sess = BuildTask(cfg, 'never')
   rng = np.random.RandomState(1)
   ids_np = rng.randint(2, 8, [6, 6]).astype(np.int32)
   with graph.as_default():
@@ -318,7 +320,7 @@ def test_decoding_through_the_pipeline_equals_the_unrolled_model(
     decoded = sess.run(task.Decode(py_utils.NestedMap(
         ids=tf.constant(ids_np), labels=tf.constant(ids_np)))).decoded
   sess.close()
-  ref_graph, ref_task, ref_sess = _BuildTask(cfg, 'always', values)
+  ref_graph, ref_task, ref_sess = BuildTask(cfg, 'always', values)
   reference = _FullSequenceLogitsFn(ref_graph, ref_task, ref_sess, [6, 6])
   np.testing.assert_allclose(np.stack(steps, axis=1), reference(ids_np),
                              rtol=1e-5, atol=1e-5)

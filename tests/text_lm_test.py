@@ -21,7 +21,7 @@ from lingvo.core import py_utils
 import params.lm  # pylint: disable=unused-import  (registers the models)
 from params import text_input
 from params import text_lm
-from tests import sessions
+from tests import lm_params_test
 
 flags_and_seeds.EnsureFlagsParsed()
 
@@ -52,23 +52,11 @@ def TinyTextCfg(pattern, *, seq_len=16, batch_size=4, learning_rate=3e-3,
   return cfg
 
 
-def _Built(cfg, unroll):
-  c = cfg.Copy()
-  c.task.stack.unroll = unroll
-  graph = tf.Graph()
-  with graph.as_default():
-    tf.compat.v1.random.set_random_seed(3)
-    task = c.Instantiate().GetTask()
-    sess = sessions.AsBuilt(graph)
-    sess.run(tf.compat.v1.global_variables_initializer())
-  return graph, task, sess
-
-
 def test_bits_per_byte_is_the_numpy_log_softmax_over_scored_bytes(text_files):
   """The task's metric and the demo's arithmetic, against log2 of a NumPy
   softmax of the model's logits, EOD labels left out."""
   cfg = TinyTextCfg(text_files)
-  graph, task, sess = _Built(cfg, 'never')
+  graph, task, sess = lm_params_test.BuildTask(cfg, 'never')
   gen = task.input_generator
   windows = gen.Windows(range(4))
   windows[1, 5] = text_input.EOD_ID  # an EOD label (not scored)
@@ -109,17 +97,16 @@ def test_sampling_through_the_pipeline_equals_full_sequence_sampling(
   stack (unroll='always') with the same Gumbel noise at each position."""
   cfg = TinyTextCfg(text_files, decode_temperature=temperature,
                     decode_seed=11)
-  graph, task, sess = _Built(cfg, 'never')
+  graph, task, sess = lm_params_test.BuildTask(cfg, 'never')
   prompts_np = task.input_generator.Windows(range(4))[:, :6]
   with graph.as_default():
     values = trainer.InitialValues(sess, task)
     sampled_t = task.Sample(task.theta, tf.constant(prompts_np), 9)
     sampled = sess.run(sampled_t)
   sess.close()
-  ref_graph, ref_task, ref_sess = _Built(cfg, 'always')
+  ref_graph, ref_task, ref_sess = lm_params_test.BuildTask(cfg, 'always',
+                                                           values)
   with ref_graph.as_default():
-    for v in ref_task.vars.Flatten():
-      v.load(values[v.name], ref_sess)
     ids = tf.compat.v1.placeholder(tf.int32, [4, None])
     logits = ref_task.ComputePredictions(ref_task.theta, py_utils.NestedMap(
         ids=ids, paddings=tf.zeros(tf.shape(ids), tf.float32))).logits
