@@ -109,8 +109,8 @@ if xdist is not None:
     runs once more, in the new worker xdist starts; a second crash fails.
 
     (Done here rather than by pytest-rerunfailures, whose bookkeeping asks
-    the controller over a socket before every test: 20 ms a test, a
-    minute of the suite's two workers.)"""
+    the controller over a socket before every test: docs/testing.md says
+    what that cost.)"""
     if crashitem not in _CRASHED_ONCE:
       _CRASHED_ONCE.add(crashitem)
       sched.mark_test_pending(crashitem)

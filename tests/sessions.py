@@ -2,7 +2,7 @@
 
 Grappler's rewrites and the graph optimizer change how fast a graph runs,
 not what it computes; on the tests' small graphs they take longer than the
-run itself (about a quarter of a graph-mode harness case). Where a graph
+run itself (docs/testing.md, 'Where the time goes'). Where a graph
 needs them, a test runs it in a default session: large_lm_test's 1f1b
 model, whose loops XLA compiles inside the graph, reads a shape XLA must
 know from a tensor only constant folding makes constant. The commands the
