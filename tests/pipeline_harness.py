@@ -3,8 +3,9 @@
 The references never call the layer's code: weights are read from the
 layer's variables and sliced per logical layer here (layer r * S + s), then
 the body's math (tests/reference_bodies.py) is applied layer after layer in
-a plain Python loop — in NumPy for the forward pass, and in TensorFlow for
-gradients (TF autodiff of the plain loop).
+a plain Python loop — in NumPy for the forward pass, and in TensorFlow, op
+by op, for gradients (TF autodiff of the plain loop, on the weights'
+values after the layer ran).
 
 Modes:
   'graph': tf.Graph + tf.compat.v1.Session, tf.gradients (Lingvo's home).
@@ -229,44 +230,54 @@ def _Unpremicrobatch(case, tree):
   return tf.nest.map_structure(Merge, tree)
 
 
-def _Compute(layer, case, args, kwargs, no_batch, cotangents, watch=None):
-  """Builds pipelined and reference losses; returns the tensors to fetch."""
-  theta = layer.theta
-  flat_vars = [v for v in tf.nest.flatten(layer.vars)]
-  t_args = _ToTf(args, watch)
-  t_kwargs = _ToTf(kwargs)
-  t_no_batch = _ToTf(no_batch)
+def _Pipelined(layer, case, args, kwargs, no_batch, cotangents, watch=None):
+  """Builds the pipelined layer's outputs and loss; returns the tensors
+  to fetch and to differentiate by."""
+  p_args, p_kwargs = args, kwargs
   if case.premicrobatched:
-    p_args = _ToTf(_Premicrobatch(case, args), watch)
-    p_kwargs = _ToTf(_Premicrobatch(case, kwargs))
-  else:
-    p_args, p_kwargs = t_args, t_kwargs
+    p_args, p_kwargs = (_Premicrobatch(case, args),
+                        _Premicrobatch(case, kwargs))
+    cotangents = _Premicrobatch(case, cotangents)
+  p_args, p_kwargs = _ToTf(p_args, watch), _ToTf(p_kwargs)
   if case.body == 'multi':
     p_args[2] = NestedMap(p_args[2])
   if case.kwargs_no_batch:
-    out = layer.FPropFn(theta, 'FProp', *p_args, padded_per_stage_states=[],
-                        kwargs_no_batch=t_no_batch, **p_kwargs)
+    out = layer.FPropFn(layer.theta, 'FProp', *p_args,
+                        padded_per_stage_states=[],
+                        kwargs_no_batch=_ToTf(no_batch), **p_kwargs)
   else:
-    out = layer.FProp(theta, *p_args, **p_kwargs)
+    out = layer.FProp(layer.theta, *p_args, **p_kwargs)
   out = list(out) if isinstance(out, tuple) else [out]
+  return dict(out=out, loss=_Loss(out, _ToTf(cotangents)),
+              by=tf.nest.flatten(layer.vars) + [p_args[0]])
 
-  values = {}
-  for name, child in layer.vars.items():
-    values[name] = dict(child.items())
-  weights = PerLayerWeights(case, values)
-  ref = SequentialReference(reference_bodies.TF, case, weights, t_args,
-                            t_kwargs, t_no_batch)
-  cot = _ToTf(cotangents)
-  cot_p = _ToTf(_Premicrobatch(case, cotangents)) if case.premicrobatched else cot
-  loss = _Loss(out, cot_p)
-  ref_loss = _Loss(ref, cot)
-  x_in = p_args[0]
-  return dict(
-      out=out,
-      ref=ref,
-      vars=flat_vars,
-      loss=(loss, ref_loss),
-      x=(x_in, t_args[0]))
+
+def _TfReference(case, var_values, args, kwargs, no_batch, cotangents):
+  """The TF reference op by op (eagerly) on the values of the layer's
+  weights: the plain stack's outputs, and by TF's autodiff of it the
+  gradients of its loss w.r.t. each weight (in tf.nest.flatten's order
+  of the layer's variables, as the pipelined gradients are) and the
+  first input. Run beside the layer, not in its graph or compiled
+  function: it checks the same numbers and costs no build or compile."""
+  stacked = tf.nest.map_structure(tf.constant, var_values)
+  with tf.GradientTape() as tape:
+    tape.watch(tf.nest.flatten(stacked))
+    t_args = _ToTf(args, tape.watch)
+    ref = SequentialReference(reference_bodies.TF, case,
+                              PerLayerWeights(case, stacked), t_args,
+                              _ToTf(kwargs), _ToTf(no_batch))
+    loss = _Loss(ref, _ToTf(cotangents))
+  grads = tape.gradient(loss, tf.nest.flatten(stacked) + [t_args[0]])
+  return _Numpy(_Fetchable(ref)), _Numpy(_Dense(grads))
+
+
+def _Numpy(tree):
+  return tf.nest.map_structure(lambda v: None if v is None else v.numpy(),
+                               tree)
+
+
+def _VarValues(layer):
+  return {k: dict(child.items()) for k, child in layer.vars.items()}
 
 
 def RunCase(case, mode):
@@ -276,58 +287,49 @@ def RunCase(case, mode):
     with tf.Graph().as_default():
       tf.compat.v1.set_random_seed(case.seed)
       layer = case.Params().Instantiate()
-      probe = SequentialReference(reference_bodies.NP, case, PerLayerWeights(
-          case, _ZeroValues(layer, case)), args, kwargs, no_batch)
-      cotangents = _Cotangents(probe, case.seed)
-      t = _Compute(layer, case, args, kwargs, no_batch, cotangents)
-      loss, ref_loss = t['loss']
-      x_p, x_r = t['x']
-      grads = _Dense(tf.gradients(loss, t['vars'] + [x_p]))
-      ref_grads = _Dense(tf.gradients(ref_loss, t['vars'] + [x_r]))
+      cotangents = _CotangentsFor(layer, case, args, kwargs, no_batch)
+      t = _Pipelined(layer, case, args, kwargs, no_batch, cotangents)
+      grads = _Dense(tf.gradients(t['loss'], t['by']))
       with sessions.AsBuilt() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
-        res = _SessionRun(
-            sess,
-            dict(out=_Fetchable(t['out']), ref=_Fetchable(t['ref']),
-                 grads=grads, ref_grads=ref_grads,
-                 vars={k: dict(v.items()) for k, v in layer.vars.items()}))
+        res = _SessionRun(sess, dict(out=_Fetchable(t['out']), grads=grads,
+                                     vars=_VarValues(layer)))
   else:
     # Eager random ops with an op seed also count how often that seed ran
     # in the process; resetting the global seed makes the weights a
     # function of the case alone, not of the tests run before it.
     tf.random.set_seed(case.seed)
     layer = case.Params().Instantiate()
-    probe = SequentialReference(reference_bodies.NP, case, PerLayerWeights(
-        case, _ZeroValues(layer, case)), args, kwargs, no_batch)
-    cotangents = _Cotangents(probe, case.seed)
+    cotangents = _CotangentsFor(layer, case, args, kwargs, no_batch)
 
     @tf.function(jit_compile=True)
     def Step():
-      with tf.GradientTape(persistent=True) as tape:
-        t = _Compute(layer, case, args, kwargs, no_batch, cotangents,
-                     watch=tape.watch)
-      loss, ref_loss = t['loss']
-      x_p, x_r = t['x']
-      return dict(
-          out=_Fetchable(t['out']),
-          ref=_Fetchable(t['ref']),
-          grads=_Dense(tape.gradient(loss, t['vars'] + [x_p])),
-          ref_grads=_Dense(tape.gradient(ref_loss, t['vars'] + [x_r])))
+      with tf.GradientTape() as tape:
+        t = _Pipelined(layer, case, args, kwargs, no_batch, cotangents,
+                       watch=tape.watch)
+      return dict(out=_Fetchable(t['out']),
+                  grads=_Dense(tape.gradient(t['loss'], t['by'])))
 
-    res = tf.nest.map_structure(lambda v: None if v is None else v.numpy(),
-                                Step())
-    res['vars'] = {
-        k: {n: v.numpy() for n, v in child.items()}
-        for k, child in layer.vars.items()
-    }
+    res = _Numpy(Step())
+    res['vars'] = _Numpy(_VarValues(layer))
   if case.premicrobatched:
     res['out'] = _Unpremicrobatch(case, res['out'])
     res['grads'][-1] = _Unpremicrobatch(case, res['grads'][-1])
+  res['ref'], res['ref_grads'] = _TfReference(case, res['vars'], args, kwargs,
+                                              no_batch, cotangents)
   res['layer'] = layer
   res['np_ref'] = SequentialReference(
       reference_bodies.NP, case, PerLayerWeights(case, res['vars']), args,
       kwargs, no_batch)
   return res
+
+
+def _CotangentsFor(layer, case, args, kwargs, no_batch):
+  """Output cotangents shaped as the plain stack's outputs (from NumPy,
+  on zero weights of the layer's shapes)."""
+  probe = SequentialReference(reference_bodies.NP, case, PerLayerWeights(
+      case, _ZeroValues(layer, case)), args, kwargs, no_batch)
+  return _Cotangents(probe, case.seed)
 
 
 def _ZeroValues(layer, case):
