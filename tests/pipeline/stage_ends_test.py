@@ -99,13 +99,13 @@ def _Data(case):
 
 
 def _Build(layer, case, data, args, first, watch=None):
-  """(pipelined sums, reference sums, [variables, the input or the first
-  stage's table, loss weight])."""
+  """(pipelined sums, [variables, the input or the first stage's table,
+  loss weight]): the sums and what their gradients are taken by."""
   t = lambda v: None if v is None else tf.constant(v)
-  t_args = tf.nest.map_structure(t, args)
+  p_args = list(tf.nest.map_structure(t, args))
   w_out, table = tf.constant(data['out']), tf.constant(data['table'])
   if watch:
-    watch([t_args[0], w_out, table])
+    watch([p_args[0], w_out, table])
   loss = stage_ends.LastStageLoss(
       _Fn, NestedMap(out=w_out),
       NestedMap(labels=tf.constant(data['labels']),
@@ -115,21 +115,39 @@ def _Build(layer, case, data, args, first, watch=None):
       NestedMap(table=table),
       NestedMap(ids=tf.constant(data['ids']), scale=tf.constant(data['scale'])))
   if first:
-    t_args = list(first_stage.Args(first_stage.weights, first_stage.inputs))
     sums = layer.FPropWithLoss(layer.theta, loss, first_stage=first_stage)
   else:
-    p_args = list(t_args)
     if case.body == 'multi':
       p_args[2] = NestedMap(p_args[2])
     sums = layer.FPropWithLoss(layer.theta, loss, *p_args)
-  values = {n: dict(c.items()) for n, c in layer.vars.items()}
-  ref_out = harness.SequentialReference(
-      reference_bodies.TF, case, harness.PerLayerWeights(case, values),
-      t_args, {}, {})
-  ref = _Fn(loss.weights, ref_out if case.body == 'multi' else ref_out[0],
-            loss.inputs)
-  return sums, ref, tf.nest.flatten(layer.vars) + [
-      table if first else t_args[0], w_out]
+  return sums, tf.nest.flatten(layer.vars) + [
+      table if first else p_args[0], w_out]
+
+
+def _TfReference(case, data, args, first, var_values):
+  """The TF reference op by op (eagerly) on the layer's weight values:
+  the loss's sums on a plain loop over the logical layers (of the inputs
+  given, or made from the table), and by TF's autodiff their loss's
+  gradients w.r.t. the same list as _Build's."""
+  stacked = tf.nest.map_structure(tf.constant, var_values)
+  tf_data = {k: tf.constant(v) for k, v in data.items()}
+  t_args = list(tf.nest.map_structure(
+      lambda v: None if v is None else tf.constant(v), args))
+  by = tf.nest.flatten(stacked) + [
+      tf_data['table'] if first else t_args[0], tf_data['out']]
+  with tf.GradientTape() as tape:
+    tape.watch(by)
+    if first:
+      made = _Made(_TF, tf_data, tf_data, case.body)
+      t_args = list(made) if case.body == 'multi' else [made]
+    out = harness.SequentialReference(
+        reference_bodies.TF, case, harness.PerLayerWeights(case, stacked),
+        t_args, {}, {})
+    sums = _LossSums(_TF, tf_data, out if case.body == 'multi' else out[0],
+                     tf_data)
+  grads = tape.gradient(sums['loss'], by)
+  return ({k: v.numpy() for k, v in sums.items()},
+          [tf.convert_to_tensor(g).numpy() for g in grads])
 
 
 def _Run(case, mode, first=False):
@@ -139,41 +157,35 @@ def _Run(case, mode, first=False):
   if first:
     made = _Made(_NP, data, data, case.body)
     args = list(made) if case.body == 'multi' else [made]
+  dense = lambda gs: [tf.convert_to_tensor(g) for g in gs]
   if mode == 'graph':
     with tf.Graph().as_default():
       tf.compat.v1.set_random_seed(case.seed)
       layer = case.Params().Instantiate()
-      sums, ref, xs = _Build(layer, case, data, args, first)
-      dense = lambda gs: [tf.convert_to_tensor(g) for g in gs]
-      fetches = dict(sums=sums, ref=ref,
-                     grads=dense(tf.gradients(sums.loss, xs)),
-                     ref_grads=dense(tf.gradients(ref.loss, xs)),
-                     graph_ops=tf.constant(0))
+      sums, xs = _Build(layer, case, data, args, first)
+      fetches = dict(sums=sums, grads=dense(tf.gradients(sums.loss, xs)),
+                     vars={n: dict(c.items()) for n, c in layer.vars.items()})
       with sessions.AsBuilt() as sess:
         sess.run(tf.compat.v1.global_variables_initializer())
         ops = [op.name for op in tf.compat.v1.get_default_graph()
                .get_operations()]
-        res = sess.run({k: v for k, v in fetches.items()})
+        res = sess.run(fetches)
         res['op_names'] = ops
-        res['vars'] = sess.run({n: dict(c.items())
-                                for n, c in layer.vars.items()})
   else:
     tf.random.set_seed(case.seed)
     layer = case.Params().Instantiate()
 
     @tf.function(jit_compile=True)
     def Step():
-      with tf.GradientTape(persistent=True) as tape:
-        sums, ref, xs = _Build(layer, case, data, args, first,
-                               watch=tape.watch)
-      dense = lambda gs: [tf.convert_to_tensor(g) for g in gs]
-      return dict(sums=sums, ref=ref,
-                  grads=dense(tape.gradient(sums.loss, xs)),
-                  ref_grads=dense(tape.gradient(ref.loss, xs)))
+      with tf.GradientTape() as tape:
+        sums, xs = _Build(layer, case, data, args, first, watch=tape.watch)
+      return dict(sums=sums, grads=dense(tape.gradient(sums.loss, xs)))
 
     res = tf.nest.map_structure(lambda v: v.numpy(), Step())
     res['vars'] = {n: {k: v.numpy() for k, v in c.items()}
                    for n, c in layer.vars.items()}
+  res['ref'], res['ref_grads'] = _TfReference(case, data, args, first,
+                                              res['vars'])
   np_out = harness.SequentialReference(
       reference_bodies.NP, case, harness.PerLayerWeights(case, res['vars']),
       args, {}, {})
