@@ -253,12 +253,26 @@ def _Pipelined(layer, case, args, kwargs, no_batch, cotangents, watch=None):
 
 
 def _TfReference(case, var_values, args, kwargs, no_batch, cotangents):
-  """The TF reference op by op (eagerly) on the values of the layer's
-  weights: the plain stack's outputs, and by TF's autodiff of it the
-  gradients of its loss w.r.t. each weight (in tf.nest.flatten's order
-  of the layer's variables, as the pipelined gradients are) and the
-  first input. Run beside the layer, not in its graph or compiled
-  function: it checks the same numbers and costs no build or compile."""
+  """The TF reference on the values of the layer's weights, run beside the
+  layer, not in its graph or compiled function: it checks the same numbers
+  and costs no build or compile per case. Op by op (eagerly); under TF1
+  behaviour (disable_v2_behavior, as Lingvo's trainer runs) in a graph of
+  its own."""
+  if tf.executing_eagerly():
+    return _Numpy(_ReferenceAndGradients(case, var_values, args, kwargs,
+                                         no_batch, cotangents))
+  with tf.Graph().as_default():
+    fetches = _ReferenceAndGradients(case, var_values, args, kwargs, no_batch,
+                                     cotangents)
+    with sessions.AsBuilt() as sess:
+      return _SessionRun(sess, fetches)
+
+
+def _ReferenceAndGradients(case, var_values, args, kwargs, no_batch,
+                           cotangents):
+  """The plain stack's outputs and, by TF's autodiff of it, the gradients
+  of its loss w.r.t. each weight (in tf.nest.flatten's order of the
+  layer's variables, as the pipelined gradients are) and the first input."""
   stacked = tf.nest.map_structure(tf.constant, var_values)
   with tf.GradientTape() as tape:
     tape.watch(tf.nest.flatten(stacked))
@@ -268,7 +282,7 @@ def _TfReference(case, var_values, args, kwargs, no_batch, cotangents):
                               _ToTf(kwargs), _ToTf(no_batch))
     loss = _Loss(ref, _ToTf(cotangents))
   grads = tape.gradient(loss, tf.nest.flatten(stacked) + [t_args[0]])
-  return _Numpy(_Fetchable(ref)), _Numpy(_Dense(grads))
+  return _Fetchable(ref), _Dense(grads)
 
 
 def _Numpy(tree):
@@ -370,19 +384,19 @@ def _Record(actual, expected):
     _ERRORS['checks'] += 1
 
 
-def CheckCase(case, mode):
+def CheckCase(case, mode, tolerance=close.FLOAT32):
   """Pipelined == NumPy sequential (forward) == TF plain loop (grads)."""
   res = RunCase(case, mode)
-  close.AssertClose(res['out'], res['np_ref'], close.FLOAT32,
+  close.AssertClose(res['out'], res['np_ref'], tolerance,
                     'forward vs NumPy reference', record=_Record)
-  close.AssertClose(res['out'], res['ref'], close.FLOAT32,
+  close.AssertClose(res['out'], res['ref'], tolerance,
                     'forward vs TF reference', record=_Record)
   assert len(res['grads']) == len(res['ref_grads'])
   for i, (g, r) in enumerate(zip(res['grads'], res['ref_grads'])):
     assert r is not None, f'reference gradient {i} is None'
     assert g is not None, f'pipelined gradient {i} is None'
     assert np.abs(r).max() > 0, f'reference gradient {i} is all zero'
-    close.AssertClose(g, r, close.FLOAT32, f'gradient {i}', record=_Record)
+    close.AssertClose(g, r, tolerance, f'gradient {i}', record=_Record)
   return res
 
 

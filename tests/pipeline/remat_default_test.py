@@ -22,6 +22,7 @@ from gpipe import schedule
 from gpipe.pipeline import loop_spec
 from gpipe.pipeline import stage_runners
 from lingvo.core import cluster_factory
+from tests import close
 from tests import pipeline_harness as harness
 
 ONE_DEVICE = stage_runners.OneByOne()
@@ -59,7 +60,9 @@ def test_a_compute_bound_body_saves_its_dots_and_equals_the_reference(
   used = harness.RecordRematPolicies(monkeypatch)
   case = harness.Case(num_stages=2, num_microbatches=2, batch=8,
                       example_shape=(4, 256))
-  harness.CheckCase(case, mode)
+  # Sums of 256 products: under jit XLA adds them in another order than
+  # the reference's TF kernels (errors of 1.6e-5 on entries of 0.16).
+  harness.CheckCase(case, mode, close.FLOAT32_AT_SCALE)
   assert used and set(used) == {'save_dots'}, used
 
 
