@@ -59,6 +59,11 @@ class CandidateReport:
   # unpipelined (ForwardFlops): the work MFU counts, all devices. A
   # function, as counting them is a compile of its own (ModelFlops).
   model_flops_fn: object = lambda: 0.0
+  # Gives XLA's FLOPs of the step unpartitioned, on one device (the
+  # reference partitioning's overhead is counted against). A function, as
+  # lowering and compiling that step takes as long as the candidate's own
+  # compile, and only a report that shows the ratio needs it.
+  unpartitioned_flops_fn: object = lambda: 0.0
   # What the least traffic per mesh axis depends on (traffic_floor), or
   # None where the model does not say.
   model_shape: traffic_floor.ModelShape = None
@@ -233,9 +238,9 @@ class CandidateReport:
   def flops_per_device(self):
     return self.compiled.Cost('flops')
 
-  @property
+  @functools.cached_property
   def flops_unpartitioned(self):
-    return self.compiled.reference_cost['flops']
+    return self.unpartitioned_flops_fn()
 
   @functools.cached_property
   def loop_flops(self):
@@ -383,14 +388,15 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
     with sharding.SpmdPartitioning(False):
       return step(*args)
 
+  def UnpartitionedFlops():
+    with tpu_build.AsOnTpu():
+      unpartitioned = partitioning.LowerFromShapes(Unpartitioned, step.specs)
+    return partitioning.CompileFromShapes(unpartitioned, 1).Cost('flops')
+
   with tpu_build.AsOnTpu():
     partitioned = partitioning.LowerFromShapes(Partitioned, step.specs)
-    reference = partitioning.LowerFromShapes(Unpartitioned, step.specs)
-  compiled = partitioning.CompileFromShapes(
-      partitioned,
-      num_devices,
-      reference_proto=reference,
-      aliases=step.aliases)
+  compiled = partitioning.CompileFromShapes(partitioned, num_devices,
+                                            aliases=step.aliases)
   if model_flops is None:
     model_flops = model_flops_lib.ModelFlops(step)
   mesh = partitioned_step.StackMesh(stack_p, num_devices)
@@ -400,6 +406,7 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
                          backward_schedule=stack_p.backward_schedule,
                          stream_io=stack_p.stream_io,
                          model_flops_fn=model_flops,
+                         unpartitioned_flops_fn=UnpartitionedFlops,
                          model_shape=traffic_floor.ShapeOf(
                              step, mesh['stage_axis']),
                          **mesh)

@@ -4,6 +4,8 @@ planner's measurements (needs jax and jaxlib: the spmd extra).
     partitioning      lowers a computation to HLO, partitions and compiles
                       (and runs) it for N virtual devices
     spmd_worker       the subprocess that does it with jaxlib
+    worker_pool       one such process per device count, kept for the next
+                      module
     hlo_text          reading the compiled module: loops, collectives,
                       buffers, op names
     user_layer        a user's PipelinedLayer Params for the checks: loaded

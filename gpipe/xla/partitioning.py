@@ -8,8 +8,8 @@ and run it::
     fn, args --TF--> HLO (+ Sharding custom-calls) --jaxlib, N devices-->
         partitioned per-device HLO + results on N devices
 
-`RunPartitioned` does that (the jaxlib side runs in a subprocess, see
-`gpipe.xla.spmd_worker`) and returns the results, the per-device shapes of the
+`RunPartitioned` does that (the jaxlib side runs in a worker process, see
+`gpipe.xla.spmd_worker` and `gpipe.xla.worker_pool`) and returns the results, the per-device shapes of the
 parameters and outputs, and every collective in the partitioned module,
 classified as inside a while loop's body or outside (read off the module's
 HLO text by `gpipe.xla.hlo_text`). Wrong annotations are caught by the
@@ -30,17 +30,14 @@ import collections
 import dataclasses
 import importlib.util
 import json
-import os
 import pathlib
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
 import tensorflow as tf
 
 from gpipe.xla import hlo_text
-from gpipe.xla import spmd_worker
+from gpipe.xla import worker_pool
 from tensorflow.compiler.xla.service import hlo_pb2  # pylint: disable=g-direct-tensorflow-import
 
 
@@ -100,10 +97,8 @@ class CompiledModule:
   output_shard_shapes: list
   # XLA's cost analysis per device, each loop counted per iteration:
   # {'flops', 'bytes accessed'}, or None when a loop's trip count is unknown
-  # (cost_error says which); reference_cost: of the reference module
-  # compiled for one device (None without one).
+  # (cost_error says which).
   cost: dict
-  reference_cost: dict
   collectives: list  # of hlo_text.Collective
   loops: list  # the outermost while loops' body computation names
   hlo: str  # the partitioned per-device module
@@ -126,19 +121,16 @@ class CompiledModule:
     return [c for c in self.collectives if c.loop == loop]
 
 
-def CompileFromShapes(proto, num_devices, reference_proto=None, aliases=(),
-                      timeout=1800):
+def CompileFromShapes(proto, num_devices, aliases=(), timeout=1800):
   """Compiles a serialized HloModuleProto for `num_devices`, without running.
 
   Args:
     proto: the module (e.g. from LowerFromShapes).
     num_devices: virtual devices to partition it for.
-    reference_proto: optionally another module, compiled for one device
-      (e.g. the same step lowered without partitioning) for its cost.
     aliases: (output index, parameter index) pairs: outputs that update a
       parameter in place (a training step's new weights), as donated
       buffers do on a TPU.
-    timeout: seconds the compile subprocess may take.
+    timeout: seconds the worker process may take to compile it.
 
   Returns:
     A CompiledModule.
@@ -148,11 +140,8 @@ def CompileFromShapes(proto, num_devices, reference_proto=None, aliases=(),
     work = pathlib.Path(workdir)
     (work / 'module.pb').write_bytes(_WithAliases(proto, aliases))
     config = {'num_devices': num_devices, 'compile_only': True}
-    if reference_proto is not None:
-      (work / 'reference.pb').write_bytes(_WithAliases(reference_proto, ()))
-      config['reference_module'] = 'reference.pb'
     (work / 'config.json').write_text(json.dumps(config))
-    _RunWorker(workdir, num_devices, timeout)
+    worker_pool.RunJob(workdir, num_devices, timeout)
     report = json.loads((work / 'report.json').read_text())
     hlo = (work / 'partitioned.hlo').read_text()
   collectives, loops = hlo_text.AnalyzeHlo(hlo)
@@ -163,7 +152,6 @@ def CompileFromShapes(proto, num_devices, reference_proto=None, aliases=(),
       output_shard_shapes=[tuple(s) for s in report['output_shard_shapes']],
       cost=report['cost'],
       cost_error=report.get('cost_error'),
-      reference_cost=report.get('reference_cost'),
       collectives=collectives,
       loops=loops,
       hlo=hlo)
@@ -189,18 +177,6 @@ def _CheckAvailable():
         "versions pyproject.toml's spmd extra names).")
 
 
-def _RunWorker(workdir, num_devices, timeout):
-  env = dict(os.environ)
-  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-  proc = subprocess.run(
-      [sys.executable, '-m', spmd_worker.__name__, workdir],
-      env=env, capture_output=True, text=True, timeout=timeout, check=False)
-  if proc.returncode:
-    raise RuntimeError(
-        f'Partitioning for {num_devices} devices failed (exit code '
-        f'{proc.returncode}):\n{proc.stderr[-4000:]}')
-
-
 def RunPartitioned(fn, args, num_devices, variables=(), timeout=900):
   """Partitions fn(*args) for `num_devices` virtual CPU devices and runs it.
 
@@ -213,7 +189,7 @@ def RunPartitioned(fn, args, num_devices, variables=(), timeout=900):
     num_devices: how many virtual devices to partition for.
     variables: variables fn may capture (read or assign) that tf.function
       does not track itself; their current values are passed in.
-    timeout: seconds the partition-and-run subprocess may take.
+    timeout: seconds the worker process may take to partition and run it.
 
   Returns:
     A PartitionedRun.
@@ -240,7 +216,7 @@ def RunPartitioned(fn, args, num_devices, variables=(), timeout=900):
     (work / 'config.json').write_text(
         json.dumps({'num_devices': num_devices,
                     'output_shapes': output_shapes}))
-    _RunWorker(workdir, num_devices, timeout)
+    worker_pool.RunJob(workdir, num_devices, timeout)
     report = json.loads((work / 'report.json').read_text())
     results = np.load(work / 'outputs.npz')
     outputs = [results[f'out_{i}'] for i in range(len(results.files))]

@@ -1,14 +1,13 @@
 """Partitions one HLO module for N virtual CPU devices with jaxlib; runs it or not.
 
-Runs in its own process (started by `gpipe.xla.partitioning`), because the
+Runs in its own process (started by `gpipe.xla.worker_pool`), because the
 number of virtual devices is fixed when XLA's CPU client starts and because this
 side needs no TensorFlow: it reads what the TensorFlow side wrote into a
 directory and writes its results back there.
 
     DIR/module.pb       HloModuleProto (tf.function ... stage='hlo_serialized')
     DIR/config.json     {"num_devices": N, "output_shapes": [[...], ...],
-                         "compile_only": false,
-                         "reference_module": "FILE" (optional)}
+                         "compile_only": false}
     DIR/inputs.npz      the entry parameters, arg_0 ... arg_{k-1}, full shape
                         (only to run; a compile-only module needs none)
   written:
@@ -16,13 +15,18 @@ directory and writes its results back there.
                         buffer assignment sizes per device (memory); with
                         compile_only also the cost (flops and bytes accessed
                         per device, each while loop counted trip-count times)
-                        of the module and of the reference module, compiled
-                        unpartitioned for one device
     DIR/partitioned.hlo the partitioned per-device module, as text
     DIR/outputs.npz     the results, out_0 ..., reassembled to full shape
                         (only when run)
 
 Usage: python -m gpipe.xla.spmd_worker DIR
+       python -m gpipe.xla.spmd_worker --serve N
+
+With --serve the worker starts XLA's CPU client for N devices once and then
+does each DIR it reads from stdin (one per line), writing a line to stdout
+when that DIR's results are written (`gpipe.xla.worker_pool` keeps one per
+N). Any error ends it, its exit code and stderr saying why, as in one-shot
+use.
 """
 
 import json
@@ -41,7 +45,27 @@ _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 def _Main(workdir):
   workdir = pathlib.Path(workdir)
   config = json.loads((workdir / 'config.json').read_text())
-  num_devices = int(config['num_devices'])
+  _Job(workdir, config, _Devices(int(config['num_devices'])))
+
+
+def _Serve(num_devices):
+  """Does each directory named on stdin; a line on stdout after each."""
+  replies = os.fdopen(os.dup(1), 'w')
+  os.dup2(2, 1)  # whatever else prints goes to stderr, not the replies
+  devices = _Devices(num_devices)
+  for line in sys.stdin:
+    workdir = pathlib.Path(line.strip())
+    config = json.loads((workdir / 'config.json').read_text())
+    if int(config['num_devices']) != num_devices:
+      raise RuntimeError(f'{workdir} asks for {config["num_devices"]} '
+                         f'devices; this worker has {num_devices}.')
+    _Job(workdir, config, devices)
+    replies.write('done\n')
+    replies.flush()
+
+
+def _Devices(num_devices):
+  """XLA's CPU client made with `num_devices` virtual devices: them."""
   flags = os.environ.get('XLA_FLAGS', '')
   os.environ['XLA_FLAGS'] = (
       f'{flags} --xla_force_host_platform_device_count={num_devices}').strip()
@@ -56,11 +80,15 @@ def _Main(workdir):
   if len(devices) < num_devices:
     raise RuntimeError(
         f'Asked for {num_devices} virtual CPU devices, XLA made {len(devices)}.')
-  devices = tuple(devices[:num_devices])
+  return tuple(devices[:num_devices])
+
+
+def _Job(workdir, config, devices):
+  """Compiles (and runs) DIR's module; writes DIR's results."""
   executable, computation = _Compile((workdir / 'module.pb').read_bytes(),
                                      devices)
   report = {
-      'num_devices': num_devices,
+      'num_devices': len(devices),
       'memory': _MemoryStats(executable),
       'param_shard_shapes': _ShardShapes(
           devices, executable.get_parameter_shardings(),
@@ -74,12 +102,6 @@ def _Main(workdir):
         _TupleElements(computation.program_shape().result_shape()))
     report['cost'], report['cost_error'] = _CostOrWhyNot(
         devices[0].client, hlo)
-    reference = config.get('reference_module')
-    if reference:
-      reference_exe, _ = _Compile((workdir / reference).read_bytes(),
-                                  devices[:1])
-      report['reference_cost'], _ = _CostOrWhyNot(
-          devices[0].client, reference_exe.hlo_modules()[0].to_string())
   else:
     report['output_shard_shapes'] = _Run(workdir, config, executable, devices)
   (workdir / 'report.json').write_text(json.dumps(report))
@@ -293,6 +315,9 @@ def _Run(workdir, config, executable, devices):
 
 
 if __name__ == '__main__':
-  if len(sys.argv) != 2:
+  if len(sys.argv) == 3 and sys.argv[1] == '--serve':
+    _Serve(int(sys.argv[2]))
+  elif len(sys.argv) == 2:
+    _Main(sys.argv[1])
+  else:
     sys.exit(__doc__)
-  _Main(sys.argv[1])

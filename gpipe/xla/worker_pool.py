@@ -1,0 +1,108 @@
+"""One long-lived `gpipe.xla.spmd_worker` process per number of devices.
+
+Starting a worker (Python, jax, XLA's CPU client for N virtual devices)
+costs about a second; a planner comparing candidates, or a process checking
+several layers, pays it once per device count and environment rather than
+once per module:
+
+    RunJob(dir, N) --"dir\\n"--> worker(N) [--serve N] --"done\\n"--> results in dir
+
+A worker that fails (a Python error or an XLA abort: it exits, its exit
+code and stderr saying why) or outlives its timeout is ended; the next job
+for N starts a new one. Workers read their jobs from a pipe: when this
+process ends, so do they.
+"""
+
+import atexit
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+
+from gpipe.xla import spmd_worker
+
+_STDERR_TAIL = 4000
+
+
+class _Worker:
+  """An spmd_worker serving jobs for `num_devices` devices in `env`."""
+
+  def __init__(self, num_devices, env):
+    self.num_devices = num_devices
+    self.env = env
+    # Appended to by the worker; emptied before each job, so that a
+    # failure reports that job's stderr alone.
+    self._stderr = tempfile.TemporaryFile(mode='a+b')
+    self._proc = subprocess.Popen(
+        [sys.executable, '-m', spmd_worker.__name__, '--serve',
+         str(num_devices)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+        env=env, text=True)
+
+  def Run(self, workdir, timeout):
+    """Does one job. Raises subprocess.TimeoutExpired if it takes longer
+    than `timeout` seconds, RuntimeError (the exit code and stderr) if the
+    worker fails; either way the worker is done for (Close it)."""
+    self._stderr.truncate(0)
+    try:
+      self._proc.stdin.write(f'{workdir}\n')
+      self._proc.stdin.flush()
+    except BrokenPipeError:
+      pass  # it has ended: its exit code says why, below
+    ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+    if not ready:
+      raise subprocess.TimeoutExpired(self._proc.args, timeout)
+    if self._proc.stdout.readline() != 'done\n':
+      code = self._proc.wait()
+      self._stderr.seek(0)
+      stderr = self._stderr.read().decode(errors='replace')
+      raise RuntimeError(
+          f'Partitioning for {self.num_devices} devices failed (exit code '
+          f'{code}):\n{stderr[-_STDERR_TAIL:]}')
+
+  def Close(self):
+    if self._proc.poll() is None:
+      self._proc.kill()
+    self._proc.wait()
+    for stream in (self._proc.stdin, self._proc.stdout, self._stderr):
+      try:
+        stream.close()
+      except BrokenPipeError:  # a job's path unsent to an ended worker
+        pass
+
+
+_WORKERS = {}
+_LOCK = threading.Lock()
+
+
+def RunJob(workdir, num_devices, timeout):
+  """Has the worker for `num_devices` (in this process's environment) do
+  the job written in `workdir` (spmd_worker's DIR)."""
+  env = dict(os.environ)
+  env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  with _LOCK:
+    worker = _WORKERS.get(num_devices)
+    if worker is not None and worker.env != env:
+      worker.Close()
+      worker = None
+    if worker is None:
+      worker = _WORKERS[num_devices] = _Worker(num_devices, env)
+    try:
+      worker.Run(workdir, timeout)
+    except BaseException:
+      del _WORKERS[num_devices]
+      worker.Close()
+      raise
+
+
+def CloseAll():
+  """Ends every worker (they would end anyway once this process's end
+  closes their stdin)."""
+  with _LOCK:
+    while _WORKERS:
+      _WORKERS.popitem()[1].Close()
+
+
+atexit.register(CloseAll)
