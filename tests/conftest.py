@@ -23,14 +23,17 @@ _WORKER_ERRORS = []
 
 def pytest_configure(config):
   config.addinivalue_line(
-      'markers', 'runs_long: a test of a minute or so (a whole program in '
-      'a process of its own); scheduled first')
+      'markers', 'runs_long: a test of ten seconds or more (a whole program '
+      'in a process of its own, or a model built, differentiated and '
+      'compiled); scheduled first')
 
 
 def pytest_collection_modifyitems(items):
   """Long tests first: with xdist's worksteal each worker starts on its own
   half of the tests and takes over the other's remaining ones, so a long
-  test started last would keep one worker busy while the other idles."""
+  test started last would keep one worker busy while the other idles (a
+  run of the suite ended so: 11 s of an LM's resumed training on one
+  worker, the other idle)."""
   items.sort(key=lambda item: item.get_closest_marker('runs_long') is None)
 
 

@@ -274,6 +274,7 @@ _STACK_CASES = [c for c in _CASES if c[0] != 'uni']
 _TASK_CASES = [c[1:] for c in _CASES if c[0] == 'uni']
 
 
+@pytest.mark.runs_long
 @pytest.mark.parametrize('kind,stages,microbatches,mode', _STACK_CASES)
 def test_layer_stacks_equal_reference(kind, stages, microbatches, mode):
   is_eval = mode == 'eval'

@@ -72,6 +72,7 @@ def _Reference():
       _Cfg(_WholeBatchLoss, False, 'reverse'), None)
 
 
+@pytest.mark.runs_long
 @pytest.mark.parametrize('backward_schedule,remat_policy', [
     ('1f1b', 'save_checkpoints'), ('reverse', None)])
 def test_last_stage_or_chunked_loss_and_recomputed_blocks_change_no_number(
@@ -127,6 +128,7 @@ def test_recomputed_block_equals_the_block_and_its_gradient():
       np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.runs_long
 def test_the_last_stage_loss_partitioned_equals_one_device():
   """lm.LargestMeshSmall (1f1b + stream_io, the loss at the last stage,
   the table split by vocab over the model axis there) on 8 virtual

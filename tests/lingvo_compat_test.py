@@ -125,6 +125,7 @@ def test_pipelined_transformer_layers_equal_lingvos_unrolled(s, m, r, shard):
   _AssertEqualSteps(got, want, names)
 
 
+@pytest.mark.runs_long
 def test_pipelined_transformer_layers_under_jit():
   """The same comparison in TF2, tf.function(jit_compile=True): circular,
   shard_stages_1d (Lingvo's own layer runs neither on one CPU device)."""

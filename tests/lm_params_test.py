@@ -196,6 +196,7 @@ def test_pipelined_lm_equals_unrolled_at_init():
   assert comparison.Matches(), comparison.Describe()
 
 
+@pytest.mark.runs_long
 def test_circular_lm_on_the_schedule_and_layer_by_layer_equals_unrolled(
     monkeypatch):
   """Circular, S=2, R=2, M=3: the pipelined model run on the schedule, and
@@ -285,6 +286,7 @@ def test_the_lm_is_causal():
   assert np.abs(after[:, 3:] - before[:, 3:]).max() > 1e-3
 
 
+@pytest.mark.runs_long
 @pytest.mark.parametrize(
     'num_stages, circular_repeat, num_microbatches, batch_major', [
         (2, 1, 3, False), (3, 2, 2, False), (4, 2, 6, False),
@@ -356,6 +358,7 @@ def _EventScalars(logdir):
   return tags
 
 
+@pytest.mark.runs_long
 def test_resuming_events_and_decoding_with_dropout(tmp_path):
   """One uninterrupted run (dropout on) owes three things.
 

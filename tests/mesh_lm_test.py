@@ -341,6 +341,7 @@ def test_check_partitioning_refuses_a_bad_model_in_one_line(argv, said,
 # -- python -m gpipe.plan --mesh: trading stages for other mesh axes. ---------
 
 
+@pytest.mark.runs_long
 def test_plan_trades_stages_for_a_data_axis_at_the_same_depth():
   """Mesh 4x1x2 with R=1: 4 stages of one block (the model's 2 stages x 2
   repeats x 1 block), each stage weight on its 2 devices, split by heads

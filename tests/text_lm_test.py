@@ -125,6 +125,7 @@ def test_sampling_through_the_pipeline_equals_full_sequence_sampling(
   assert (sampled < 256).all()
 
 
+@pytest.mark.runs_long
 def test_a_short_training_run_lowers_the_held_out_bits(text_files, tmp_path):
   cfg = TinyTextCfg(text_files, learning_rate=1e-2)
   history = trainer.Train(cfg, steps=25, logdir=str(tmp_path / 'run'))
