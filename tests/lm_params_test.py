@@ -257,9 +257,8 @@ def BuildTask(cfg, unroll, values=None):
   sess = sessions.AsBuilt(graph)
   with graph.as_default():
     sess.run(tf.compat.v1.global_variables_initializer())
-    for v in task.vars.Flatten():
-      if values is not None:
-        v.load(values[v.name], sess)
+    if values is not None:
+      trainer.LoadValues(sess, task.vars.Flatten(), values)
   return graph, task, sess
 
 

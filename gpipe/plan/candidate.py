@@ -59,10 +59,10 @@ class CandidateReport:
   # unpipelined (ForwardFlops): the work MFU counts, all devices. A
   # function, as counting them is a compile of its own (ModelFlops).
   model_flops_fn: object = lambda: 0.0
-  # Gives XLA's FLOPs of the step unpartitioned, on one device (the
-  # reference partitioning's overhead is counted against). A function, as
-  # lowering and compiling that step takes as long as the candidate's own
-  # compile, and only a report that shows the ratio needs it.
+  # Gives XLA's FLOPs of the step unpartitioned, on one device (what the
+  # partitioned step's FLOPs are compared with). A function, as lowering
+  # and compiling that step takes as long as the candidate's own compile,
+  # and only a report that shows the ratio needs it.
   unpartitioned_flops_fn: object = lambda: 0.0
   # What the least traffic per mesh axis depends on (traffic_floor), or
   # None where the model does not say.

@@ -9,12 +9,12 @@ and run it::
         partitioned per-device HLO + results on N devices
 
 `RunPartitioned` does that (the jaxlib side runs in a worker process, see
-`gpipe.xla.spmd_worker` and `gpipe.xla.worker_pool`) and returns the results, the per-device shapes of the
-parameters and outputs, and every collective in the partitioned module,
-classified as inside a while loop's body or outside (read off the module's
-HLO text by `gpipe.xla.hlo_text`). Wrong annotations are caught by the
-collectives, not the numbers: an all-gather of a weight still computes the
-right result.
+`gpipe.xla.spmd_worker` and `gpipe.xla.worker_pool`) and returns the results,
+the per-device shapes of the parameters and outputs, and every collective in
+the partitioned module, classified as inside a while loop's body or outside
+(read off the module's HLO text by `gpipe.xla.hlo_text`). Wrong annotations
+are caught by the collectives, not the numbers: an all-gather of a weight
+still computes the right result.
 
 `CompileFromShapes` does the same for a module lowered from shapes alone
 (`LowerFromShapes`: tf.TensorSpecs, nothing allocated, so a model larger
