@@ -1,9 +1,10 @@
 """One long-lived `gpipe.xla.spmd_worker` process per number of devices.
 
 Starting a worker (Python, jax, XLA's CPU client for N virtual devices)
-costs about a second; a planner comparing candidates, or a process checking
-several layers, pays it once per device count and environment rather than
-once per module:
+takes longer than compiling a small module; a planner comparing
+candidates, or a process checking several layers, pays it once per device
+count and environment rather than once per module (docs/testing.md says
+what it saves):
 
     RunJob(dir, N) --"dir\\n"--> worker(N) [--serve N] --"done\\n"--> results in dir
 
@@ -24,6 +25,11 @@ import threading
 from gpipe.xla import spmd_worker
 
 _STDERR_TAIL = 4000
+# The environment variables a worker's results can depend on (XLA's and
+# jax's flags, TensorFlow's logging, Python's paths); a change to any of
+# them starts a new worker. Others (e.g. PYTEST_CURRENT_TEST, set anew for
+# every test) do not.
+_WORKER_ENV_PREFIXES = ('XLA_', 'JAX_', 'TF_', 'PYTHON')
 
 
 class _Worker:
@@ -31,7 +37,7 @@ class _Worker:
 
   def __init__(self, num_devices, env):
     self.num_devices = num_devices
-    self.env = env
+    self.env_key = _EnvKey(env)
     # Appended to by the worker; emptied before each job, so that a
     # failure reports that job's stderr alone.
     self._stderr = tempfile.TemporaryFile(mode='a+b')
@@ -84,7 +90,7 @@ def RunJob(workdir, num_devices, timeout):
   env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   with _LOCK:
     worker = _WORKERS.get(num_devices)
-    if worker is not None and worker.env != env:
+    if worker is not None and worker.env_key != _EnvKey(env):
       worker.Close()
       worker = None
     if worker is None:
@@ -95,6 +101,10 @@ def RunJob(workdir, num_devices, timeout):
       del _WORKERS[num_devices]
       worker.Close()
       raise
+
+
+def _EnvKey(env):
+  return {k: v for k, v in env.items() if k.startswith(_WORKER_ENV_PREFIXES)}
 
 
 def CloseAll():

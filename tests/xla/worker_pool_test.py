@@ -2,6 +2,7 @@
 modules; a failed, timed-out or outdated worker is replaced, its error
 said as a one-shot worker's was."""
 
+import os
 import subprocess
 
 import numpy as np
@@ -43,8 +44,12 @@ def test_a_worker_serves_each_module_for_its_device_count(tmp_path,
   assert _Pid(2) == first
   assert _RunsRight(4) != first  # another device count, another worker
 
-  # Its environment changed (XLA_FLAGS, say): a worker that has it.
+  # A variable its results cannot depend on changed: the same worker.
   monkeypatch.setenv('GPIPE_WORKER_POOL_TEST', '1')
+  assert _RunsRight(2) == first
+  # XLA's flags changed (to a default's value): a worker that has them.
+  monkeypatch.setenv('XLA_FLAGS', os.environ.get('XLA_FLAGS', '') +
+                     ' --xla_cpu_enable_fast_math=false')
   assert _RunsRight(2) != first
 
   # A module it cannot read: the worker's exit code and its stderr (the
