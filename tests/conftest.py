@@ -13,8 +13,7 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 # The tests' jit steps are tiny: compiling them dominates. LLVM's machine-code
 # optimization level changes how fast the compiled code runs, not what the
 # HLO computes (every XLA pass, the SPMD partitioner's included, still
-# runs): layers_test's jit sweeps take 81 s instead of 98. Benchmarks use
-# the default.
+# runs); docs/testing.md says what it saves. Benchmarks use the default.
 os.environ['XLA_FLAGS'] = ' '.join(
     [os.environ.get('XLA_FLAGS', ''), '--xla_backend_optimization_level=0'])
 
@@ -31,9 +30,8 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(items):
   """Long tests first: with xdist's worksteal each worker starts on its own
   half of the tests and takes over the other's remaining ones, so a long
-  test started last would keep one worker busy while the other idles (a
-  run of the suite ended so: 11 s of an LM's resumed training on one
-  worker, the other idle)."""
+  test started last would keep one worker busy while the other idles
+  (docs/testing.md, 'Where the time goes')."""
   items.sort(key=lambda item: item.get_closest_marker('runs_long') is None)
 
 
@@ -102,8 +100,8 @@ def pytest_sessionfinish(session):
 def pytest_unconfigure(config):
   """An xdist worker ends here, its results sent (xdist's
   pytest_sessionfinish sent them before this hook), rather than by
-  Python's finalization: with TensorFlow, Lingvo and a session's graphs
-  in memory that took the run about 8 s at its end."""
+  Python's finalization, slow with TensorFlow, Lingvo and the tests'
+  graphs in memory (docs/testing.md, 'Where the time goes')."""
   if hasattr(config, 'workerinput'):
     sys.stdout.flush()
     sys.stderr.flush()

@@ -237,8 +237,7 @@ def LoadValues(sess, variables, values):
   """Sets each variable to values[its name] in one session run.
 
   (Variable.load runs the session once per variable, each run a new graph
-  for the session to optimize: seconds for a model's few dozen with
-  Grappler on.)"""
+  for the session to optimize when Grappler is on.)"""
   holders = [tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape)
              for v in variables]
   sess.run([v.assign(h) for v, h in zip(variables, holders)],
