@@ -12,7 +12,9 @@ A bare layer's step comes from BuildPipelineStep (gpipe.check_partitioning
 """
 
 import collections
+import contextlib
 import dataclasses
+import re
 
 import numpy as np
 import tensorflow as tf
@@ -257,9 +259,48 @@ def _Counts(counts):
 
 
 def RunUnpartitioned(step):
-  """The step on one device, jit-compiled, as NumPy arrays."""
-  compiled = tf.function(step.fn, jit_compile=True, autograph=False)
-  return [t.numpy() for t in compiled(*[tf.constant(a) for a in step.args])]
+  """The step on one device, as NumPy arrays.
+
+  Run by TensorFlow's own kernels, as traced (no Grappler): the
+  partitioned XLA module is checked against another compiler's numbers,
+  and the graph runs long before XLA:CPU has compiled the whole step
+  (docs/testing.md). A step that draws random numbers (dropout) is
+  compiled by XLA, as the partitioned one is: TensorFlow's kernels draw
+  other numbers.
+  """
+  tensors = [tf.constant(a) for a in step.args]
+  traced = tf.function(step.fn, autograph=False).get_concrete_function(
+      *tensors)
+  if _DrawsRandomNumbers(traced.graph):
+    traced = tf.function(traced, jit_compile=True, autograph=False)
+  with _GrapplerOff():
+    return [t.numpy() for t in traced(*tensors)]
+
+
+@contextlib.contextmanager
+def _GrapplerOff():
+  """Functions first called in the block run as traced: Grappler's passes
+  change how fast a graph runs, not what it computes."""
+  before = tf.config.optimizer.get_experimental_options().get(
+      'disable_meta_optimizer', False)
+  tf.config.optimizer.set_experimental_options({'disable_meta_optimizer': True})
+  try:
+    yield
+  finally:
+    tf.config.optimizer.set_experimental_options(
+        {'disable_meta_optimizer': before})
+
+
+_RANDOM_OP = re.compile(r'Random|Rng|Multinomial')
+
+
+def _DrawsRandomNumbers(graph):
+  """True if the graph or a function it calls (a loop's body) has a
+  random op, stateless or not."""
+  graph_def = graph.as_graph_def()
+  nodes = list(graph_def.node) + [
+      node for fn in graph_def.library.function for node in fn.node_def]
+  return any(_RANDOM_OP.search(node.op) for node in nodes)
 
 
 def RunStepPartitioned(step, num_devices):
