@@ -18,11 +18,8 @@ demo: $(VENV)/.installed
 # fixtures built once) and takes over the other's tail when it runs dry.
 # A test that crashes its worker (a segfault in TensorFlow's runtime) runs
 # once more in a new one (tests/conftest.py); a failure is final.
-# Python keeps the modules it compiles (__pycache__) even where the
-# environment says not to (PYTHONDONTWRITEBYTECODE): the suite's workers and
-# the commands its tests run import the same modules again and again.
 test: $(VENV)/.installed
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -n 2 --dist worksteal --durations=10 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal --durations=10 tests
 
 clean:
 	rm -rf $(VENV)
