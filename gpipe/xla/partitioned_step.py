@@ -264,14 +264,13 @@ def RunUnpartitioned(step):
   Run by TensorFlow's own kernels, as traced (no Grappler): the
   partitioned XLA module is checked against another compiler's numbers,
   and the graph runs long before XLA:CPU has compiled the whole step
-  (docs/testing.md). A step that draws random numbers (dropout) is
-  compiled by XLA, as the partitioned one is: TensorFlow's kernels draw
-  other numbers.
+  (docs/testing.md). A step whose numbers only XLA gives
+  (`_NumbersOnlyXlaGives`) is compiled by XLA, as the partitioned one is.
   """
   tensors = [tf.constant(a) for a in step.args]
   traced = tf.function(step.fn, autograph=False).get_concrete_function(
       *tensors)
-  if _DrawsRandomNumbers(traced.graph):
+  if _NumbersOnlyXlaGives(traced.graph):
     traced = tf.function(traced, jit_compile=True, autograph=False)
   with _GrapplerOff():
     return [t.numpy() for t in traced(*tensors)]
@@ -292,15 +291,27 @@ def _GrapplerOff():
 
 
 _RANDOM_OP = re.compile(r'Random|Rng|Multinomial')
+_LOW_PRECISION = frozenset([tf.bfloat16.as_datatype_enum,
+                            tf.float16.as_datatype_enum])
 
 
-def _DrawsRandomNumbers(graph):
-  """True if the graph or a function it calls (a loop's body) has a
-  random op, stateless or not."""
+def _NumbersOnlyXlaGives(graph):
+  """True if TensorFlow's kernels would compute other numbers than XLA for
+  the graph (or a function it calls, a loop's body): it draws random
+  numbers (dropout: XLA's generators are others), or it computes in
+  bfloat16 or float16 (XLA's fusions keep float32 inside where the kernels
+  round every op's result)."""
   graph_def = graph.as_graph_def()
   nodes = list(graph_def.node) + [
       node for fn in graph_def.library.function for node in fn.node_def]
-  return any(_RANDOM_OP.search(node.op) for node in nodes)
+  return any(_RANDOM_OP.search(node.op) or _InLowPrecision(node)
+             for node in nodes)
+
+
+def _InLowPrecision(node):
+  return any(attr.type in _LOW_PRECISION or
+             _LOW_PRECISION.intersection(attr.list.type)
+             for attr in node.attr.values())
 
 
 def RunStepPartitioned(step, num_devices):
