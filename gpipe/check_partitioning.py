@@ -172,4 +172,5 @@ def _Print(report, tolerance, verbose=False):
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  from gpipe.apps import prompt_exit  # pylint: disable=g-import-not-at-top
+  prompt_exit.Exit(main())

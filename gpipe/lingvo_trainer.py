@@ -108,7 +108,10 @@ def main(argv=None):
           f'(tensorboard --logdir {flags.logdir}).', file=sys.stderr,
           flush=True)
   flags.unparse_flags()
-  tf.app.run(trainer.main, argv=argv)
+  try:
+    tf.app.run(trainer.main, argv=argv)
+  except SystemExit as run:  # absl's run ends with sys.exit: its status
+    return run.code
   return 0
 
 
@@ -326,4 +329,5 @@ def _WriteScheduleImage(model, logdir):
 
 
 if __name__ == '__main__':
-  sys.exit(main())
+  from gpipe.apps import prompt_exit  # pylint: disable=g-import-not-at-top
+  prompt_exit.Exit(main())

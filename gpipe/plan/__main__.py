@@ -1,7 +1,5 @@
 """python -m gpipe.plan: see gpipe.plan.cli."""
 
-import sys
-
 # The arguments are read before TensorFlow loads (--help and usage errors
 # answer at once), and the libraries are quieted before they load.
 from gpipe.plan import flags  # pylint: disable=g-bad-import-order
@@ -15,4 +13,5 @@ from gpipe.plan import cli  # pylint: disable=g-import-not-at-top
 import params.lm  # pylint: disable=g-import-not-at-top,unused-import  (the zoo)
 
 if __name__ == '__main__':
-  sys.exit(cli.main())
+  from gpipe.apps import prompt_exit  # pylint: disable=g-import-not-at-top
+  prompt_exit.Exit(cli.main())
