@@ -8,8 +8,9 @@ collection takes one to two seconds after a command's last line (the
 demo's: 2.3 s; its exit, so: 0.2 s). A command's files are closed
 before it returns, so nothing needs that collection: `Exit` leaves the
 objects alive then to the process's end (gc.freeze: the collector passes
-them over) and exits with the command's status. Objects their last reference frees are finalized as
-ever, and exit handlers (atexit) run as ever.
+them over) and exits with the command's status. Objects their last
+reference frees are finalized as ever, and exit handlers (atexit) run as
+ever.
 
     sys.exit(status)          last line ... 1-2 s collecting ... shell
     prompt_exit.Exit(status)  last line ... shell
