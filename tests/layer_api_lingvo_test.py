@@ -309,7 +309,7 @@ for case in [
   h.CheckCase(case, 'graph')
 assert not tf.executing_eagerly()
 print('TF1 OK', h.LargestErrors()['checks'])
-import gc; gc.freeze()  # no last collection: 1 s sooner
+import gc; gc.freeze()  # no last collection: docs/testing.md
 """
 
 
