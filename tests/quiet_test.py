@@ -32,19 +32,20 @@ def _Command(*argv):
   return _Python('-m', *argv)
 
 
-_CHECK = ('gpipe.check_partitioning', '--params',
-          'tests.xla.partitioning_test.CliParams', '--input_shape', '24,8')
+# docs/partitioning.md's refused input: the command loads TensorFlow and
+# runs the stack unrolled before it answers (exit 2).
+_REFUSED = ('gpipe.check_partitioning', '--params',
+            'examples.my_model.PipelineParams', '--input_shape', '16,12')
 
 
-@pytest.mark.runs_long
 def test_check_partitioning_is_verbose_on_request():
   """(Quiet by default: docs_test runs the documented check_partitioning
-  commands and matches what they print, from the first line to the last,
-  with the page.)"""
-  pytest.importorskip('jax')
-  verbose = _Command(*_CHECK, '--verbose')
-  assert verbose.returncode == 0, verbose.stderr
-  assert verbose.stderr.strip()  # TensorFlow's own start-up lines
+  commands, this one among them, and matches what they print, from the
+  first line to the last, with the page.)"""
+  verbose = _Command(*_REFUSED, '--verbose')
+  assert verbose.returncode == 2, verbose.stderr
+  assert 'the stage body takes 8 features' in verbose.stderr
+  assert 'cpu_feature_guard' in verbose.stderr  # TensorFlow's start-up lines
 
 
 # -- Help: at once, before TensorFlow loads, with each flag's default. -------
