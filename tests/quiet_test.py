@@ -45,7 +45,9 @@ def test_check_partitioning_is_verbose_on_request():
   verbose = _Command(*_REFUSED, '--verbose')
   assert verbose.returncode == 2, verbose.stderr
   assert 'the stage body takes 8 features' in verbose.stderr
-  assert 'cpu_feature_guard' in verbose.stderr  # TensorFlow's start-up lines
+  # TensorFlow's start-up lines, in its C++ log format.
+  assert re.search(r'^[IWE]\d{4} [\d:. ]+ \d+ \w+\.cc:\d+\] ',
+                   verbose.stderr, re.M), verbose.stderr
 
 
 # -- Help: at once, before TensorFlow loads, with each flag's default. -------
