@@ -42,6 +42,7 @@ from gpipe.pipeline import nest
 from gpipe.pipeline import stage_call
 from gpipe.pipeline import stage_runners
 from gpipe import sharding
+from lingvo import compat as lingvo_tf
 
 
 class CannotVectorize(ValueError):
@@ -293,7 +294,9 @@ def _PlainAsserts():
   tf.debugging.Assert guards an assertion on float data with a tf.cond;
   vectorized, the guard's condition differs between stages, which makes it
   a dynamic-shape op XLA cannot compile (Lingvo's checks in attention are
-  such asserts). The plain op checks the same condition.
+  such asserts: `py_utils.ApplyPadding`'s). The plain op checks the same
+  condition. The function is replaced under every name a body may call it
+  by (`_ASSERT_NAMES`).
   """
 
   def PlainAssert(condition, data, summarize=None, name=None):
@@ -303,11 +306,22 @@ def _PlainAsserts():
       return gen_logging_ops._assert(condition, data, summarize)  # pylint: disable=protected-access
 
   saved = control_flow_assert.Assert
-  control_flow_assert.Assert = PlainAssert
+  modules = [m for m in _AssertModules() if getattr(m, 'Assert') is saved]
+  for module in modules:
+    module.Assert = PlainAssert
   try:
     yield
   finally:
-    control_flow_assert.Assert = saved
+    for module in modules:
+      module.Assert = saved
+
+
+def _AssertModules():
+  """The modules whose `Assert` is TensorFlow's: its own and the API names
+  a body calls (tf.Assert, tf.debugging.Assert, tf.compat.v1.Assert, and
+  Lingvo's compat module, through which Lingvo's layers call it)."""
+  return (control_flow_assert, tf, tf.debugging, tf.compat.v1,
+          tf.compat.v1.debugging, lingvo_tf)
 
 
 def _HasCustomGradient(op):

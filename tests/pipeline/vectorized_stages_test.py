@@ -306,6 +306,18 @@ class _DataDependentCondBody(reference_bodies.DenseBody):
     return tf.cond(tf.reduce_sum(y) > 0, lambda: y, lambda: -y)
 
 
+class _PaddedBody(reference_bodies.DenseBody):
+  """DenseBody whose output is masked by Lingvo's ApplyPadding, which
+  checks that the float padding is 0 or 1 with `tf.Assert` (reached as
+  Lingvo's compat module's Assert): TensorFlow guards that check with a
+  tf.cond, whose vectorized form XLA cannot compile."""
+
+  def FProp(self, theta, x):
+    y = super().FProp(theta, x)
+    padding = tf.cast(tf.reduce_sum(x, -1, keepdims=True) > 1e6, x.dtype)
+    return py_utils.ApplyPadding(padding, y)
+
+
 def _Params(body_cls, vectorize):
   return layers.PipelinedLayer.Params().Set(
       name='pipe', num_stages=2, num_microbatches=2, circular_repeat=2,
@@ -396,6 +408,16 @@ def test_data_dependent_control_flow_vectorizes_in_graph_mode_only(caplog):
   y, grads, layer = _ForwardAndGrad(_DataDependentCondBody, 'auto', 'jit')
   assert 'XLA cannot compile' in layer.vectorizing.reason
   close.AssertClose((y, grads), want[:2], close.FLOAT32_TIGHT, 'jit')
+
+
+@pytest.mark.parametrize('mode', ['graph', 'jit'])
+def test_lingvo_checks_vectorize_as_plain_asserts_also_under_xla(mode):
+  """Lingvo's Assert of float data, vectorized, is a plain Assert op (no
+  guard), so the stages vectorize under XLA too; equal to stage by stage."""
+  want = _ForwardAndGrad(_PaddedBody, 'never', mode)
+  y, grads, layer = _ForwardAndGrad(_PaddedBody, 'always', mode)
+  assert layer.vectorizing.vectorized and layer.vectorizing.reason is None
+  close.AssertClose((y, grads), want[:2], close.FLOAT32_TIGHT, mode)
 
 
 def test_one_stage_and_partitioned_layers_do_not_vectorize():
