@@ -82,22 +82,32 @@ class CopyLMSmall(base_model_params.SingleTaskModelParams):
 class TextLMSmall(base_model_params.SingleTaskModelParams):
   """Byte-level LM of text files, by default the standard library's source.
 
-  4 stages x 1 causal Transformer block (width 96, 4 heads, feed-forward
-  384), windows of 64 bytes, 32 a step in 4 microbatches; Adam, the
-  learning rate decaying to a tenth over train.max_steps (500). The demo's
-  model (`python -m gpipe.demo`): of the sizes tried for a few minutes on
-  2 CPU cores, the one whose held-out bits per byte fell fastest.
-  `input.file_pattern` points it at other text (docs/own-text.md).
+  The demo's model (`python -m gpipe.demo`): a circular pipeline of 4
+  stages x 2 repeats x 1 block, 8 causal pre-LN Transformer blocks of width
+  64 (4 heads, feed-forward 256, rotary positions), windows of 128 bytes,
+  16 a step in 4 microbatches; Adam at 5e-3, decaying to a tenth over
+  train.max_steps (1400, about 3 minutes on 2 CPU cores, layer by layer).
+  Of the depths and widths tried for 3 minutes, the one whose held-out bits
+  per byte fell lowest (docs/text-depth.md). `input.file_pattern` points it
+  at other text (docs/own-text.md).
   """
-  SEQ_LEN = 64
-  MAX_STEPS = 500
-  MODEL_DIM = 96
-  CIRCULAR_REPEAT = 1
+  SEQ_LEN = 128
+  BATCH_SIZE = 16
+  HELD_OUT_BYTES = 32768  # about this many held-out bytes are scored
+  MODEL_DIM = 64
+  NUM_HEADS = 4
+  NUM_STAGES = 4
+  CIRCULAR_REPEAT = 2
+  BLOCKS_PER_STAGE = 1
+  NUM_MICROBATCHES = 4
+  LEARNING_RATE = 5e-3
+  WARMUP = 100
+  MAX_STEPS = 1100
 
   def Train(self):
     return text_input.TextInput.Params().Set(
-        seq_len=self.SEQ_LEN, batch_size=32, data_seed=1234,
-        held_out_windows=512)
+        seq_len=self.SEQ_LEN, batch_size=self.BATCH_SIZE, data_seed=1234,
+        held_out_windows=self.HELD_OUT_BYTES // self.SEQ_LEN)
 
   def Dev(self):
     return text_lm.HeldOut(self.Train())
@@ -107,11 +117,13 @@ class TextLMSmall(base_model_params.SingleTaskModelParams):
 
   def Task(self):
     return text_lm.TextLMParams(
-        seq_len=self.SEQ_LEN, model_dim=self.MODEL_DIM, num_heads=4,
-        hidden_dim=4 * self.MODEL_DIM, blocks_per_stage=1, num_stages=4,
-        circular_repeat=self.CIRCULAR_REPEAT, num_microbatches=4,
-        learning_rate=3e-3, max_steps=self.MAX_STEPS,
-        decay_steps=self.MAX_STEPS)
+        seq_len=self.SEQ_LEN, model_dim=self.MODEL_DIM,
+        num_heads=self.NUM_HEADS, hidden_dim=4 * self.MODEL_DIM,
+        blocks_per_stage=self.BLOCKS_PER_STAGE, num_stages=self.NUM_STAGES,
+        circular_repeat=self.CIRCULAR_REPEAT,
+        num_microbatches=self.NUM_MICROBATCHES,
+        learning_rate=self.LEARNING_RATE, max_steps=self.MAX_STEPS,
+        warmup=self.WARMUP, decay_steps=self.MAX_STEPS)
 
 
 @model_registry.RegisterSingleTaskModel
@@ -120,7 +132,7 @@ class TextLM30Min(TextLMSmall):
   decaying over them; about 25 minutes on 2 CPU cores (`python -m
   gpipe.demo --model lm.TextLM30Min --minutes 30`), to below gzip -9's
   and xz -9's bits per byte on the held-out bytes (docs/lingvo.md has the
-  run, and why its stack is not deeper)."""
+  run)."""
   MAX_STEPS = 4000
 
 

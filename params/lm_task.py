@@ -34,6 +34,13 @@ class PipelinedLMTask(base_model.BaseTask):
     p.Define('input_dropout_prob', 0.0, 'Dropout on the embeddings.')
     p.Define('stack', None, 'PipelinedLayer params; its single_stage_body '
              'takes and returns (activations [b, t, d], paddings [b, t]).')
+    p.Define('depth_scaled_init', False,
+             "The batch-major blocks' output projections start at Xavier(1 / "
+             'sqrt(2 x blocks)), blocks = the stack\'s num_stages x '
+             'circular_repeat x its body\'s num_blocks when the task is '
+             "built (pod_blocks.ScaleOutputInit, GPT-2's scaling): a "
+             "deeper stack's residual stream starts as large as a "
+             "shallower one's.")
     p.Define('stack_dtype', tf.float32,
              'Dtype of the activations entering and leaving the stack: what '
              'the pipeline carries between stages and keeps per iteration. '
@@ -53,7 +60,7 @@ class PipelinedLMTask(base_model.BaseTask):
         params_init=init))
     self.CreateChild('input_dropout', lm_blocks.DeterministicDropout().Set(
         keep_prob=1.0 - p.input_dropout_prob))
-    self.CreateChild('stack', p.stack)
+    self.CreateChild('stack', self._StackParams())
     self.CreateChild('final_ln', layers.LayerNorm.Params().Set(
         input_dim=p.model_dim))
     self._CreateSoftmax()
@@ -62,6 +69,17 @@ class PipelinedLMTask(base_model.BaseTask):
     p = self.params
     self.CreateChild('softmax', layers.SimpleFullSoftmax.Params().Set(
         input_dim=p.model_dim, num_classes=p.vocab_size))
+
+  def _StackParams(self):
+    """p.stack, its blocks' output projections scaled by its depth if
+    depth_scaled_init."""
+    p = self.params
+    stack = p.stack.Copy()
+    if p.depth_scaled_init:
+      body = stack.single_stage_body
+      blocks = stack.num_stages * stack.circular_repeat * body.num_blocks
+      pod_blocks.ScaleOutputInit(body.block_tpl, 1 / math.sqrt(2 * blocks))
+    return stack
 
   @classmethod
   def ValidateParams(cls, p, input_p):
@@ -77,6 +95,12 @@ class PipelinedLMTask(base_model.BaseTask):
     if p.stack is None:
       raise ValueError('PipelinedLMTask: set p.stack to PipelinedLayer '
                        'params (see CopyLMParams).')
+    body = p.stack.single_stage_body
+    if p.depth_scaled_init and not (
+        body is not None and issubclass(body.cls, pod_blocks.BatchMajorStage)):
+      raise ValueError('PipelinedLMTask: depth_scaled_init is for the '
+                       'batch-major stage body (pod_blocks.BatchMajorStage); '
+                       'set it False or build the stack with batch_major=True.')
     if p.model_dim < 1 or p.vocab_size < 1:
       raise ValueError(f'PipelinedLMTask: model_dim={p.model_dim} and '
                        f'vocab_size={p.vocab_size} must be positive.')
@@ -378,7 +402,7 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
                  fprop_dtype=None, input_dropout_prob=None,
                  stack_dtype=tf.float32, optimizer_tpl=None, mesh=None,
                  remat_blocks=False, stack_options=None, task_cls=None,
-                 fused_qkv=False):
+                 fused_qkv=False, rotary=False):
   """Task params of the pipelined copy LM (without input params).
 
   Args:
@@ -398,6 +422,8 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
       backward pass (pod_blocks.BatchMajorStage.remat_blocks).
     fused_qkv: the batch-major blocks project queries, keys and values
       with one weight (pod_blocks.PodBlockParams).
+    rotary: the batch-major blocks' attention rotates queries and keys by
+      their position (pod_blocks.PodBlockParams).
     stack_options: more PipelinedLayer params for the stack (e.g.
       backward_schedule, stream_io).
     task_cls: the task class; None: PipelinedLMTask.
@@ -406,16 +432,18 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
   if model_dim % num_heads:
     raise ValueError(f'CopyLMParams: model_dim={model_dim} is not divisible '
                      f'by num_heads={num_heads}; pick a divisor.')
-  if fprop_dtype is not None and not batch_major:
-    raise ValueError('CopyLMParams: fprop_dtype is for the batch-major body; '
-                     'set batch_major=True.')
+  for arg, value in (('fprop_dtype', fprop_dtype), ('rotary', rotary)):
+    if value not in (None, False) and not batch_major:
+      raise ValueError(f'CopyLMParams: {arg} is for the batch-major body; '
+                       'set batch_major=True.')
   if mesh is not None and (not batch_major or shard_stages_1d):
     raise ValueError('CopyLMParams: a mesh is for the batch-major body and '
                      'replaces shard_stages_1d; set batch_major=True, '
                      'shard_stages_1d=False.')
   if batch_major:
     block = pod_blocks.PodBlockParams(model_dim, num_heads, hidden_dim,
-                                      dropout_prob, fprop_dtype, fused_qkv)
+                                      dropout_prob, fprop_dtype, fused_qkv,
+                                      rotary)
     if mesh is not None:
       block = pod_blocks.SplitBlockOverMesh(block)
     stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype,

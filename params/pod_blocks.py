@@ -243,14 +243,44 @@ def _SwapBatchAndTime(cache):
   return tf.transpose(cache, [1, 0, 2, 3])
 
 
+class OutputScaledProjection(batch_major_attention.MultiHeadedProjectionLayer):
+  """A heads projection whose output-projection weight starts scaled.
+
+  As the attention's `proj_tpl`: the queries', keys' and values'
+  projections are Lingvo's, the post projection (is_output_projection)
+  starts at Xavier(output_init_scale).
+  """
+
+  @classmethod
+  def Params(cls):
+    p = super().Params()
+    p.Define('output_init_scale', 1.0,
+             'The Xavier scale of the output projection\'s weight.')
+    return p
+
+  def _CreateLayerVariables(self):
+    p = self.params
+    if p.is_output_projection:
+      p.params_init = py_utils.WeightInit.Xavier(p.output_init_scale)
+    super()._CreateLayerVariables()
+
+
 def PodBlockParams(model_dim, num_heads, hidden_dim, dropout_prob,
-                   fprop_dtype=None, fused_qkv=False):
+                   fprop_dtype=None, fused_qkv=False, rotary=False):
   """A pre-LN causal self-attention + feed-forward block, batch-major.
 
-  Dropout is Lingvo's deterministic (stateless) kind, seeded by the global
+  Pre-LN as it is meant: each sub-layer adds its output to its
+  unnormalized input (x + f(LN(x))), so the residual stream carries every
+  block's sum, as a deep stack needs (docs/text-depth.md). Dropout is
+  Lingvo's deterministic (stateless) kind, seeded by the global
   step: a pipelined body must not draw stateful random numbers (its
   backward pass recomputes the forward), and a resumed run draws the masks
   it would have drawn. Attention logits are scaled by 1/sqrt(head dim).
+
+  rotary: queries and keys rotated by their position (rotary position
+  embeddings): every block's attention sees relative positions, where a
+  learned position embedding reaches only the first block's input
+  (docs/text-depth.md has the runs).
 
   fused_qkv: the queries, keys and values projected by one einsum (one
   weight `qkv` [d, heads, 3 x head dim]): on a model axis the input's
@@ -261,11 +291,15 @@ def PodBlockParams(model_dim, num_heads, hidden_dim, dropout_prob,
       input_dim=model_dim, output_dim=model_dim, num_heads=num_heads,
       mask_self_atten=True)
   p.tr_atten_tpl.Set(hidden_dim=model_dim, residual_dropout_prob=dropout_prob,
+                     add_unnormalized_input=True,  # (Lingvo's default here)
                      atten_dropout_prob=dropout_prob,
                      dropout_tpl=_DeterministicDropout())
   p.tr_atten_tpl.atten_tpl.Set(enable_per_dim_scale=False,
                                dropout_tpl=_DeterministicDropout(),
                                enable_qkv_proj_in_onestep=fused_qkv)
+  if rotary:
+    p.tr_atten_tpl.atten_tpl.rope_tpl = (
+        layers.RotaryPositionalEmbeddingLayer.Params())
   p.tr_fflayer_tpl.Set(hidden_dim=hidden_dim,
                        residual_dropout_prob=dropout_prob,
                        relu_dropout_prob=dropout_prob,
@@ -274,6 +308,23 @@ def PodBlockParams(model_dim, num_heads, hidden_dim, dropout_prob,
   if fprop_dtype is not None:
     batch_major_attention.TransformerLayer.SetFPropDtype(p, fprop_dtype)
   return p
+
+
+def ScaleOutputInit(block, scale):
+  """Makes PodBlockParams' sub-layers' output projections (the attention's
+  post projection, the feed-forward's second layer) start at
+  Xavier(scale) instead of Lingvo's Xavier(1); the other weights keep
+  theirs. With scale = 1 / sqrt(2 x blocks), as GPT-2 scales them, a deep
+  stack's residual stream starts as large as a shallow one's."""
+  atten = block.tr_atten_tpl.atten_tpl
+  atten.proj_tpl = OutputScaledProjection.Params().Set(
+      output_init_scale=scale)
+  ff = block.tr_fflayer_tpl.fflayer_tpl
+  first = ff.projection[0] if isinstance(ff.projection, list) else (
+      ff.projection)
+  ff.projection = [first.Copy(), first.Copy().Set(
+      params_init=py_utils.WeightInit.Xavier(scale))]
+  return block
 
 
 @dataclasses.dataclass(frozen=True)

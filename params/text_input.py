@@ -45,6 +45,7 @@ import bisect
 import fnmatch
 import glob
 import os
+import re
 import sysconfig
 import zlib
 
@@ -176,6 +177,26 @@ class TextInput(base_input_generator.BaseInputGenerator):
     (EOD dropped), what a compressor is given to compare with the model."""
     labels = self.Windows(self.HeldOutWindows())[:, 1:].reshape([-1])
     return labels[labels < NUM_BYTES].astype(np.uint8).tobytes()
+
+  def HeldOutPrompt(self, length, line_start=b''):
+    """A prompt [length] int32 of held-out text: from the first line of the
+    held-out windows that begins with `line_start` (unindented if one is,
+    else after its indentation), or from the first window's start where no
+    line does (or line_start is empty)."""
+    p = self.params
+    windows = self.HeldOutWindows()
+    begin = windows[0] * p.seq_len
+    if line_start:
+      labels = self.Windows(windows)[:, 1:].reshape([-1])
+      text = np.where(labels < NUM_BYTES, labels, 10).astype(np.uint8)
+      for found in LineStarts(text.tobytes(), line_start):
+        # The stream position of label `found`: the windows are not all
+        # consecutive, the prompt is read from the stream itself.
+        at = windows[found // p.seq_len] * p.seq_len + 1 + found % p.seq_len
+        if at + length <= self.stream.num_tokens:
+          begin = at
+          break
+    return self.stream.Read(begin, begin + length)
 
   def BatchOf(self, windows):
     """The NestedMap of numpy arrays the task reads, of windows [b, n + 1]."""
@@ -317,6 +338,16 @@ def _HeldOutByHash(root, files, fraction):
     held.append(f)
     size += sizes[f]
   return sorted(held)
+
+
+def LineStarts(data, line_start):
+  """The offsets in data (bytes) of its lines that begin with line_start:
+  the unindented ones, then the indented ones (where their indentation
+  begins), each in order."""
+  for indent in (b'', rb'[ \t]+'):
+    for match in re.finditer(rb'(?m)^' + indent + re.escape(line_start),
+                             data):
+      yield match.start()
 
 
 def HeldOutWindowIndices(num_windows, count, run):

@@ -2,11 +2,12 @@
 
 The copy LM's model (params/lm_task.py: embedding, pipelined stack of causal
 Transformer blocks, softmax) over the 257 tokens of params/text_input.py
-(256 bytes and EOD). What the text adds: the loss read as bits per byte
-(`bits_per_byte`, in training and in Lingvo's evaler), and decoding by
-sampling: a held-out window's first bytes as the prompt, a continuation
-drawn byte by byte through the pipeline (one ExtendStep per position, as
-the copy LM's greedy decoding).
+(256 bytes and EOD), with the recipe that lets it learn more per step as
+it gets deeper (`TextLMParams`, docs/text-depth.md). What the text adds:
+the loss read as bits per byte (`bits_per_byte`, in training and in
+Lingvo's evaler), and decoding by sampling: a held-out prompt (the demo's
+starts a `def`), a continuation drawn byte by byte through the pipeline
+(one ExtendStep per position, as the copy LM's greedy decoding).
 
 Sampling is deterministic: the byte at position t + 1 is the argmax of
 logits / temperature + Gumbel noise drawn from the stateless seed
@@ -37,6 +38,10 @@ class TextLMTask(lm_task.PipelinedLMTask):
     p = super().Params()
     p.Define('decode_prompt_len', 64,
              "Decoding: the held-out window's first bytes given as prompt.")
+    p.Define('decode_prompt_line', 'def ',
+             "The demo's sample: its prompt is held-out text from the first "
+             'line that begins with this (after its indentation); empty, or '
+             "no such line: the first held-out window's start.")
     p.Define('decode_num_tokens', 128, 'Decoding: bytes sampled after it.')
     p.Define('decode_temperature', 0.7,
              'Decoding: softmax temperature; 0 decodes greedily.')
@@ -145,6 +150,10 @@ def TextLMParams(*, seq_len, model_dim, num_heads, hidden_dim,
                  dropout_prob=0.0, warmup=50, decay_steps=None):
   """Task params of the byte-level text LM (without input params).
 
+  The stage body is the batch-major pre-LN block of the pod LMs
+  (pod_blocks.PodBlockParams) with rotary position embeddings, its output
+  projections scaled by depth (depth_scaled_init): the recipe under which
+  a deeper stack learns faster per step (docs/text-depth.md).
   The learning rate ramps up over `warmup` steps, then (with decay_steps)
   decays exponentially to a tenth of itself at step decay_steps.
   """
@@ -155,7 +164,12 @@ def TextLMParams(*, seq_len, model_dim, num_heads, hidden_dim,
       circular_repeat=circular_repeat, num_microbatches=num_microbatches,
       dropout_prob=dropout_prob, shard_stages_1d=False,
       learning_rate=learning_rate, max_steps=max_steps, max_seq_len=seq_len,
-      task_cls=TextLMTask)
+      batch_major=True, rotary=True, task_cls=TextLMTask,
+      # On one device the backward pass reads every activation kept, as the
+      # plain stack's does: recomputing the attention's softmax over long
+      # windows costs more (docs/text-depth.md, step times).
+      stack_options=dict(remat_policy='save_all'))
+  p.depth_scaled_init = True
   if decay_steps:
     p.train.lr_schedule = schedule.LinearRampupExponentialDecay.Params().Set(
         warmup=warmup, decay_start=warmup + 1, decay_end=decay_steps, min=0.1)

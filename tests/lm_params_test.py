@@ -462,7 +462,8 @@ def test_demo_trains_checks_and_draws_the_schedule(tmp_path):
   assert '--- sampled continuation ---' in text
   assert re.search(r'training curve \(bits per byte, one batch a step\):\n'
                    r'  step      1 ', text)
-  assert 'bubble fraction 0.429' in text  # 4 stages, 4 microbatches: 3/7
+  # 4 stages x 2 repeats (circular), 4 microbatches: 3 of 11 iterations.
+  assert 'bubble fraction 0.273' in text
   assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   assert os.path.exists(str(tmp_path / 'run' / 'ckpt-2.index'))
 

@@ -115,20 +115,30 @@ def EvaluateHeldOut(cfg, logdir, text, sample=True):
       for rows, count in _Batches(windows, batch_size):
         all_nats.append(sess.run(nats, {holder: rows})[:count])
         all_weights.append(generator.BatchOf(rows[:count]).weights)
-      first, _ = next(_Batches(windows, batch_size))
+      prompt = _Prompt(task, generator)
+      rows = np.zeros(py_utils.GetShape(holder), np.int32)
+      rows[:, :len(prompt)] = prompt
       sampled_v, picks_v, margin_v = sess.run([sampled, picks, margin],
-                                              {holder: first})
+                                              {holder: rows})
   differ = sampled_v != picks_v
   return HeldOutReport(
       step=step, num_bytes=int(np.concatenate(all_weights).sum()),
       bits_per_byte=BitsPerByte(np.concatenate(all_nats),
                                 np.concatenate(all_weights)),
       compressors=CompressorBitsPerByte(generator.HeldOutBytes()),
-      prompt=text(first[0, :prompt_len]), sample=text(sampled_v[0]),
+      prompt=text(prompt), sample=text(sampled_v[0]),
       sample_agreement=float(1 - differ.mean()) if differ.size else 1.0,
       largest_margin_where_different=float(margin_v[differ].max())
       if differ.any() else 0.0,
       seconds=time.time() - began)
+
+
+def _Prompt(task, generator):
+  """The held-out prompt [decode_prompt_len] the sample continues: from the
+  first held-out line that begins with the task's decode_prompt_line."""
+  p = task.params
+  return generator.HeldOutPrompt(p.decode_prompt_len,
+                                 p.decode_prompt_line.encode())
 
 
 def _Nats(task, windows):
