@@ -49,9 +49,8 @@ from gpipe.apps import held_out_text
 from gpipe.apps import trainer
 from gpipe.lingvo_support import registered_models
 from gpipe.pipeline import layer_by_layer
-from lingvo import model_registry
 import params.lm  # pylint: disable=unused-import  (registers the models)
-from params import lm_task
+from params import lm_params
 from params import text_lm
 
 LAST = 50  # steps the training loss is averaged over
@@ -101,7 +100,7 @@ class Run:
 def ModelCfg(stack, steps, model='lm.TextLMSmall'):
   """The registered text model with `stack`, its learning rate decaying
   over `steps` (the registered class's recipe, another depth)."""
-  depth = type('Depth', (model_registry.GetClass(model),), dict(
+  depth = type('Depth', (registered_models.GetClass(model),), dict(
       NUM_STAGES=stack.stages, CIRCULAR_REPEAT=stack.repeat,
       BLOCKS_PER_STAGE=stack.blocks, MAX_STEPS=steps))
   cfg = depth().Model()
@@ -200,26 +199,37 @@ def Speeds():
 
 # -- What made depth help: the recipe's parts, one at a time. ----------------
 
+@dataclasses.dataclass(frozen=True)
+class Part:
+  """One step of the recipe: the text LM's params with these changes."""
+  name: str
+  body: dict  # CopyLMParams' arguments
+  atten: dict = dataclasses.field(default_factory=dict)  # tr_atten_tpl's
+  task: dict = dataclasses.field(default_factory=dict)  # the task's
+  warmup: int = 50
+
+
 RECIPE = (
-    # (name, CopyLMParams' body arguments, task Params, warmup)
-    ("Lingvo's time-major TransformerLayer (residual re-normalized)",
-     dict(batch_major=False), dict(depth_scaled_init=False), 50),
-    ('pre-LN: x + f(LN(x)) (batch-major block)',
-     dict(batch_major=True), dict(depth_scaled_init=False), 50),
-    ('+ rotary positions', dict(batch_major=True, rotary=True),
-     dict(depth_scaled_init=False), 50),
-    ('+ output projections scaled 1/sqrt(2 x blocks)',
-     dict(batch_major=True, rotary=True), dict(depth_scaled_init=True), 50),
-    ('+ warmup 100 steps (the recipe)', dict(batch_major=True, rotary=True),
-     dict(depth_scaled_init=True), 100),
+    Part("Lingvo's time-major TransformerLayer as it comes (its attention "
+         'adds to the normalized input)', dict(batch_major=False),
+         atten=dict(add_unnormalized_input=False)),
+    Part('pre-LN, x + f(LN(x)) (the batch-major block)',
+         dict(batch_major=True)),
+    Part('+ rotary positions', dict(batch_major=True, rotary=True)),
+    Part('+ output projections scaled by 1/sqrt(2 x blocks)',
+         dict(batch_major=True, rotary=True),
+         task=dict(depth_scaled_init=True)),
+    Part('+ warmup 100 steps (the recipe)', dict(batch_major=True,
+                                                rotary=True),
+         task=dict(depth_scaled_init=True), warmup=100),
 )
 
 
-def RecipeCfg(stack, steps, body, task, warmup):
-  """lm.TextLMSmall's model and input with one step of RECIPE's body."""
+def RecipeCfg(stack, steps, part):
+  """lm.TextLMSmall's model and input with one step of RECIPE."""
   cfg = ModelCfg(stack, steps)
-  model = model_registry.GetClass('lm.TextLMSmall')
-  p = lm_task.CopyLMParams(
+  model = registered_models.GetClass('lm.TextLMSmall')
+  p = lm_params.CopyLMParams(
       name='text_lm', vocab_size=cfg.task.vocab_size,
       model_dim=model.MODEL_DIM, num_heads=model.NUM_HEADS,
       hidden_dim=4 * model.MODEL_DIM, blocks_per_stage=stack.blocks,
@@ -227,20 +237,21 @@ def RecipeCfg(stack, steps, body, task, warmup):
       num_microbatches=model.NUM_MICROBATCHES, dropout_prob=0.0,
       shard_stages_1d=False, learning_rate=model.LEARNING_RATE,
       max_steps=steps, max_seq_len=model.SEQ_LEN,
-      task_cls=text_lm.TextLMTask, **body)
-  p.Set(**task)
+      task_cls=text_lm.TextLMTask, **part.body)
+  p.stack.single_stage_body.block_tpl.tr_atten_tpl.Set(**part.atten)
+  p.Set(**part.task)
   p.train.lr_schedule = cfg.task.train.lr_schedule.Copy().Set(
-      warmup=warmup, decay_start=warmup + 1)
+      warmup=part.warmup, decay_start=part.warmup + 1)
   cfg.task = p
   return cfg
 
 
 def Recipe(steps, workdir):
   runs = []
-  for name, body, task, warmup in RECIPE:
+  for part in RECIPE:
     for stack in (SHALLOW, DEEP):
-      cfg = RecipeCfg(stack, steps, body, task, warmup)
-      runs.append(Train(cfg, 'plain', steps, stack, workdir, recipe=name))
+      runs.append(Train(RecipeCfg(stack, steps, part), 'plain', steps, stack,
+                        workdir, recipe=part.name))
       _Say(runs[-1])
   return runs
 

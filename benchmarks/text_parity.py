@@ -42,9 +42,9 @@ LAYER_BY_LAYER_STEPS = 100
 
 
 def Config(steps):
-  """lm.TextLMSmall's model (4 stages x 1 block of width 96, windows of 64
-  bytes, 32 a step in 4 microbatches), the learning rate decaying to a
-  tenth over `steps`."""
+  """lm.TextLMSmall's model (4 stages x 2 circular repeats of 1 block of
+  width 64, windows of 128 bytes, 16 a step in 4 microbatches), the
+  learning rate decaying to a tenth over `steps`."""
   cfg = registered_models.GetParams('lm.TextLMSmall', 'Train')
   cfg.task.train.max_steps = steps
   cfg.task.train.lr_schedule.decay_end = steps

@@ -1,6 +1,6 @@
 """Demo: train a pipelined Transformer LM on CPU, then show its schedule.
 
-    python -m gpipe.demo [--model lm.TextLMSmall] [--steps N] [--minutes 4]
+    python -m gpipe.demo [--model lm.TextLMSmall] [--steps N] [--minutes 3]
                          [--logdir DIR] [--out schedule.png]
 
 1. Checks the registered model params (fails fast, before building).
@@ -49,7 +49,7 @@ def _Args(argv=None):
   parser.add_argument('--steps', type=int, default=None,
                       help="train until this global step (default: the "
                       "model's train.max_steps)")
-  parser.add_argument('--minutes', type=float, default=4.0,
+  parser.add_argument('--minutes', type=float, default=3.0,
                       help='or stop training after this many minutes')
   parser.add_argument('--logdir', default=None,
                       help='checkpoint and TensorBoard directory, resumed '

@@ -64,14 +64,19 @@ class StageBlocks(pod_blocks.BlockStage):
 def CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob):
   """A pre-LN causal self-attention + feed-forward block.
 
-  Dropout is Lingvo's deterministic (stateless) kind, seeded by the global
-  step: a run resumed from a checkpoint draws the masks it would have drawn
-  had it never stopped.
+  Both sub-layers add to their unnormalized input (x + f(LN(x))): Lingvo's
+  attention sub-layer adds to the normalized one by default
+  (add_unnormalized_input=False), which re-normalizes the residual stream
+  at every block, and a deeper stack of such blocks learns worse
+  (docs/text-depth.md). Dropout is Lingvo's deterministic (stateless)
+  kind, seeded by the global step: a run resumed from a checkpoint draws
+  the masks it would have drawn had it never stopped.
   """
   p = layers_with_attention.TransformerLayer.Params().Set(
       source_dim=model_dim, output_dim=model_dim, is_decoder=False,
       mask_self_atten=True)  # (the layer overrides tr_atten_tpl.is_masked)
   p.tr_atten_tpl.Set(num_attention_heads=num_heads,
+                     add_unnormalized_input=True,
                      residual_dropout_prob=dropout_prob,
                      atten_dropout_prob=dropout_prob,
                      residual_dropout_tpl=DeterministicDropout())

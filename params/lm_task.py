@@ -1,8 +1,9 @@
-"""The copy-task LM: its task and the builder of its Params.
+"""The pipelined LM's task: embedding, pipelined stack, softmax, decoding.
 
 A decoder-only Transformer LM whose stack is pipelined, trained to copy a
-random sequence (params/lm.py's docstring has the task; params/lm.py
-registers the models built from here; the data is params/copy_task_input.py).
+random sequence (params/lm.py's docstring has the task; the data is
+params/copy_task_input.py) or on text (params/text_lm.py's subclass).
+params/lm_params.py builds its Params; params/lm.py registers the models.
 """
 
 import math
@@ -16,9 +17,7 @@ from lingvo import compat as tf
 from lingvo.core import base_model
 from lingvo.core import layers
 from lingvo.core import metrics as metrics_lib
-from lingvo.core import optimizer
 from lingvo.core import py_utils
-from lingvo.core import schedule
 from params import lm_blocks
 from params import pod_blocks
 
@@ -393,95 +392,6 @@ def _WriteColumn(ids, column, values, first_writable):
   write = tf.logical_and(
       tf.equal(tf.range(width), column), column >= first_writable)[None]
   return tf.compat.v2.where(write, values[:, None], ids)
-
-
-def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
-                 hidden_dim, blocks_per_stage, num_stages, circular_repeat,
-                 num_microbatches, dropout_prob, shard_stages_1d,
-                 learning_rate, max_steps, max_seq_len=64, batch_major=False,
-                 fprop_dtype=None, input_dropout_prob=None,
-                 stack_dtype=tf.float32, optimizer_tpl=None, mesh=None,
-                 remat_blocks=False, stack_options=None, task_cls=None,
-                 fused_qkv=False, rotary=False):
-  """Task params of the pipelined copy LM (without input params).
-
-  Args:
-    batch_major: the stage body. False: `StageBlocks` of Lingvo's time-major
-      TransformerLayer (the demo's). True: `pod_blocks.BatchMajorStage`,
-      batch-major blocks with einsum projections (the pod configs').
-    fprop_dtype: the batch-major blocks' activation dtype (e.g.
-      tf.bfloat16; weights and optimizer state stay float32). None: float32.
-    input_dropout_prob: dropout on the embeddings; None: dropout_prob.
-    stack_dtype: the activations' dtype between stages (the task's
-      `stack_dtype`).
-    optimizer_tpl: the optimizer params; None: Adam (0.9, 0.98).
-    mesh: a pod_blocks.PodMesh to split the model over (stages on its
-      axis 0, the batch on axis 1, heads and feed-forward width on axis 2),
-      for the batch-major body; None: the stack as shard_stages_1d says.
-    remat_blocks: the batch-major stage recomputes each block in its
-      backward pass (pod_blocks.BatchMajorStage.remat_blocks).
-    fused_qkv: the batch-major blocks project queries, keys and values
-      with one weight (pod_blocks.PodBlockParams).
-    rotary: the batch-major blocks' attention rotates queries and keys by
-      their position (pod_blocks.PodBlockParams).
-    stack_options: more PipelinedLayer params for the stack (e.g.
-      backward_schedule, stream_io).
-    task_cls: the task class; None: PipelinedLMTask.
-    (The others name what they set.)
-  """
-  if model_dim % num_heads:
-    raise ValueError(f'CopyLMParams: model_dim={model_dim} is not divisible '
-                     f'by num_heads={num_heads}; pick a divisor.')
-  for arg, value in (('fprop_dtype', fprop_dtype), ('rotary', rotary)):
-    if value not in (None, False) and not batch_major:
-      raise ValueError(f'CopyLMParams: {arg} is for the batch-major body; '
-                       'set batch_major=True.')
-  if mesh is not None and (not batch_major or shard_stages_1d):
-    raise ValueError('CopyLMParams: a mesh is for the batch-major body and '
-                     'replaces shard_stages_1d; set batch_major=True, '
-                     'shard_stages_1d=False.')
-  if batch_major:
-    block = pod_blocks.PodBlockParams(model_dim, num_heads, hidden_dim,
-                                      dropout_prob, fprop_dtype, fused_qkv,
-                                      rotary)
-    if mesh is not None:
-      block = pod_blocks.SplitBlockOverMesh(block)
-    stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype,
-                                      remat_blocks)
-  else:
-    block = lm_blocks.CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob)
-    stage = lm_blocks.StageBlocks.Params().Set(num_blocks=blocks_per_stage,
-                                     block_tpl=block)
-  stack = gpipe_layers.PipelinedLayer.Params().Set(
-      name='stack', num_stages=num_stages, single_stage_body=stage,
-      circular_repeat=circular_repeat, num_microbatches=num_microbatches,
-      shard_stages_1d=shard_stages_1d, unroll='never').Set(
-          **(stack_options or {}))
-  if mesh is not None:
-    stack.Set(device_mesh=mesh.device_mesh,
-              pipeline_stage_mesh_dim=pod_blocks.PodMesh.STAGE_AXIS)
-  p = (task_cls or PipelinedLMTask).Params().Set(
-      name=name, vocab_size=vocab_size, model_dim=model_dim, stack=stack,
-      max_seq_len=max_seq_len, stack_dtype=stack_dtype,
-      input_dropout_prob=(dropout_prob if input_dropout_prob is None else
-                          input_dropout_prob))
-  tp = p.train
-  tp.max_steps = max_steps  # Lingvo's trainer stops here.
-  tp.learning_rate = learning_rate
-  tp.optimizer = optimizer_tpl or optimizer.Adam.Params().Set(beta1=0.9,
-                                                              beta2=0.98)
-  tp.lr_schedule = schedule.LinearRampupExponentialDecay.Params().Set(
-      warmup=50, decay_start=100000, decay_end=200000, min=1.0)
-  tp.clip_gradient_norm_to_value = 1.0
-  tp.grad_norm_tracker = None
-  return p
-
-
-def HeldOut(train_p, data_seed, num_batches):
-  """Held-out copy data: num_batches fixed batches; the evaler and decoder
-  read all of them for every checkpoint (num_samples)."""
-  return train_p.Set(data_seed=data_seed, held_out_batches=num_batches,
-                     num_samples=num_batches * train_p.batch_size)
 
 
 def ParameterBytes(task):

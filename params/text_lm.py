@@ -24,6 +24,7 @@ from lingvo import compat as tf
 from lingvo.core import metrics as metrics_lib
 from lingvo.core import py_utils
 from lingvo.core import schedule
+from params import lm_params
 from params import lm_task
 from params import text_input
 
@@ -157,7 +158,7 @@ def TextLMParams(*, seq_len, model_dim, num_heads, hidden_dim,
   The learning rate ramps up over `warmup` steps, then (with decay_steps)
   decays exponentially to a tenth of itself at step decay_steps.
   """
-  p = lm_task.CopyLMParams(
+  p = lm_params.CopyLMParams(
       name='text_lm', vocab_size=text_input.VOCAB_SIZE, model_dim=model_dim,
       num_heads=num_heads, hidden_dim=hidden_dim,
       blocks_per_stage=blocks_per_stage, num_stages=num_stages,

@@ -3,7 +3,7 @@
 The pipelined LM with the pod body equals the unrolled one at init (split
 as on a pod), and in bfloat16 within its precision; the stage computes in
 bfloat16 on float32 weights; its weight gradients build nothing larger than
-the activations (the demo's time-major layer does). The model is
+the activations (the copy LM's time-major layer does). The model is
 lm_params_test.py's TinyCfg.
 """
 
@@ -77,7 +77,7 @@ def _LargestGradientTensor(stage_params, batch, time, dim):
 
 def test_pod_body_weight_gradients_build_nothing_larger_than_activations():
   """Einsum projections over [b, t, d]: each weight gradient contracts
-  batch and time at once. The demo's time-major layer projects with a
+  batch and time at once. The copy LM's time-major layer projects with a
   broadcasting matmul whose gradient makes a [t, d, d] product first."""
   batch, time, dim, hidden = 3, 7, 16, 24
   bound = batch * time * hidden  # the largest activation, [b, t, hidden]

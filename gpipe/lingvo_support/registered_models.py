@@ -38,6 +38,18 @@ def GetParams(name, dataset='Train'):
       raise LookupError(UnknownModelMessage(name, known)) from e
 
 
+def GetClass(name):
+  """The registered model class `name` (its Params are made by its methods,
+  so a subclass can change a class attribute and keep the rest).
+
+  Raises:
+    LookupError: as GetParams.
+  """
+  GetParams(name, None)  # the model's module imported, or the error
+  with quiet.LibraryPrints():
+    return model_registry.GetClass(name)
+
+
 def ImportModules(modules):
   """Imports each module (a --model_module): models of the user's own that
   register under names their module path does not start with.

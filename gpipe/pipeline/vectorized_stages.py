@@ -296,7 +296,7 @@ def _PlainAsserts():
   a dynamic-shape op XLA cannot compile (Lingvo's checks in attention are
   such asserts: `py_utils.ApplyPadding`'s). The plain op checks the same
   condition. The function is replaced under every name a body may call it
-  by (`_ASSERT_NAMES`).
+  by (`_AssertModules`).
   """
 
   def PlainAssert(condition, data, summarize=None, name=None):
