@@ -18,20 +18,25 @@ as 8 stages and as 2 blocks a stage), every run from the same seeds:
            per byte;
   speed    the step of every shipped text model (`MODELS`) layer by layer,
            plain and on the schedule, timed in rotation;
+  context  what a window's length costs: the demo's model on windows of
+           64, 128 and 256 bytes, the same bytes a step;
   recipe   the recipe's parts added one at a time, each at 4 and 8 blocks
            for --steps steps (plain): what made depth help.
 
-Writes <out>/text-depth.md (tables) and <out>/text_depth.png (curves), and
-exits 1 when a check fails: at --steps, 8 blocks (R = 2) below 4 blocks
+Keeps every part's figures in <out>/text-depth.json (a run of some
+--parts replaces those, keeps the others), writes <out>/text-depth.md
+(tables) and <out>/text_depth.png (curves) from all of them, and exits 1
+when a check fails: at --steps, 8 blocks (R = 2) below 4 blocks
 and 16 (R = 4) no higher than 8 in training loss; pipelined equal to plain
 within 1 % at every depth (training loss and held-out); layer by layer
-within 1.25x the plain stack's step on every shipped model. About an
-hour on 2 cores.
+within 1.25x the plain stack's step on every shipped model. About 45
+minutes on 2 cores.
 """
 
 import argparse
 import dataclasses
 import datetime
+import json
 import math
 import os
 import platform
@@ -96,13 +101,23 @@ class Run:
   def last_loss(self):
     return float(self.losses[-LAST:].mean())
 
+  def AsDict(self):
+    d = dataclasses.asdict(self)
+    d['losses'] = [round(float(x), 4) for x in self.losses]
+    return d
 
-def ModelCfg(stack, steps, model='lm.TextLMSmall'):
+  @classmethod
+  def FromDict(cls, d):
+    return cls(**dict(d, losses=np.array(d['losses'])))
+
+
+def ModelCfg(stack, steps, model='lm.TextLMSmall', **attributes):
   """The registered text model with `stack`, its learning rate decaying
-  over `steps` (the registered class's recipe, another depth)."""
+  over `steps` (the registered class's recipe, another depth; `attributes`:
+  more of its class attributes changed)."""
   depth = type('Depth', (registered_models.GetClass(model),), dict(
       NUM_STAGES=stack.stages, CIRCULAR_REPEAT=stack.repeat,
-      BLOCKS_PER_STAGE=stack.blocks, MAX_STEPS=steps))
+      BLOCKS_PER_STAGE=stack.blocks, MAX_STEPS=steps, **attributes))
   cfg = depth().Model()
   cfg.input = depth().Train()
   return cfg
@@ -182,6 +197,20 @@ def StepSeconds(cfg, paths, steps=20, rounds=3):
   for sess, _ in sessions.values():
     sess.close()
   return {path: float(np.median(t)) for path, t in times.items()}
+
+
+def ContextCosts():
+  """{window: {path: step seconds}}: the demo's model on windows of 64,
+  128 and 256 bytes, 2048 bytes a step."""
+  costs = {}
+  for seq_len in (64, 128, 256):
+    stack = Stack('', SHALLOW.stages, DEEP.repeat, 1)
+    cfg = ModelCfg(stack, 1000, SEQ_LEN=seq_len, BATCH_SIZE=2048 // seq_len)
+    costs[seq_len] = StepSeconds(cfg, ['layer by layer', 'plain'])
+    print(f'windows of {seq_len}: ' + ', '.join(
+        f'{k} {1e3 * v:.0f} ms' for k, v in costs[seq_len].items()),
+          flush=True)
+  return costs
 
 
 def Speeds():
@@ -295,39 +324,65 @@ def _Say(run):
         flush=True)
 
 
+PARTS = ('speed', 'context', 'steps', 'minutes', 'recipe')
+
+
+def RunParts(parts, args, workdir):
+  """{part: its figures (JSON-able)} of the parts asked for."""
+  runs = lambda rs: [r.AsDict() for r in rs]
+  do = dict(
+      speed=Speeds,
+      context=lambda: {str(k): v for k, v in ContextCosts().items()},
+      steps=lambda: runs(SameSteps(args.steps, workdir)),
+      minutes=lambda: runs(SameMinutes(args.minutes, workdir)),
+      recipe=lambda: runs(Recipe(args.steps, workdir)))
+  results = {}
+  for part in PARTS:
+    if part in parts:
+      began = time.time()
+      results[part] = do[part]()
+      results[f'{part}_measured'] = dict(
+          date=datetime.date.today().isoformat(),
+          minutes=round((time.time() - began) / 60, 1),
+          steps=args.steps, budget=args.minutes)
+  return results
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(prog='python -m benchmarks.text_depth',
                                    description=__doc__.split('\n\n')[0])
   parser.add_argument('--steps', type=int, default=400)
   parser.add_argument('--minutes', type=float, default=3.0)
-  parser.add_argument('--parts', default='steps,minutes,speed,recipe')
+  parser.add_argument('--parts', default=','.join(PARTS),
+                      help='the parts to run (empty: only write the page '
+                      'again from the JSON)')
   parser.add_argument('--out', default='docs')
   args = parser.parse_args(argv)
-  parts = args.parts.split(',')
-  unknown = set(parts) - {'steps', 'minutes', 'speed', 'recipe'}
+  parts = [part for part in args.parts.split(',') if part]
+  unknown = set(parts) - set(PARTS)
   if unknown:
-    parser.error(f'--parts: unknown {sorted(unknown)}; pick from steps, '
-                 'minutes, speed, recipe.')
+    parser.error(f'--parts: unknown {sorted(unknown)}; pick from '
+                 f'{", ".join(PARTS)}.')
   if args.steps <= LAST:
     parser.error(f'--steps must exceed {LAST}, got {args.steps}.')
   quiet.UnlessVerbose([])
-  workdir = tempfile.mkdtemp(prefix='text_depth_')
-  began = time.time()
-  speeds = Speeds() if 'speed' in parts else {}
-  steps_runs = SameSteps(args.steps, workdir) if 'steps' in parts else []
-  minutes_runs = (SameMinutes(args.minutes, workdir)
-                  if 'minutes' in parts else [])
-  recipe_runs = Recipe(args.steps, workdir) if 'recipe' in parts else []
-  problems = Problems(steps_runs, speeds)
-  page = text_depth_report.Page(
-      date=datetime.date.today().isoformat(), machine=platform.machine(),
-      tf_version=tf.__version__,
-      command=' '.join(['python -m benchmarks.text_depth'] +
-                       (sys.argv[1:] if argv is None else argv)),
-      minutes=(time.time() - began) / 60, steps=args.steps, last=LAST,
-      budget=args.minutes, steps_runs=steps_runs, minutes_runs=minutes_runs,
-      speeds=speeds, recipe_runs=recipe_runs, problems=problems)
   os.makedirs(args.out, exist_ok=True)
+  path = os.path.join(args.out, 'text-depth.json')
+  results = {}
+  if os.path.exists(path):
+    with open(path) as f:
+      results = json.load(f)
+  results.update(RunParts(parts, args, tempfile.mkdtemp(prefix='text_depth_')))
+  with open(path, 'w') as f:
+    json.dump(results, f, indent=1)
+  steps_runs = [Run.FromDict(r) for r in results.get('steps', [])]
+  minutes_runs = [Run.FromDict(r) for r in results.get('minutes', [])]
+  problems = Problems(steps_runs, results.get('speed', {}))
+  page = text_depth_report.Page(
+      machine=platform.machine(), tf_version=tf.__version__, last=LAST,
+      results=results, steps_runs=steps_runs, minutes_runs=minutes_runs,
+      recipe_runs=[Run.FromDict(r) for r in results.get('recipe', [])],
+      problems=problems)
   with open(os.path.join(args.out, 'text-depth.md'), 'w') as f:
     f.write(page)
   if steps_runs:

@@ -7,32 +7,39 @@ from benchmarks import text_parity
 SMOOTH = text_parity.SMOOTH
 
 
-def Page(*, date, machine, tf_version, command, minutes, steps, last, budget,
-         steps_runs, minutes_runs, speeds, recipe_runs, problems):
-  """The markdown page (docs/text-depth.md)."""
+def Page(*, machine, tf_version, last, results, steps_runs, minutes_runs,
+         recipe_runs, problems):
+  """The markdown page (docs/text-depth.md) of benchmarks.text_depth's
+  results (its JSON: each part's figures and when they were measured)."""
   lines = [
       '# Depth on real text',
       '',
-      f'Measured {date} on {machine}, 2 CPU cores, TensorFlow {tf_version}, '
-      f'one CPU device, by `{command}` (about {minutes:.0f} minutes). The model: lm.TextLMSmall\'s '
+      f'Measured on {machine}, 2 CPU cores, TensorFlow {tf_version}, one CPU '
+      'device, by `python -m benchmarks.text_depth` (about '
+      f'{_Minutes(results):.0f} minutes; `--parts` reruns some of it, each '
+      'section says when it was measured). The model: lm.TextLMSmall\'s '
       'recipe (byte-level, width 64, windows of 128 bytes of the standard '
-      'library\'s source, 16 a step in 4 microbatches, Adam at 5e-3 after '
-      '100 warmup steps, decaying to a tenth over the run) with its stack '
-      'at each depth; every run from the same seeds, reading the same '
-      'batches. Held-out: the packages email, json and asyncio. Bits per '
-      'byte throughout; all figures measured.',
+      'library\'s source, 16 a '
+      'step in 4 microbatches, Adam at 5e-3 after 100 warmup steps, '
+      'decaying to a tenth over the run) with its stack at each depth; '
+      'every run from the same seeds, reading the same batches. Held-out: '
+      'the packages email, json and asyncio. Bits per byte throughout; all '
+      'figures measured.',
       '',
   ]
   lines += WHY.split('\n')
+  when = lambda part: _When(results.get(f'{part}_measured', {}))
   if steps_runs:
     lines += ['![Training curves at each depth](text_depth.png)', '']
-    lines += SameStepsTable(steps_runs, steps, last)
+    lines += SameStepsTable(steps_runs, last, when('steps'))
   if minutes_runs:
-    lines += SameMinutesTable(minutes_runs, budget)
-  if speeds:
-    lines += SpeedTable(speeds)
+    lines += SameMinutesTable(minutes_runs, when('minutes'))
+  if 'speed' in results:
+    lines += SpeedTable(results['speed'], when('speed'))
+  if 'context' in results:
+    lines += ContextTable(results['context'], when('context'))
   if recipe_runs:
-    lines += RecipeTable(recipe_runs, steps)
+    lines += RecipeTable(recipe_runs, when('recipe'))
   lines += ['## Checks', '']
   lines += (['- FAILED: ' + p for p in problems] or
             ['- All met: at the same steps 8 blocks (R = 2) below 4 and 16 '
@@ -40,6 +47,17 @@ def Page(*, date, machine, tf_version, command, minutes, steps, last, budget,
              'within 1 % of plain at every depth; layer by layer within '
              '1.25x the plain stack\'s step on every shipped model.'])
   return '\n'.join(lines) + '\n'
+
+
+def _Minutes(results):
+  return sum(v['minutes'] for k, v in results.items()
+             if k.endswith('_measured'))
+
+
+def _When(measured):
+  if not measured:
+    return ''
+  return f' (measured {measured["date"]}, {measured["minutes"]:g} minutes)'
 
 
 WHY = """## What held depth back
@@ -58,7 +76,9 @@ recipe table at the end of this page trains each step at 4 and 8 blocks.
    stack trains like a post-LN Transformer, which at this learning rate
    does not train deep. The text LM now uses the pod LMs' batch-major
    block (`pod_blocks.PodBlockParams`), in which both sub-layers add to
-   the unnormalized input, x + f(LN(x)).
+   the unnormalized input, x + f(LN(x)). Alone, this lifts 8 blocks off
+   the unigram entropy but leaves them no better than 4 (the recipe
+   table's second row): the next part is what makes depth pay.
 2. **Positions only at the input.** A learned position embedding reaches
    the first block's input only, and each position's vector is learned
    from the rows that have it: with learned positions, windows of 128
@@ -82,79 +102,98 @@ blocks worse; Adam's beta2 0.95 instead of 0.98 did not help.
 """
 
 
-def SameStepsTable(runs, steps, last):
+def _Section(title, intro, header, rows):
+  """A page section: its title, a paragraph, a table (rows: [cells])."""
+  return ([f'## {title}', '', intro, '', '| ' + ' | '.join(header) + ' |',
+           '|' + '---|' * len(header)] +
+          ['| ' + ' | '.join(row) + ' |' for row in rows] + [''])
+
+
+def SameStepsTable(runs, last, when):
   by = {(r.stack, r.path): r for r in runs}
-  stacks = list(dict.fromkeys(r.stack for r in runs))
-  lines = [
-      f'## Same steps ({steps})', '',
+  rows = []
+  for stack in dict.fromkeys(r.stack for r in runs):
+    a, b = by[stack, 'pipelined'], by[stack, 'plain']
+    rows.append([stack, f'{a.last_loss:.4f}', f'{b.last_loss:.4f}',
+                 f'{_Gap(a.last_loss, b.last_loss):.3f}', f'{a.held_out:.4f}',
+                 f'{b.held_out:.4f}', f'{_Gap(a.held_out, b.held_out):.3f}',
+                 f'{b.gzip:.3f}'])
+  return _Section(
+      f'Same steps ({runs[0].steps}){when}',
       f'Training: the mean of the last {last} steps. Pipelined: the '
       'schedule a pod runs (layer_by_layer off); plain: unroll=\'always\'.',
-      '',
-      '| stack | training, pipelined | training, plain | gap % | held-out, '
-      'pipelined | held-out, plain | gap % | gzip -9 |',
-      '|---|---|---|---|---|---|---|---|',
-  ]
-  for stack in stacks:
-    a, b = by[stack, 'pipelined'], by[stack, 'plain']
-    lines.append(
-        f'| {stack} | {a.last_loss:.4f} | {b.last_loss:.4f} | '
-        f'{_Gap(a.last_loss, b.last_loss):.3f} | {a.held_out:.4f} | '
-        f'{b.held_out:.4f} | {_Gap(a.held_out, b.held_out):.3f} | '
-        f'{b.gzip:.3f} |')
-  return lines + ['']
+      ['stack', 'training, pipelined', 'training, plain', 'gap %',
+       'held-out, pipelined', 'held-out, plain', 'gap %', 'gzip -9'], rows)
 
 
-def SameMinutesTable(runs, budget):
-  lines = [
-      f'## Same minutes ({budget:g})', '',
+def SameMinutesTable(runs, when):
+  return _Section(
+      f'Same minutes{when}',
       'Layer by layer (what the demo trains on), each run\'s learning rate '
-      'decaying over the steps its measured step time allows.', '',
-      '| stack | steps | ms a step | training (last steps) | held-out | '
-      'gzip -9 |',
-      '|---|---|---|---|---|---|',
-  ]
-  for r in runs:
-    lines.append(f'| {r.stack} | {r.steps} | {1e3 * r.step_seconds:.0f} | '
-                 f'{r.last_loss:.4f} | {r.held_out:.4f} | {r.gzip:.3f} |')
-  return lines + ['']
+      'decaying over the steps its measured step time allows. '
+      f'{_BestInMinutes(runs)}',
+      ['stack', 'steps', 'ms a step', 'training (last steps)', 'held-out',
+       'gzip -9'],
+      [[r.stack, f'{r.steps}', f'{1e3 * r.step_seconds:.0f}',
+        f'{r.last_loss:.4f}', f'{r.held_out:.4f}', f'{r.gzip:.3f}']
+       for r in runs])
 
 
-def SpeedTable(speeds):
-  lines = [
-      '## Step time of the shipped text models', '',
-      'Median milliseconds of a training step through Lingvo\'s graph '
-      '(gpipe.apps.trainer), the three paths timed in rotation in one '
-      'process.', '',
-      '| model | layer by layer | plain | schedule | layer by layer / plain '
-      '| schedule / plain |',
-      '|---|---|---|---|---|---|',
-  ]
+def _BestInMinutes(runs):
+  best = min(runs, key=lambda r: r.held_out)
+  return (f'Here {best.stack} ends lowest on the held-out bytes: on one '
+          'device a step costs in proportion to the depth, so a deeper '
+          'stack trains fewer steps in the same minutes; a pod spreads '
+          'the depth over its chips (the pipeline\'s purpose), and there '
+          'what each step learns, the table above, is what carries over.')
+
+
+def SpeedTable(speeds, when):
+  rows = []
   for model, s in speeds.items():
     lbl, plain, sched = (s['layer by layer'], s['plain'], s['pipelined'])
-    lines.append(f'| `{model}` | {1e3 * lbl:.0f} | {1e3 * plain:.0f} | '
-                 f'{1e3 * sched:.0f} | {lbl / plain:.2f} | '
-                 f'{sched / plain:.2f} |')
-  return lines + ['']
+    rows.append([f'`{model}`', f'{1e3 * lbl:.0f}', f'{1e3 * plain:.0f}',
+                 f'{1e3 * sched:.0f}', f'{lbl / plain:.2f}',
+                 f'{sched / plain:.2f}'])
+  return _Section(
+      f'Step time of the shipped text models{when}',
+      'Median milliseconds of a training step through Lingvo\'s graph '
+      '(gpipe.apps.trainer), the three paths timed in rotation in one '
+      'process.',
+      ['model', 'layer by layer', 'plain', 'schedule',
+       'layer by layer / plain', 'schedule / plain'], rows)
 
 
-def RecipeTable(runs, steps):
+def ContextTable(costs, when):
+  base = costs['64']['layer by layer']
+  return _Section(
+      f'What a window costs{when}',
+      'The demo\'s model (8 blocks of width 64) on windows of 64, 128 and '
+      '256 bytes, 2048 bytes a step (32, 16 and 8 windows): median '
+      'milliseconds of a training step, timed in rotation. The registered '
+      'models read 128 (the demo) and 256 (lm.TextLM30Min): attention '
+      'grows with the window, the rest of a block does not.',
+      ['window', 'layer by layer', 'plain', 'layer by layer / 64 bytes\''],
+      [[window, f'{1e3 * s["layer by layer"]:.0f}', f'{1e3 * s["plain"]:.0f}',
+        f'{s["layer by layer"] / base:.2f}'] for window, s in costs.items()])
+
+
+def RecipeTable(runs, when):
   by = {}
   for r in runs:
     by.setdefault(r.path, []).append(r)
-  lines = [
-      f'## The recipe, part by part ({steps} steps, plain stack)', '',
-      'Each row adds one part to the row above it; the last row is the '
-      'recipe. Training: the mean of the last steps.', '',
-      '| recipe | 4 blocks: training | 8 blocks: training | 8 vs 4 % | '
-      '4 blocks: held-out | 8 blocks: held-out |',
-      '|---|---|---|---|---|---|',
-  ]
+  rows = []
   for name, (shallow, deep) in by.items():
     change = 100 * (deep.last_loss / shallow.last_loss - 1)
-    lines.append(f'| {name} | {shallow.last_loss:.4f} | {deep.last_loss:.4f} '
-                 f'| {change:+.1f} | {shallow.held_out:.4f} | '
-                 f'{deep.held_out:.4f} |')
-  return lines + ['']
+    rows.append([name, f'{shallow.last_loss:.4f}', f'{deep.last_loss:.4f}',
+                 f'{change:+.1f}', f'{shallow.held_out:.4f}',
+                 f'{deep.held_out:.4f}'])
+  return _Section(
+      f'The recipe, part by part ({runs[0].steps} steps, plain stack){when}',
+      'Each row adds one part to the row above it; the last row is the '
+      'recipe. Training: the mean of the last steps, as above.',
+      ['recipe', '4 blocks: training', '8 blocks: training', '8 vs 4 %',
+       '4 blocks: held-out', '8 blocks: held-out'], rows)
 
 
 def Plot(path, steps_runs, minutes_runs):

@@ -50,7 +50,8 @@ def _Read(path):
     return f.read()
 
 
-def Page(model, cfg, history, report, given, command, date, minutes):
+def Page(model, cfg, history, report, given, target, command, date,
+         minutes):
   seconds = sum(r.seconds for r in history)
   sp = cfg.task.stack
   rows = [('the model', report.bits_per_byte)] + [
@@ -70,7 +71,9 @@ def Page(model, cfg, history, report, given, command, date, minutes):
       'asyncio, never trained on. Bits per byte (all measured):', '',
       '| coder | bits per byte |', '|---|---|',
   ] + [f'| {name} | {bpb:.3f} |' for name, bpb in rows] + [
-      '', demo.LossCurve(history, bits=True).replace('\n', '\n    '), '',
+      '', f'The target, <= {target} bits per byte on the held-out bytes, '
+      f'is {"met" if report.bits_per_byte <= target else "not met"}.',
+      '', '```', demo.LossCurve(history, bits=True), '```', '',
       'Its sample, through the pipeline byte by byte, from a held-out '
       'prompt:', '', '```', report.prompt + report.sample, '```', '']
   return '\n'.join(lines)
@@ -102,7 +105,7 @@ def main(argv=None):
         flush=True)
   command = ' '.join(['python -m benchmarks.text_long'] +
                      (sys.argv[1:] if argv is None else argv))
-  page = Page(args.model, cfg, history, report, given, command,
+  page = Page(args.model, cfg, history, report, given, args.target, command,
               datetime.date.today().isoformat(), (time.time() - began) / 60)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'text-long.md'), 'w') as f:

@@ -67,9 +67,9 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
     stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype,
                                       remat_blocks)
   else:
-    block = lm_blocks.CausalBlockParams(model_dim, num_heads, hidden_dim, dropout_prob)
-    stage = lm_blocks.StageBlocks.Params().Set(num_blocks=blocks_per_stage,
-                                     block_tpl=block)
+    stage = lm_blocks.StageBlocks.Params().Set(
+        num_blocks=blocks_per_stage, block_tpl=lm_blocks.CausalBlockParams(
+            model_dim, num_heads, hidden_dim, dropout_prob))
   stack = gpipe_layers.PipelinedLayer.Params().Set(
       name='stack', num_stages=num_stages, single_stage_body=stage,
       circular_repeat=circular_repeat, num_microbatches=num_microbatches,
