@@ -172,22 +172,22 @@ def test_one_override_points_every_job_at_the_users_files(tmp_path):
 
 def _StackChange(cfg, repeat):
   """{scale: RMS of (stack(x) - x) / RMS of x} at init, for x of RMS 1 and
-  of RMS 30: what the blocks add to the residual stream, unrolled, R =
-  repeat."""
+  of RMS 30 (one batch: a block mixes positions within an example only):
+  what the blocks add to the residual stream, unrolled, R = repeat."""
   c = cfg.Copy()
   c.task.stack.Set(circular_repeat=repeat, unroll='always')
+  scales = (1.0, 30.0)
   with tf.Graph().as_default():
     tf.compat.v1.random.set_random_seed(3)
-    task = c.Instantiate().GetTask()
-    rms = lambda t: tf.sqrt(tf.reduce_mean(tf.square(t)))
-    changes = {}
-    for scale in (1.0, 30.0):
-      x = scale * tf.random.stateless_normal([4, 16, 16], [1, 2])
-      y, _ = task.stack.FProp(task.theta.stack, x, tf.zeros([4, 16]))
-      changes[scale] = rms(y - x) / rms(x)
+    task = c.task.Instantiate()
+    x = tf.concat([s * tf.random.stateless_normal([4, 16, 16], [1, 2])
+                   for s in scales], 0)
+    y, _ = task.stack.FProp(task.theta.stack, x, tf.zeros([8, 16]))
+    rms = lambda t: tf.sqrt(tf.reduce_mean(tf.reshape(tf.square(t),
+                                                     [len(scales), -1]), 1))
     with tf.compat.v1.Session() as sess:
       sess.run(tf.compat.v1.global_variables_initializer())
-      return sess.run(changes)
+      return dict(zip(scales, sess.run(rms(y - x) / rms(x))))
 
 
 def test_the_recipe_adds_to_the_residual_stream_as_much_at_any_depth(
@@ -196,8 +196,8 @@ def test_the_recipe_adds_to_the_residual_stream_as_much_at_any_depth(
   to its unnormalized input (a large input passes through almost as it is,
   where a block that re-normalizes its residual, Lingvo's time-major
   default, would replace it), and the blocks' output projections are
-  scaled by 1 / sqrt(2 x blocks), so 16 blocks add about what 4 add
-  (unscaled, their sum grows with depth)."""
+  scaled by 1 / sqrt(2 x blocks), so 8 blocks (2 stages x R 4) add about
+  what 2 add (unscaled, their sum grows with depth)."""
   cfg = TinyTextCfg(text_files)
   shallow, deep = _StackChange(cfg, 1), _StackChange(cfg, 4)
   assert deep[30.0] < 0.05 and shallow[30.0] < 0.05, (shallow, deep)
