@@ -15,6 +15,7 @@ docs/api.md; each subpackage's docstring maps its modules):
     lingvo_compat     UseGpipeInLingvo: Lingvo's own models on gpipe
     schedule          the schedule's arithmetic (and the schedule command)
     microbatch        the batch in microbatches and back
+    nest              nested structures of tensors, None leaves kept
     recurrent         the loop whose gradient recomputes each iteration
     quiet             the commands' quiet logs
     check_partitioning, demo, lingvo_trainer, plan (a package): the commands

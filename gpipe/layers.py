@@ -47,6 +47,7 @@ import tensorflow as tf
 from gpipe.lingvo_support import flags_and_seeds
 from gpipe.loops import compiled_loops
 from gpipe import microbatch
+from gpipe import nest
 from gpipe.pipeline import layer_by_layer
 from gpipe.pipeline import layer_params
 from gpipe.pipeline import layouts
@@ -55,7 +56,6 @@ from gpipe.pipeline import param_checks
 from gpipe.pipeline import per_stage_states
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import repeats
-from gpipe.pipeline import nest
 from gpipe.pipeline import one_f_one_b
 from gpipe.pipeline import side_outputs
 from gpipe.pipeline import stage_call

@@ -19,7 +19,7 @@ from typing import Any, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
-from gpipe.pipeline import nest
+from gpipe import nest
 from gpipe import schedule as schedule_lib
 
 __all__ = [

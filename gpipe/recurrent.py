@@ -59,8 +59,77 @@ __all__ = [
 ]
 
 
-def _SliceInputs(inputs, t):
-  return tf.nest.map_structure(lambda x: tf.gather(x, t), inputs)
+def Recurrent(theta: Any,
+              state0: Any,
+              inputs: Any,
+              cell_fn: Callable[[Any, Any, Any], Tuple[Any, Any]],
+              *,
+              remat_policy: Any = 'recompute',
+              manual_boundary: Optional[Any] = None,
+              extras_rows: Optional[Dict[str, 'Rows']] = None,
+              return_states: bool = True,
+              data_state: Optional[Any] = None,
+              undo: Optional['Undo'] = None,
+              defer_weight_dots: bool = False,
+              name: str = 'recurrent') -> Tuple[Any, Any, Any]:
+  """Runs `cell_fn` over the leading dim of `inputs`.
+
+  Args:
+    theta: a nested structure of tensors the cell reads every iteration
+      (weights). Variables are read once, outside the loop.
+    state0: a nested structure of tensors, the initial carried state.
+    inputs: a nested structure of tensors with the same static leading dim T.
+    cell_fn: (theta, state, inputs_t) -> (new_state, extras). new_state has
+      state0's structure, dtypes and shapes; extras is any nested structure of
+      statically shaped tensors (may be empty). It is traced once.
+    remat_policy: what the forward pass stores for the backward pass besides
+      the states: a gpipe.loops.remat policy or its name ('recompute',
+      'save_dots', 'save_all').
+    manual_boundary: a gpipe.sharding.ManualBoundary when the cell computes
+      in a manual sharding region: activations stored from inside it leave
+      and re-enter it through this.
+    extras_rows: {key of the extras (a dict): Rows}: those extras are kept
+      in Rows' rows rather than one row per iteration.
+    return_states: False: the states after each iteration are kept for the
+      backward loop only, and not returned (None instead), so that no
+      [T, ...] gradient of them is ever made.
+    data_state: bools shaped like state0: which entries carry data whose
+      functions are activations the remat policy may store (default all;
+      see cell_graph.CellGraph).
+    undo: an Undo, or None: state entries the forward loop keeps no
+      history of (those that only move data around invertibly, e.g.
+      stream_io's streams, whose history would be the whole batch per
+      iteration); the backward loop recovers them with undo.fn. Needs
+      return_states=False.
+    defer_weight_dots: the backward loop keeps the operands of the weight
+      gradients' dots where they are small and contracts them once after
+      the loop (gpipe.loops.deferred_dots): faster with few rows per
+      iteration, for memory that grows with the iterations.
+    name: name scope.
+
+  Returns:
+    (states, final_state, extras): states and extras stacked over the T
+    iterations ([T, ...]; states[t] is the state after iteration t; an
+    extra with Rows: [num_rows, ...]), and the final state.
+  """
+  if isinstance(remat_policy, str):
+    remat_policy = remat.For(remat_policy)
+  if undo is not None and return_states:
+    raise ValueError('Recurrent returns no states it does not keep: pass '
+                     'return_states=False with undo.')
+  with tf.name_scope(name):
+    theta = tf.nest.map_structure(tf.convert_to_tensor, theta)
+    state0 = tf.nest.map_structure(tf.convert_to_tensor, state0)
+    inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
+    num_iterations = _NumIterations(inputs)
+    with record.VariableWatcher() as watcher:
+      cell = cell_graph.CellGraph(cell_fn, theta, state0, inputs,
+                                  remat_policy, manual_boundary, data_state,
+                                  defer_weight_dots=defer_weight_dots)
+    loops = _Loops(cell, (theta, state0, inputs), num_iterations,
+                   extras_rows_lib.FlatRows(cell.extras_spec, extras_rows),
+                   watcher.watched_variables(), undo)
+    return loops.Run(return_states)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +144,84 @@ class Undo:
   """
   unstored: Any
   fn: Callable
+
+
+class _Loops:
+  """The forward loop as a custom gradient whose gradient is the backward
+  loop. Its arguments: theta, state0, inputs and the outer float tensors
+  the cell captures (their gradients are returned too)."""
+
+  def __init__(self, cell, structure, num_iterations, flat_rows,
+               read_variables, undo):
+    self._cell = cell
+    self._undo = undo
+    self._kept = ([True] * len(tf.nest.flatten(structure[1]))
+                  if undo is None else
+                  [not u for u in tf.nest.flatten(undo.unstored)])
+    self._structure = structure  # (theta, state0, inputs)
+    self._num_iterations = num_iterations
+    self._rows = flat_rows
+    self._read_variables = read_variables
+    self._sizes = [len(tf.nest.flatten(x)) for x in structure]
+
+  def _Unflatten(self, flat):
+    """(theta, state0, inputs, captures) from the flat arguments."""
+    parts, rest = [], list(flat)
+    for like, n in zip(self._structure, self._sizes):
+      parts.append(tf.nest.pack_sequence_as(like, rest[:n]))
+      rest = rest[n:]
+    caps = list(self._cell.captures)
+    for i, c in zip(self._cell.differentiable['captures'], rest):
+      caps[i] = c
+    return parts + [caps]
+
+  def Run(self, return_states):
+    """(states or None, final, extras) of the forward loop."""
+    cell = self._cell
+    diff_caps = cell.differentiable['captures']
+    end = sum(self._sizes)
+    compiles = compiled_loops.IsAllowed()  # for the backward loop too
+
+    @tf.custom_gradient
+    def _RecurrentWithStoredActivations(*flat):
+      th, s0, inp, caps = self._Unflatten(flat)
+      # This function's gradient is Grad below. Unrecorded, the while loop
+      # does not also build TensorFlow's own gradient of itself for a
+      # GradientTape (under tf.function that took most of the tracing).
+      with record.stop_recording():
+        states, final, extras, stored = _ForwardLoop(
+            cell, th, s0, inp, caps, self._num_iterations, self._rows,
+            self._kept)
+      outputs = (states if return_states else (), final, extras)
+
+      def Grad(*dys, variables=None):
+        CheckNoTrainableVariables(self._read_variables)
+        d_states, d_final, d_extras = _IncomingGradients(
+            dys, outputs, s0, cell.extras_spec)
+        with compiled_loops.Allowed(compiles):
+          grads = _BackwardLoop(
+              cell, th, s0, inp, caps, self._num_iterations, states, stored,
+              d_states, d_final, d_extras, self._rows, final, self._undo)
+        grads = grads[:end] + [grads[end + i] for i in diff_caps]
+        if variables is None:
+          return grads
+        return grads, [None] * len(variables)
+
+      return tf.nest.flatten(outputs), Grad
+
+    flat_args = [x for part in self._structure for x in tf.nest.flatten(part)]
+    flat_out = _RecurrentWithStoredActivations(
+        *flat_args, *[cell.captures[i] for i in diff_caps])
+    state0 = self._structure[1]
+    n_state = self._sizes[1]
+    n_states = n_state if return_states else 0
+    states = (tf.nest.pack_sequence_as(state0, flat_out[:n_state])
+              if return_states else None)
+    final = tf.nest.pack_sequence_as(
+        state0, flat_out[n_states:n_states + n_state])
+    extras = tf.nest.pack_sequence_as(cell.extras_spec,
+                                      flat_out[n_states + n_state:])
+    return states, final, extras
 
 
 def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations,
@@ -212,6 +359,10 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
                           sizes, input_specs, num_iterations)
 
 
+def _SliceInputs(inputs, t):
+  return tf.nest.map_structure(lambda x: tf.gather(x, t), inputs)
+
+
 def _BackwardResults(results, diff, sizes, input_specs, num_iterations):
   """The reverse loop's final gradients (state, theta, captures, then the
   inputs' lists), flat in (theta, state, inputs, captures) order, whose
@@ -265,157 +416,6 @@ def _PastStateGradient(d_states_entry, t, like):
 def ZeroIfNone(g, like):
   """An incoming gradient as a dense tensor: zeros for None."""
   return tf.zeros_like(like) if g is None else tf.convert_to_tensor(g)
-
-
-def Recurrent(theta: Any,
-              state0: Any,
-              inputs: Any,
-              cell_fn: Callable[[Any, Any, Any], Tuple[Any, Any]],
-              *,
-              remat_policy: Any = 'recompute',
-              manual_boundary: Optional[Any] = None,
-              extras_rows: Optional[Dict[str, 'Rows']] = None,
-              return_states: bool = True,
-              data_state: Optional[Any] = None,
-              undo: Optional['Undo'] = None,
-              defer_weight_dots: bool = False,
-              name: str = 'recurrent') -> Tuple[Any, Any, Any]:
-  """Runs `cell_fn` over the leading dim of `inputs`.
-
-  Args:
-    theta: a nested structure of tensors the cell reads every iteration
-      (weights). Variables are read once, outside the loop.
-    state0: a nested structure of tensors, the initial carried state.
-    inputs: a nested structure of tensors with the same static leading dim T.
-    cell_fn: (theta, state, inputs_t) -> (new_state, extras). new_state has
-      state0's structure, dtypes and shapes; extras is any nested structure of
-      statically shaped tensors (may be empty). It is traced once.
-    remat_policy: what the forward pass stores for the backward pass besides
-      the states: a gpipe.loops.remat policy or its name ('recompute',
-      'save_dots', 'save_all').
-    manual_boundary: a gpipe.sharding.ManualBoundary when the cell computes
-      in a manual sharding region: activations stored from inside it leave
-      and re-enter it through this.
-    extras_rows: {key of the extras (a dict): Rows}: those extras are kept
-      in Rows' rows rather than one row per iteration.
-    return_states: False: the states after each iteration are kept for the
-      backward loop only, and not returned (None instead), so that no
-      [T, ...] gradient of them is ever made.
-    data_state: bools shaped like state0: which entries carry data whose
-      functions are activations the remat policy may store (default all;
-      see cell_graph.CellGraph).
-    undo: an Undo, or None: state entries the forward loop keeps no
-      history of (those that only move data around invertibly, e.g.
-      stream_io's streams, whose history would be the whole batch per
-      iteration); the backward loop recovers them with undo.fn. Needs
-      return_states=False.
-    defer_weight_dots: the backward loop keeps the operands of the weight
-      gradients' dots where they are small and contracts them once after
-      the loop (gpipe.loops.deferred_dots): faster with few rows per
-      iteration, for memory that grows with the iterations.
-    name: name scope.
-
-  Returns:
-    (states, final_state, extras): states and extras stacked over the T
-    iterations ([T, ...]; states[t] is the state after iteration t; an
-    extra with Rows: [num_rows, ...]), and the final state.
-  """
-  if isinstance(remat_policy, str):
-    remat_policy = remat.For(remat_policy)
-  if undo is not None and return_states:
-    raise ValueError('Recurrent returns no states it does not keep: pass '
-                     'return_states=False with undo.')
-  with tf.name_scope(name):
-    theta = tf.nest.map_structure(tf.convert_to_tensor, theta)
-    state0 = tf.nest.map_structure(tf.convert_to_tensor, state0)
-    inputs = tf.nest.map_structure(tf.convert_to_tensor, inputs)
-    num_iterations = _NumIterations(inputs)
-    with record.VariableWatcher() as watcher:
-      cell = cell_graph.CellGraph(cell_fn, theta, state0, inputs,
-                                  remat_policy, manual_boundary, data_state,
-                                  defer_weight_dots=defer_weight_dots)
-    loops = _Loops(cell, (theta, state0, inputs), num_iterations,
-                   extras_rows_lib.FlatRows(cell.extras_spec, extras_rows),
-                   watcher.watched_variables(), undo)
-    return loops.Run(return_states)
-
-
-class _Loops:
-  """The forward loop as a custom gradient whose gradient is the backward
-  loop. Its arguments: theta, state0, inputs and the outer float tensors
-  the cell captures (their gradients are returned too)."""
-
-  def __init__(self, cell, structure, num_iterations, flat_rows,
-               read_variables, undo):
-    self._cell = cell
-    self._undo = undo
-    self._kept = ([True] * len(tf.nest.flatten(structure[1]))
-                  if undo is None else
-                  [not u for u in tf.nest.flatten(undo.unstored)])
-    self._structure = structure  # (theta, state0, inputs)
-    self._num_iterations = num_iterations
-    self._rows = flat_rows
-    self._read_variables = read_variables
-    self._sizes = [len(tf.nest.flatten(x)) for x in structure]
-
-  def _Unflatten(self, flat):
-    """(theta, state0, inputs, captures) from the flat arguments."""
-    parts, rest = [], list(flat)
-    for like, n in zip(self._structure, self._sizes):
-      parts.append(tf.nest.pack_sequence_as(like, rest[:n]))
-      rest = rest[n:]
-    caps = list(self._cell.captures)
-    for i, c in zip(self._cell.differentiable['captures'], rest):
-      caps[i] = c
-    return parts + [caps]
-
-  def Run(self, return_states):
-    """(states or None, final, extras) of the forward loop."""
-    cell = self._cell
-    diff_caps = cell.differentiable['captures']
-    end = sum(self._sizes)
-    compiles = compiled_loops.IsAllowed()  # for the backward loop too
-
-    @tf.custom_gradient
-    def _RecurrentWithStoredActivations(*flat):
-      th, s0, inp, caps = self._Unflatten(flat)
-      # This function's gradient is Grad below. Unrecorded, the while loop
-      # does not also build TensorFlow's own gradient of itself for a
-      # GradientTape (under tf.function that took most of the tracing).
-      with record.stop_recording():
-        states, final, extras, stored = _ForwardLoop(
-            cell, th, s0, inp, caps, self._num_iterations, self._rows,
-            self._kept)
-      outputs = (states if return_states else (), final, extras)
-
-      def Grad(*dys, variables=None):
-        CheckNoTrainableVariables(self._read_variables)
-        d_states, d_final, d_extras = _IncomingGradients(
-            dys, outputs, s0, cell.extras_spec)
-        with compiled_loops.Allowed(compiles):
-          grads = _BackwardLoop(
-              cell, th, s0, inp, caps, self._num_iterations, states, stored,
-              d_states, d_final, d_extras, self._rows, final, self._undo)
-        grads = grads[:end] + [grads[end + i] for i in diff_caps]
-        if variables is None:
-          return grads
-        return grads, [None] * len(variables)
-
-      return tf.nest.flatten(outputs), Grad
-
-    flat_args = [x for part in self._structure for x in tf.nest.flatten(part)]
-    flat_out = _RecurrentWithStoredActivations(
-        *flat_args, *[cell.captures[i] for i in diff_caps])
-    state0 = self._structure[1]
-    n_state = self._sizes[1]
-    n_states = n_state if return_states else 0
-    states = (tf.nest.pack_sequence_as(state0, flat_out[:n_state])
-              if return_states else None)
-    final = tf.nest.pack_sequence_as(
-        state0, flat_out[n_states:n_states + n_state])
-    extras = tf.nest.pack_sequence_as(cell.extras_spec,
-                                      flat_out[n_states + n_state:])
-    return states, final, extras
 
 
 def _IncomingGradients(dys, outputs, state0, extras_spec):

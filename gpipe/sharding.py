@@ -58,7 +58,7 @@ import tensorflow as tf
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.python.compiler.xla.experimental import xla_sharding
 # pylint: enable=g-direct-tensorflow-import
-from gpipe.pipeline import nest
+from gpipe import nest
 from lingvo.core import gshard_utils
 from lingvo.core import py_utils_flags
 

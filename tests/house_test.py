@@ -3,6 +3,8 @@
 - At most 12 modules at the top of gpipe/: the public ones and the
   commands' entry points; the rest lives in subpackages by job, each with
   a module map in its docstring.
+- The ground floor (the schedule's arithmetic, nest, microbatch,
+  sharding) imports nothing of gpipe above it.
 - Library code never imports an app (a module with a `__main__` block;
   the schedule command and the SPMD worker aside, which the library runs)
   or the model zoo (`params`).
@@ -80,6 +82,24 @@ def test_library_code_imports_no_app_and_no_model_zoo():
       continue
     for name in sorted(_Imports(path.read_text())):
       if name in apps or name == 'params' or name.startswith('params.'):
+        wrong.append(f'{_Dotted(path)} imports {name}')
+  assert not wrong, wrong
+
+
+# The ground floor: what every part of gpipe stands on, which stands on no
+# part of gpipe but itself: the schedule's arithmetic (not its command's
+# modules) and these utilities.
+_GROUND = ('gpipe.schedule', 'gpipe.nest', 'gpipe.microbatch',
+           'gpipe.sharding')
+
+
+def test_the_ground_floor_imports_nothing_above_it():
+  wrong = []
+  for path in _Modules('gpipe'):
+    if _Dotted(path) not in _GROUND:
+      continue
+    for name in sorted(_Imports(path.read_text())):
+      if name.startswith('gpipe.') and name not in _GROUND:
         wrong.append(f'{_Dotted(path)} imports {name}')
   assert not wrong, wrong
 

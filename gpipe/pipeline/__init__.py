@@ -35,7 +35,6 @@ parts (internal: their names may change).
     vectorized_stages  every stage as one computation, on one device
     stage_call         the one call site of the body
     side_outputs       aux losses and summaries, bubbles masked
-    nest               nested structures of tensors
 
 The loops themselves and their gradients are gpipe.recurrent and
 gpipe.loops; where tensors are placed, gpipe.sharding; the schedule's

@@ -31,7 +31,7 @@ from absl import logging
 import tensorflow as tf
 from gpipe.loops import compiled_loops
 from gpipe import microbatch
-from gpipe.pipeline import nest
+from gpipe import nest
 from gpipe.pipeline import loop_spec
 from gpipe.pipeline import vectorized_stages
 from gpipe import recurrent

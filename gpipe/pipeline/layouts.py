@@ -16,7 +16,7 @@ which one it is.
 
 import tensorflow as tf
 
-from gpipe.pipeline import nest
+from gpipe import nest
 from gpipe.pipeline import stage_call
 from gpipe.pipeline import non_trainable_vars
 from lingvo.core import py_utils

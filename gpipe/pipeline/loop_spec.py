@@ -12,8 +12,8 @@ from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
+from gpipe import nest
 from gpipe.pipeline import loop_io
-from gpipe.pipeline import nest
 from gpipe.pipeline import repeats as repeats_lib
 from gpipe.pipeline import stage_call
 from gpipe.pipeline import stage_ends

@@ -13,7 +13,7 @@ layout, placement and loop spec.
 import tensorflow as tf
 
 from gpipe import microbatch
-from gpipe.pipeline import nest
+from gpipe import nest
 from gpipe.pipeline import side_outputs
 from gpipe.pipeline import stage_step
 

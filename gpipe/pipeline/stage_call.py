@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from gpipe.pipeline import nest
+from gpipe import nest
 from gpipe.pipeline import non_trainable_vars
 from lingvo.core import py_utils
 

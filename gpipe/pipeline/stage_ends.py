@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import tensorflow as tf
 
-from gpipe.pipeline import nest
+from gpipe import nest
 from gpipe import sharding
 from lingvo.core import py_utils
 

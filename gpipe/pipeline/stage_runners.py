@@ -25,7 +25,7 @@ from typing import Any, List, Optional, Tuple
 import tensorflow as tf
 
 from gpipe import microbatch
-from gpipe.pipeline import nest
+from gpipe import nest
 from gpipe.pipeline import stage_call
 from gpipe.pipeline import non_trainable_vars
 from gpipe import sharding

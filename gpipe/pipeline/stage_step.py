@@ -18,8 +18,8 @@ from typing import Dict, List, Tuple
 
 import tensorflow as tf
 
+from gpipe import nest
 from gpipe.pipeline import stage_ends
-from gpipe.pipeline import nest
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_runners
 from lingvo.core import py_utils

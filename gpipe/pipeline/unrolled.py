@@ -15,7 +15,7 @@ import threading
 import tensorflow as tf
 
 from gpipe import microbatch
-from gpipe.pipeline import nest
+from gpipe import nest
 from gpipe.pipeline import side_outputs
 from gpipe.pipeline import stage_call
 from lingvo.core import py_utils

@@ -38,7 +38,7 @@ from tensorflow.python.ops.parallel_for import pfor as pfor_lib
 from gpipe.loops import cell_graph
 from gpipe.loops import compiled_loops
 from gpipe import microbatch
-from gpipe.pipeline import nest
+from gpipe import nest
 from gpipe.pipeline import stage_call
 from gpipe.pipeline import stage_runners
 from gpipe import sharding

@@ -11,7 +11,7 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe.pipeline import nest
+from gpipe import nest
 from gpipe.pipeline import loop_spec
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import repeats

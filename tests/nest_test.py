@@ -1,10 +1,10 @@
-"""gpipe.pipeline.nest: tensor structures with None and other leaves kept."""
+"""gpipe.nest: tensor structures with None and other leaves kept."""
 
 import numpy as np
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
-from gpipe.pipeline import nest
+from gpipe import nest
 from lingvo.core import py_utils
 
 
