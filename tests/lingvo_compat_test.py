@@ -101,9 +101,14 @@ def _Layers(s, m, r, shard):
 
 
 def _AssertEqualSteps(got, want, names):
+  """Outputs at FLOAT32; gradients at FLOAT32_AT_SCALE: ours sums each
+  weight's gradient over microbatches and runs the stages as one batch,
+  the reference adds the same terms in another order, and an entry can be
+  a small difference of large terms (seen: 2.0e-5 on an entry of 0.49 in
+  an array whose largest is 16, in one run of the suite out of four)."""
   close.AssertClose(got[0], want[0], close.FLOAT32, 'output')
   for name, g, w in zip(names + ['input'], got[1], want[1]):
-    close.AssertClose(g, w, close.FLOAT32, name)
+    close.AssertClose(g, w, close.FLOAT32_AT_SCALE, name)
     assert np.abs(w).max() > 0, name
 
 
