@@ -327,6 +327,16 @@ def _Say(run):
 PARTS = ('speed', 'context', 'steps', 'minutes', 'recipe')
 
 
+def _Json(results):
+  """results as JSON, a line per run (a part's runs: one line each)."""
+  def Value(v):
+    if isinstance(v, list):
+      return '[\n  ' + ',\n  '.join(json.dumps(x) for x in v) + '\n ]'
+    return json.dumps(v)
+  return '{\n' + ',\n'.join(f' {json.dumps(k)}: {Value(v)}'
+                             for k, v in results.items()) + '\n}\n'
+
+
 def RunParts(parts, args, workdir):
   """{part: its figures (JSON-able)} of the parts asked for."""
   runs = lambda rs: [r.AsDict() for r in rs]
@@ -374,7 +384,7 @@ def main(argv=None):
       results = json.load(f)
   results.update(RunParts(parts, args, tempfile.mkdtemp(prefix='text_depth_')))
   with open(path, 'w') as f:
-    json.dump(results, f, indent=1)
+    f.write(_Json(results))
   steps_runs = [Run.FromDict(r) for r in results.get('steps', [])]
   minutes_runs = [Run.FromDict(r) for r in results.get('minutes', [])]
   problems = Problems(steps_runs, results.get('speed', {}))
