@@ -87,8 +87,10 @@ class TextLMSmall(base_model_params.SingleTaskModelParams):
   64 (4 heads, feed-forward 256, rotary positions), windows of 128 bytes,
   16 a step in 4 microbatches; Adam at 5e-3 after 100 warmup steps,
   decaying to a tenth over train.max_steps (1000, under 3 minutes on 2 CPU
-  cores, layer by layer). Of the depths and widths tried for 3 minutes,
-  the one whose held-out bits per byte fell lowest (docs/text-depth.md).
+  cores, layer by layer). Circular (R = 2) because that is what the demo
+  shows: the recipe learns more per step the deeper the stack, though in
+  the same 3 minutes on one device 4 blocks end lower, their steps costing
+  half (docs/text-depth.md).
   `input.file_pattern` points it at other text (docs/own-text.md).
   """
   SEQ_LEN = 128
@@ -132,9 +134,9 @@ class TextLM30Min(TextLMSmall):
   gpipe.demo --model lm.TextLM30Min --minutes 30`; `python -m
   benchmarks.text_long` records the run against the compressors): width
   96 (feed-forward 384), windows of 256 bytes, 3000 steps, the learning
-  rate decaying over them. Of the widths tried for 30 minutes (64 x 16
+  rate decaying over them. Of the widths tried while choosing it (64 x 16
   blocks, 96 and 128 x 8), the one whose held-out bits per byte fell
-  lowest (docs/text-long.md)."""
+  lowest in 30 minutes; docs/text-long.md has its run."""
   SEQ_LEN = 256
   MODEL_DIM = 96
   MAX_STEPS = 3000

@@ -168,7 +168,7 @@ def TextLMParams(*, seq_len, model_dim, num_heads, hidden_dim,
       batch_major=True, rotary=True, task_cls=TextLMTask,
       # On one device the backward pass reads every activation kept, as the
       # plain stack's does: recomputing the attention's softmax over long
-      # windows costs more (docs/text-depth.md, step times).
+      # windows costs more (docs/benchmarks.md, the text LMs' row).
       stack_options=dict(remat_policy='save_all'))
   p.depth_scaled_init = True
   if decay_steps:

@@ -101,11 +101,10 @@ def _Layers(s, m, r, shard):
 
 
 def _AssertEqualSteps(got, want, names):
-  """Outputs at FLOAT32; gradients at FLOAT32_AT_SCALE: ours sums each
-  weight's gradient over microbatches and runs the stages as one batch,
-  the reference adds the same terms in another order, and an entry can be
-  a small difference of large terms (seen: 2.0e-5 on an entry of 0.49 in
-  an array whose largest is 16, in one run of the suite out of four)."""
+  """Outputs at FLOAT32; gradients at FLOAT32_AT_SCALE (close.py says
+  why): ours sums each weight's gradient over microbatches and may run the
+  stages as one batch, the reference adds the same terms in another
+  order, and an entry can be a small difference of large terms."""
   close.AssertClose(got[0], want[0], close.FLOAT32, 'output')
   for name, g, w in zip(names + ['input'], got[1], want[1]):
     close.AssertClose(g, w, close.FLOAT32_AT_SCALE, name)
