@@ -29,8 +29,8 @@ gpipe.pipeline unless named; docs/how-it-works.md walks through it):
                        buffer, the gradient in reverse (gpipe.recurrent)
                        one_f_one_b: the same, the gradient in forward
                        order (backward_schedule='1f1b')
-      each iteration   rotating_buffer.Step: read (loop_io), every stage
-                       once, bubbles masked (stage_step), rotate
+      each iteration   iteration.Step: read (loop_io), every stage once,
+                       bubbles masked, rotate
     reassemble         gpipe.microbatch     [M, mb, ...] -> [B, ...]
 
 What varies is delegated: where the weights live (layouts), which circular

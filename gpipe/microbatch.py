@@ -1,16 +1,13 @@
 """Moving tensors between batch, microbatch and loop-iteration layouts.
 
     batch [B, ...]  --ToMicrobatches-->  [M, B/M, ...]
-    loop: StageZeroInput: row i of [M, B/M, ...] (stage 0's input at
-          iteration i); stage outputs [S, B/M, ...] kept at the iteration
-          that finishes each microbatch: [M, S, B/M, ...] split over the
-          stages
-        --last slot (rotating_buffer.LastStageOutputs)-->  [M, B/M, ...]
-        --ToBatch-->  [B, ...]
+        (in the loop stage 0 reads microbatch m, and the last stage's
+        output of each is kept: gpipe.pipeline.loop_io)
+    [M, B/M, ...]  --ToBatch-->  [B, ...]
 
-Which iteration reads or finishes which microbatch comes from
-`gpipe.schedule.Schedule`; this module only turns those index tables into
-gathers.
+Per-stage states are padded to the loop's [T, S, ...] calls and back; which
+call holds which microbatch comes from `gpipe.schedule.Schedule`: this
+module only turns its index tables into gathers.
 """
 
 import dataclasses
@@ -121,71 +118,6 @@ def ToBatch(x: tf.Tensor) -> tf.Tensor:
   rest = [d if d is not None else shape[i + 2]
           for i, d in enumerate(static[2:])]
   return tf.reshape(transposed, [batch] + rest)
-
-
-def StageZeroInput(x, schedule: schedule_lib.Schedule, iteration,
-                   split=True):
-  """[M, ...] -> [...]: what stage 0 reads at `iteration` (a scalar tensor).
-
-  Read inside the loop, so that no [T, ...] copy of the inputs is ever
-  made. An iteration where stage 0 reads no fresh microbatch (bubbles, and
-  the rotations of a circular schedule) gets a copy of microbatch 0, cut
-  from the gradient: bubbles compute on real data and their results are
-  dropped, so a body that is only finite on real data stays finite (not
-  zeros, on which a body dividing by its input would make Inf and NaN
-  gradients). `split`: whether the pipeline's stage dim is split over
-  devices (the placement's splits_stage_dim; see _ReadRow).
-  """
-  if not nest.IsTensor(x):
-    return x
-  index = schedule.InputIndexPerIteration()
-  row = tf.gather(tf.constant(index, tf.int32), iteration)
-  is_filler = tf.equal(row, schedule.num_microbatches)
-  return _ReadRow(x, tf.where(is_filler, 0, row), tf.where(is_filler, -1, row),
-                  split)
-
-
-def _ReadRow(x, row, grad_row, split):
-  """x[row]; its gradient goes to row `grad_row` of x (none if -1).
-
-  Split over devices, the gradient is built as a product with a one-hot
-  mask, not TensorFlow's scatter into zeros: XLA's lowering merges equal
-  constants of a loop body, and zeros shaped like a microbatch would be
-  shared with the stage body's own zeros inside its manual-sharding region,
-  a mix the SPMD partitioner aborts on (e.g. a circular body's [R, d] bias
-  gradient with 2-row microbatches of width d and R = 2). Unsplit there is
-  no such region, and a scatter-add into zeros lets XLA add the row into
-  the loop's gradient sum in place, where the product writes all M rows
-  every iteration.
-  """
-
-  @tf.custom_gradient
-  def Read(x):
-
-    def Grad(dy):
-      if not split:
-        real = tf.cast(grad_row >= 0, dy.dtype)
-        return tf.tensor_scatter_nd_add(
-            tf.zeros(_Shape(x), dy.dtype),
-            tf.reshape(tf.maximum(grad_row, 0), [1, 1]), (dy * real)[None])
-      num_rows = _Shape(x)[0]
-      mask = tf.cast(tf.equal(tf.range(num_rows), grad_row), dy.dtype)
-      return tf.reshape(mask, [num_rows] + [1] * dy.shape.rank) * dy[None]
-
-    return tf.gather(x, row), Grad
-
-  return Read(x)
-
-
-def BubbleFiller(x, num_stages):
-  """The initial buffer [S, ...]: microbatch 0 of x ([M, ...]) in every slot.
-
-  What the stages work on before the first microbatch reaches them; their
-  results are discarded, so any real data will do (zeros would not: see
-  StageZeroInput).
-  """
-  return tf.stop_gradient(
-      tf.broadcast_to(x[:1], [num_stages] + _Shape(x)[1:]))
 
 
 def PadStates(x, schedule: schedule_lib.Schedule):

@@ -353,7 +353,7 @@ class Unplaced:
     """Whether the stage dim is split over devices: placed, in a graph built
     for the SPMD partitioner (elsewhere the annotations do nothing and the
     pipeline runs on one device). Some ops take a cheaper form on a whole
-    stage dim (gpipe.pipeline.rotating_buffer)."""
+    stage dim (gpipe.pipeline.rotation)."""
     return self.mesh is not None and IsSpmdPartitioning()
 
   def _SplitOne(self, x, stage_dim):

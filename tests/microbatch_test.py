@@ -26,44 +26,6 @@ def test_to_microbatches_interleaves_rows_and_round_trips(batch, num_mb):
 def test_non_tensors_pass_through():
   assert microbatch.ToMicrobatches(None, 2) is None
   assert microbatch.ToBatch(None) is None
-  assert microbatch.StageZeroInput(None, schedule_lib.Schedule(2, 2), 0) is None
-
-
-def _StageZeroInputs(x, sched, split=True):
-  """StageZeroInput at every iteration, stacked: [T, ...]."""
-  return tf.stack([microbatch.StageZeroInput(x, sched, tf.constant(i), split)
-                   for i in range(sched.num_iterations)])
-
-
-@pytest.mark.parametrize('s,m,r', [(1, 3, 1), (3, 4, 1), (3, 4, 2), (2, 5, 3)])
-def test_stage_zero_input_is_each_microbatch_at_its_input_iteration(s, m, r):
-  sched = schedule_lib.Schedule(s, m, r)
-  x = np.arange(1, m + 1, dtype=np.float32)[:, None] * np.ones([1, 2],
-                                                               np.float32)
-  read = _StageZeroInputs(tf.constant(x), sched).numpy()
-  assert read.shape == (sched.num_iterations, 2)
-  # Iterations that read no fresh microbatch get a copy of microbatch 0.
-  expected = np.tile(x[:1], [sched.num_iterations, 1])
-  for mb in range(m):
-    expected[sched.InputIteration(mb)] = x[mb]
-  np.testing.assert_array_equal(read, expected)
-
-
-@pytest.mark.parametrize('split', [True, False])
-@pytest.mark.parametrize('s,m,r', [(3, 4, 1), (3, 4, 2), (2, 5, 3)])
-def test_stage_zero_input_gradient_goes_to_the_read_row_only(s, m, r, split):
-  """Row m's gradient is the cotangent of the iteration that read it; the
-  filler copies of microbatch 0 count nothing (both gradient forms)."""
-  sched = schedule_lib.Schedule(s, m, r)
-  x = tf.constant(np.ones([m, 2], np.float32))
-  cot = np.random.RandomState(3).normal(
-      size=[sched.num_iterations, 2]).astype(np.float32)
-  with tf.GradientTape() as tape:
-    tape.watch(x)
-    total = tf.reduce_sum(_StageZeroInputs(x, sched, split) * cot)
-  grad = tf.convert_to_tensor(tape.gradient(total, x))
-  want = np.stack([cot[sched.InputIteration(mb)] for mb in range(m)])
-  np.testing.assert_array_equal(grad, want)
 
 
 @pytest.mark.parametrize('s,m,r', [(1, 3, 1), (3, 4, 1), (3, 4, 2), (2, 5, 3)])

@@ -140,12 +140,8 @@ BUGS = (
          'aux_losses_and_summaries_equal and S3-M2 and graph')),
     Bug('skip-bubbles-computes-all', 'the fill and drain run every stage',
         'gpipe/pipeline/pipeline_loop.py',
-        'step = stage_step.Step(spec, stages, loop_theta.weights, rows, '
-        'stage_in,',
-        'step = stage_step.Step(spec, stage_step.StageRange.Of(\n'
-        '        schedule_lib.Phase(phase.begin, phase.end, 0, '
-        'spec.schedule.num_stages), spec.schedule.num_stages),\n'
-        '        loop_theta.weights, rows, stage_in,',
+        '      spec, iteration.StageRange.Of(phase, spec.schedule.num_stages),',
+        '      spec, iteration.StageRange.All(spec.schedule.num_stages),',
         ('tests/pipeline/skip_bubbles_test.py', '-k', 'fill_and_drain')),
     Bug('skip-bubbles-first-stages-weights',
         "a phase's loop takes the first stages' weights, not its own",
@@ -183,9 +179,9 @@ BUGS = (
     # -- One iteration, one path. -------------------------------------------
     Bug('buffer-step-rotates-backwards',
         'the buffer handed to the stage before, not the stage after',
-        'gpipe/pipeline/rotating_buffer.py',
-        'RotateStages(o, split=place.splits_stage_dim)',
-        'RotateStages(o, -1, place.splits_stage_dim)',
+        'gpipe/pipeline/iteration.py',
+        'o, split=place.splits_stage_dim)) for o in done.outputs]',
+        'o, -1, place.splits_stage_dim)) for o in done.outputs]',
         ('tests/pipeline/pipeline_loop_test.py', '-k', 'in_order')),
     Bug('layer-runs-the-other-backward',
         "backward_schedule='1f1b' runs the reverse loop, and the reverse 1f1b",

@@ -24,12 +24,13 @@ parts (internal: their names may change).
                        rings and per-stage rows)
     stage_ends         FPropWithLoss: the first stage's inputs and the
                        last stage's loss, made inside the 1f1b loop
+    iteration          one iteration, read top to bottom (Step): read,
+                       stage inputs, every stage's call with bubbles
+                       masked, rotate, write
     loop_io            the loop's inputs and outputs: the interface, whole
                        or made at stage 0
     streamed_io        stream_io: inputs and outputs split over the stages
-    rotating_buffer    one iteration over the [S, mb, ...] buffer (Step),
-                       and its ops, each with its gradient
-    stage_step         one iteration's stage work, bubbles masked
+    rotation           RotateStages: each stage hands its work to the next
     stage_runners      every stage of an iteration: vectorized, one after
                        another, or partitioned (the StageRunner interface)
     vectorized_stages  every stage as one computation, on one device

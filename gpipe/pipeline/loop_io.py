@@ -33,9 +33,9 @@ import abc
 import tensorflow as tf
 
 from gpipe.loops import tensor_lists
-from gpipe import microbatch
-from gpipe.pipeline import rotating_buffer
+from gpipe import nest
 from gpipe.pipeline import stage_ends
+from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -53,7 +53,7 @@ def IsStage(num_stages, stage, like):
 
 class LoopInputs(abc.ABC):
   """How a loop reads its inputs and writes their gradients: what the
-  forward loops (gpipe.pipeline.rotating_buffer.Step) and the 1f1b
+  forward loops (gpipe.pipeline.iteration.Step) and the 1f1b
   gradient loop ask of every kind. `native` is the inputs as the kind keeps
   them; `reading` and `writing` its loop state ([] where it carries none).
   """
@@ -150,7 +150,7 @@ class WholeIo(LoopIo):
 
   def StageInputs(self, reads, buffer, fresh):
     """buffer [S, mb, ...], stage 0 taking fresh [mb, ...] where reads."""
-    return rotating_buffer.WithFreshMicrobatch(reads, buffer, fresh,
+    return WithFreshMicrobatch(reads, buffer, fresh,
                                                self._place.splits_stage_dim)
 
   def ToNative(self, mb_leaves):
@@ -160,14 +160,14 @@ class WholeIo(LoopIo):
   def Filler(self, native):
     """The first buffer [S, ...] per leaf: real data in every slot."""
     return [self._place.SplitStages(
-        microbatch.BubbleFiller(x, self._spec.schedule.num_stages))
+        BubbleFiller(x, self._spec.schedule.num_stages))
             for x in native]
 
   def Outputs(self, native):
     """[M, S, ...] finished stage outputs ([M, 1, ...] on a whole stage
     dim: _LastSlot) -> [M, ...] leaves."""
     return [self._place.ReplicateLoopDim(
-        rotating_buffer.LastStageOutputs(x, self._place)) for x in native]
+        LastStageOutputs(x, self._place)) for x in native]
 
   def _LastSlot(self, x):
     """What is kept of an [S, ...] output: every slot split over devices
@@ -208,7 +208,7 @@ class WholeIo(LoopIo):
     """(stage 0's fresh input per leaf, reading) at `iteration`."""
     sched = self._spec.schedule
     return [self._place.ReplicateOverStages(
-        microbatch.StageZeroInput(x, sched, iteration,
+        StageZeroInput(x, sched, iteration,
                                   self._place.splits_stage_dim))
             for x in native], reading
 
@@ -283,7 +283,7 @@ class MadeAtStageZero(LoopInputs):
   def StageInputs(self, reads, buffer, fresh):
     """buffer [S, mb, ...], stage 0 taking its stand-in zeros (fresh
     [S, mb, ...]) where reads: the cell makes the real ones."""
-    return rotating_buffer.WithFreshColumn(reads, buffer, fresh)
+    return WithFreshColumn(reads, buffer, fresh)
 
   def ToNative(self, mb_leaves):
     return [tf.stop_gradient(x) for x in mb_leaves]
@@ -317,3 +317,161 @@ class MadeAtStageZero(LoopInputs):
   def FinishWritingGradients(self, writing, like):
     del writing
     return [None for _ in like]
+
+
+# -- Stage 0's input and the first buffer (WholeIo's): real data, read
+# inside the loop.
+
+
+def StageZeroInput(x, schedule: schedule_lib.Schedule, iteration,
+                   split=True):
+  """[M, ...] -> [...]: what stage 0 reads at `iteration` (a scalar tensor).
+
+  Read inside the loop, so that no [T, ...] copy of the inputs is ever
+  made. An iteration where stage 0 reads no fresh microbatch (bubbles, and
+  the rotations of a circular schedule) gets a copy of microbatch 0, cut
+  from the gradient: bubbles compute on real data and their results are
+  dropped, so a body that is only finite on real data stays finite (not
+  zeros, on which a body dividing by its input would make Inf and NaN
+  gradients). `split`: whether the pipeline's stage dim is split over
+  devices (the placement's splits_stage_dim; see _ReadMicrobatch).
+  """
+  if not nest.IsTensor(x):
+    return x
+  index = schedule.InputIndexPerIteration()
+  m = tf.gather(tf.constant(index, tf.int32), iteration)  # M: none
+  is_filler = tf.equal(m, schedule.num_microbatches)
+  return _ReadMicrobatch(x, tf.where(is_filler, 0, m),
+                         tf.where(is_filler, -1, m), split)
+
+
+def _ReadMicrobatch(x, m, grad_m, split):
+  """x[m] of x [M, ...]; its gradient goes to microbatch `grad_m` of x
+  (none if -1).
+
+  Split over devices, the gradient is built as a product with a one-hot
+  mask, not TensorFlow's scatter into zeros: XLA's lowering merges equal
+  constants of a loop body, and zeros shaped like a microbatch would be
+  shared with the stage body's own zeros inside its manual-sharding region,
+  a mix the SPMD partitioner aborts on (e.g. a circular body's [R, d] bias
+  gradient with 2-example microbatches of width d and R = 2). Unsplit there
+  is no such region, and a scatter-add into zeros lets XLA add the
+  microbatch into the loop's gradient sum in place, where the product
+  writes all M every iteration.
+  """
+
+  @tf.custom_gradient
+  def Read(x):
+
+    def Grad(dy):
+      if not split:
+        real = tf.cast(grad_m >= 0, dy.dtype)
+        return tf.tensor_scatter_nd_add(
+            tf.zeros(py_utils.GetShape(x), dy.dtype),
+            tf.reshape(tf.maximum(grad_m, 0), [1, 1]), (dy * real)[None])
+      num_mb = py_utils.GetShape(x)[0]
+      mask = tf.cast(tf.equal(tf.range(num_mb), grad_m), dy.dtype)
+      return tf.reshape(mask, [num_mb] + [1] * dy.shape.rank) * dy[None]
+
+    return tf.gather(x, m), Grad
+
+  return Read(x)
+
+
+def BubbleFiller(x, num_stages):
+  """The initial buffer [S, ...]: microbatch 0 of x ([M, ...]) in every slot.
+
+  What the stages work on before the first microbatch reaches them; their
+  results are discarded, so any real data will do (zeros would not: see
+  StageZeroInput).
+  """
+  return tf.stop_gradient(
+      tf.broadcast_to(x[:1], [num_stages] + py_utils.GetShape(x)[1:]))
+
+
+# The stages' inputs: the rotated buffer, stage 0 maybe a fresh input.
+#
+# The carried buffer is last iteration's outputs already rotated by one
+# stage (see RotateStages): slot s holds what stage s - 1 produced, and slot
+# 0 what the last stage produced. Stage 0 takes the fresh microbatch
+# whenever the schedule says it reads one: always when linear (the wrapped
+# slot is dropped), in the first S iterations of each R * S block when
+# circular (otherwise it keeps the wrapped slot: the microbatch's next
+# repeat). `reads` ([S] bools, the schedule's StageRow) says where. The
+# loop io says which of the two the fresh input is (its StageInputs).
+
+
+def WithFreshColumn(reads, rotated, column):
+  """rotated [S, mb, ...] with slot s replaced by column[s] where reads[s]:
+  each stage has its own fresh entry (a stream's column, [S, mb, ...])."""
+  mask = tf.reshape(reads, [-1] + [1] * (rotated.shape.rank - 1))
+  return tf.where(mask, column, rotated)
+
+
+def WithFreshMicrobatch(reads, rotated, microbatch, split):
+  """rotated [S, mb, ...] with slot s replaced by `microbatch` [mb, ...]
+  (every stage's the same) where reads[s]. `split`: whether the stage dim
+  is split over devices (the placement's splits_stage_dim)."""
+  return _SelectFresh(reads, microbatch, rotated, split)
+
+
+def _SelectFresh(reads, fresh, rotated, split):
+  """Slot s of `rotated` ([S, ...]) replaced by `fresh` where reads[s].
+
+  Split over devices, the gradient is written with masks and a contraction
+  over the stage dim (an all-reduce), not TensorFlow's: its sum over the
+  broadcast stage dim is a reduce whose zero initial value XLA's lowering
+  shares with the stage body's own reductions inside the manual-sharding
+  region, and the SPMD partitioner then aborts resharding it (seen with
+  1-row microbatches). With the stage dim whole that region does not exist
+  and the sum is a plain reduce: XLA:CPU runs the contraction over a
+  few stages as a dot, which is cheap
+  (docs/benchmarks.md#measured-behind-the-codes-choices).
+  """
+
+  @tf.custom_gradient
+  def Select(fresh, rotated):
+    mask = tf.reshape(reads, [-1] + [1] * (rotated.shape.rank - 1))
+    shape = py_utils.GetShape(rotated)
+
+    def Grad(dy):
+      kept = tf.cast(tf.logical_not(mask), dy.dtype)
+      if split:
+        taken = tf.tensordot(tf.cast(reads, dy.dtype), dy, axes=[[0], [0]])
+      else:
+        taken = tf.reduce_sum(tf.where(mask, dy, tf.zeros_like(dy)), 0)
+      return taken, dy * kept
+
+    return tf.where(mask, tf.broadcast_to(fresh[None], shape), rotated), Grad
+
+  return Select(fresh, rotated)
+
+
+def LastStageOutputs(finished, place):
+  """[M, S, ...] stage outputs of the iterations that finish each
+  microbatch -> [M, ...]: the last stage's slot.
+
+  Taken as a sum over the stage dim of the slot masked (exact: the other
+  slots add zeros), which partitions into one all-reduce from the devices'
+  own slots; a slice of the last slot would first move it to device 0.
+  The gradient is the slot's gradient placed in the last slot of zeros,
+  split over the stages like the outputs: each device builds only its own
+  [M, 1, ...] part (a plain slice's gradient, a pad of the replicated
+  gradient, would be built whole, [M, S, ...], on every device).
+  """
+  finished = place.SplitStages(finished, 1)
+  num_stages = finished.shape.as_list()[1]
+  is_last = tf.reshape(tf.equal(tf.range(num_stages), num_stages - 1),
+                       [1, num_stages] + [1] * (finished.shape.rank - 2))
+
+  @tf.custom_gradient
+  def LastSlot(x):
+
+    def Grad(dy):
+      return place.SplitStages(
+          tf.where(is_last, dy[:, None], tf.zeros([], dy.dtype)), 1)
+
+    return tf.reduce_sum(tf.where(is_last, x, tf.zeros([], x.dtype)),
+                         axis=1), Grad
+
+  return LastSlot(finished)

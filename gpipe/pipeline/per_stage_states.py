@@ -15,7 +15,7 @@ import tensorflow as tf
 from gpipe import microbatch
 from gpipe import nest
 from gpipe.pipeline import side_outputs
-from gpipe.pipeline import stage_step
+from gpipe.pipeline import iteration as iteration_lib
 
 _NotConvertedByAutograph = tf.autograph.experimental.do_not_convert
 
@@ -83,8 +83,8 @@ class PerStageStates:
           tf.convert_to_tensor(iteration, tf.int32))
       res = spec.runner.Run(
           spec, self._LoopTheta(theta),
-          stage_step.StagesAt(spec, stage_step.RowsAt(sched, iteration),
-                              args, var_values))
+          iteration_lib.StagesAt(
+              spec, iteration_lib.RowAt(sched, iteration), args, var_values))
       side_outputs.AddIteration(res, self.params.num_stages)
       outputs = self._layout.AfterAssigning(self, spec.var_names, res.vars,
                                             res.outputs)

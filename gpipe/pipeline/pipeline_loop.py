@@ -1,30 +1,27 @@
 """The pipeline loop with the reverse backward: T iterations over a rotating
-[S, ...] buffer, and a gradient loop over them in reverse.
+[S, mb, ...] buffer, and a gradient loop over them in reverse.
 
-One FProp call of a pipelined layer, in order:
+    for i in 0..T-1:       gpipe.pipeline.iteration.Step, a DirectCell:
+                           read, stage inputs, every stage's call (bubbles
+                           masked), rotate; the last stage's outputs kept
+                           at the iterations that finish a microbatch
+    gradient: i = T-1..0   gpipe.recurrent's loop in reverse, over the
+                           buffers the forward iterations kept (what else it
+                           stores or recomputes: gpipe.loops.remat)
 
-    split     inputs [B, ...] -> [M, mb, ...]              (gpipe.microbatch)
-    loop      for i in 0..T-1:                                  (this module)
-                one step of the buffer (gpipe.pipeline.rotating_buffer.Step):
-                stage inputs [S, mb, ...] = rotated buffer, stage 0 maybe
-                microbatch i; every stage runs once, bubbles masked
-                (gpipe.pipeline.stage_step); buffer rotated by one stage
-    reassemble  last stage's outputs -> [M, mb, ...] -> [B, ...]
-
-Which stage works on which microbatch and repeat, and which slots are
-bubbles, comes from `gpipe.schedule.Schedule`. The loop runs through
-`gpipe.recurrent`, whose gradient is a second loop in reverse order over
-the buffer each iteration kept (what else it stores or recomputes:
-`gpipe.loops.remat`). backward_schedule='1f1b' runs gpipe.pipeline.one_f_one_b
-instead (the layer chooses: gpipe.layers.PipelinedLayer's RunLoop).
+Which stage works on which microbatch and repeat, and which calls are
+bubbles, comes from `gpipe.schedule.Schedule`. With skip_bubbles (one
+device) the T iterations run as up to three loops (phases), the first and
+last on half the stages. backward_schedule='1f1b' runs
+gpipe.pipeline.one_f_one_b instead (the layer chooses:
+gpipe.layers.PipelinedLayer._RunLoop).
 """
 
 import tensorflow as tf
 
 from gpipe.loops import compiled_loops
 from gpipe.pipeline import loop_spec
-from gpipe.pipeline import rotating_buffer
-from gpipe.pipeline import stage_step
+from gpipe.pipeline import iteration
 from gpipe import recurrent
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
@@ -59,22 +56,26 @@ def Run(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
   # [M, 1, ...] on the last stage's device (or in its stream), and returns
   # no history of the buffer: the backward loop reads it, nothing else
   # does, so no [T, S, ...] gradient of it is ever made.
-  read_by_row, streams, undo = io.ReverseLoopParts(native, filler)
+  microbatches, streams, undo = io.ReverseLoopParts(native, filler)
   state = NestedMap(
-      buffer=filler,
-      vars=[place.SplitStages(tf.stop_gradient(v)) for v in var_values],
-      reading=streams.reading, writing=streams.writing)
-  loop_theta = NestedMap(weights=theta, microbatches=read_by_row)
-  # What each stage does in each iteration, a [T, S] table row per
-  # iteration: computed once here, not in every iteration.
+      buffer=filler,  # [S, mb, ...] per leaf
+      vars=[place.SplitStages(tf.stop_gradient(v))
+            for v in var_values],  # [S, (R,) ...] per variable
+      reading=streams.reading,  # with stream_io: [K, S, mb, ...] per leaf
+      writing=streams.writing)  # with stream_io: [K, S, mb, ...] per leaf
+  # Read by the iterations, not carried: the weights [S, (R,) ...] and,
+  # without stream_io, the microbatches [M, mb, ...] per leaf.
+  loop_theta = NestedMap(weights=theta, microbatches=microbatches)
+  # Sliced per iteration: the schedule's rows ([T, S] per field: computed
+  # once here, not in every iteration) and the per-stage states.
   inputs = NestedMap(
-      iteration=tf.range(sched.num_iterations, dtype=tf.int32),
-      rows=stage_step.StageTables(sched),
-      states=[place.SplitStages(x, 1) for x in state_leaves])
+      iteration=tf.range(sched.num_iterations, dtype=tf.int32),  # [T]
+      row=iteration.StageTables(sched),  # [T, S] per field
+      states=[place.SplitStages(x, 1) for x in state_leaves])  # [T, S, ...]
   pieces = []
   for phase in _Phases(spec, theta, mb_leaves):
-    state, extras = _RunPhase(spec, io, undo, phase, loop_theta, state,
-                              _PhaseRows(inputs, phase))
+    state, extras = _PhaseLoop(spec, io, undo, phase, loop_theta, state,
+                               _PhaseInputs(inputs, phase))
     pieces.append(extras)
   summaries = {name: tuple(_Concat([e.summaries[name] for e in pieces]))
                for name in pieces[0].summaries}
@@ -121,8 +122,8 @@ def SkipsBubbles(spec, theta, mb_leaves):
           MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES)
 
 
-def _PhaseRows(inputs, phase):
-  """The phase's rows of the loop's [T, ...] inputs."""
+def _PhaseInputs(inputs, phase):
+  """The phase's iterations of the loop's [T, ...] inputs."""
   if phase.begin == 0 and phase.end == inputs.iteration.shape[0]:
     return inputs
   return inputs.Transform(lambda x: x[phase.begin:phase.end])
@@ -135,23 +136,23 @@ def _Concat(pieces):
   return [tf.concat(parts, 0) for parts in zip(*pieces)]
 
 
-def _RunPhase(spec, io, undo, phase, loop_theta, state0, inputs):
+def _PhaseLoop(spec, io, undo, phase, loop_theta, state0, inputs):
   """The phase's iterations as one loop: (final state, extras).
 
   Microbatches finish in order (Schedule.OutputIteration grows with the
   microbatch), so a phase finishes a run of k consecutive ones: its outputs
-  are [k, S, ...] (a loop holds at least one row; a spare one is dropped).
+  are [k, S, ...] (a loop keeps at least one; a spare one is dropped).
   """
   finished = spec.schedule.OutputIndexPerIteration()[phase.begin:phase.end]
   done = [m for m in finished if m >= 0]
   first = done[0] if done else 0
-  rows = recurrent.Rows(tuple(m - first if m >= 0 else -1 for m in finished),
+  kept = recurrent.Rows(tuple(m - first if m >= 0 else -1 for m in finished),
                         max(len(done), 1))
   marks = lambda entries, mark: [mark] * len(entries)
   # The phase's loop takes the weights of its stages only: inside, each
   # weight's gradient is then the body's own dot (deferred where it reads
   # few rows) rather than the gradient of a slice of it.
-  stages = stage_step.StageRange.Of(phase, spec.schedule.num_stages)
+  stages = iteration.StageRange.Of(phase, spec.schedule.num_stages)
   loop_theta = NestedMap(weights=stages.Narrow(loop_theta.weights),
                          microbatches=loop_theta.microbatches)
   _, final, extras = recurrent.Recurrent(
@@ -159,7 +160,7 @@ def _RunPhase(spec, io, undo, phase, loop_theta, state0, inputs):
       lambda th, st, inp: _Iteration(spec, io, phase, th, st, inp),
       remat_policy=spec.remat_policy,
       manual_boundary=sharding.ManualBoundary.For(spec.runner.manual_mesh),
-      extras_rows={'outputs': rows},
+      extras_rows={'outputs': kept},
       return_states=False,
       # One device: the weights' gradients summed after the loop where
       # their dots read few rows (more memory, which partitioned is not
@@ -180,28 +181,25 @@ def _RunPhase(spec, io, undo, phase, loop_theta, state0, inputs):
 
 
 def _Iteration(spec: loop_spec.LoopSpec, io, phase, loop_theta, state, inp):
-  """One loop iteration: the phase's stages run on their slots."""
+  """One loop iteration (gpipe.pipeline.iteration.Step): the phase's
+  stages run on their slots, the others pass their input on."""
   place = spec.placement
-  it = place.ReplicateBookkeeping(inp.iteration)  # i, int32 []
-  rows = inp.rows.Transform(place.ReplicateBookkeeping)  # [S] each
-  stages = stage_step.StageRange.Of(phase, spec.schedule.num_stages)
-
-  def RunStages(stage_in):  # [S, mb, ...] per leaf
-    step = stage_step.Step(spec, stages, loop_theta.weights, rows, stage_in,
-                           inp.states, state.vars)
-    return step.outputs, step
-
-  stepped = rotating_buffer.Step(io, it, rows, loop_theta.microbatches,
-                                 state.reading, state.buffer, RunStages,
-                                 writing=state.writing)
-  step = stepped.ran
+  cell = iteration.DirectCell(
+      spec, iteration.StageRange.Of(phase, spec.schedule.num_stages),
+      loop_theta.weights)
+  stepped = iteration.Step(
+      cell, io, place.ReplicateBookkeeping(inp.iteration),  # i, int32 []
+      inp.row.Transform(place.ReplicateBookkeeping),  # [S] per field
+      loop_theta.microbatches, state.buffer, state.vars, state.reading,
+      writing=state.writing, state_slots=inp.states)
+  done = stepped.done
   new_state = NestedMap(
       buffer=stepped.buffer,  # [S, mb, ...] per leaf
-      vars=step.vars,  # [S, (R,) ...] per variable
-      reading=stepped.reading, writing=stepped.writing)
+      vars=done.vars,  # [S, (R,) ...] per variable
+      reading=stepped.reading, writing=stepped.writing)  # the io's
   extras = NestedMap(
-      outputs=io.KeptOutputs(stepped.outputs),  # [S or 1, mb, ...] per leaf
-      aux_loss=place.ReplicateBookkeeping(tf.reduce_sum(step.aux)),  # []
-      summaries=step.summaries,  # {name: ([S], [S])}
-      states=step.states)  # [S, ...] per state leaf
+      outputs=io.KeptOutputs(done.outputs),  # [S or 1, mb, ...] per leaf
+      aux_loss=place.ReplicateBookkeeping(tf.reduce_sum(done.aux)),  # []
+      summaries=done.summaries,  # {name: ([S], [S])}
+      states=done.states)  # [S, ...] per state leaf
   return new_state, extras

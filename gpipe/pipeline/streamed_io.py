@@ -13,7 +13,7 @@ device holds the whole batch. (gpipe.pipeline.loop_io: the interface.)
 import tensorflow as tf
 
 from gpipe.pipeline import loop_io
-from gpipe.pipeline import rotating_buffer
+from gpipe.pipeline import rotation
 from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
 
@@ -31,7 +31,7 @@ class StreamedIo(loop_io.LoopIo):
   def StageInputs(self, reads, buffer, fresh):
     """buffer [S, mb, ...], stage s taking its column entry fresh[s]
     where reads[s] (only stage 0 ever does)."""
-    return rotating_buffer.WithFreshColumn(reads, buffer, fresh)
+    return loop_io.WithFreshColumn(reads, buffer, fresh)
 
   @property
   def _num_stages(self):
@@ -93,7 +93,7 @@ class StreamedIo(loop_io.LoopIo):
   def _RotateSlots(self, columns, shift):
     """[k, S, ...] columns, each rotated by `shift` stages."""
     perm = [1, 0] + list(range(2, columns.shape.rank))
-    rotated = rotating_buffer.RotateStages(
+    rotated = rotation.RotateStages(
         tf.transpose(columns, perm), shift, self._place.splits_stage_dim)
     return tf.transpose(rotated, perm)
 
@@ -108,11 +108,11 @@ class StreamedIo(loop_io.LoopIo):
         tf.tensor_scatter_nd_update(stream, index, column[None]))
 
   def _Toward0(self, column):
-    return self._place.SplitStages(rotating_buffer.RotateStages(
+    return self._place.SplitStages(rotation.RotateStages(
         column, -1, self._place.splits_stage_dim))
 
   def _Away0(self, column):
-    return self._place.SplitStages(rotating_buffer.RotateStages(
+    return self._place.SplitStages(rotation.RotateStages(
         column, 1, self._place.splits_stage_dim))
 
   def _At(self, table, iteration):

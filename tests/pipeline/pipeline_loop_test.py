@@ -12,12 +12,13 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import nest
+from gpipe.pipeline import iteration
+from gpipe.pipeline import loop_io
 from gpipe.pipeline import loop_spec
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import repeats
-from gpipe.pipeline import rotating_buffer
+from gpipe.pipeline import rotation
 from gpipe.pipeline import stage_runners
-from gpipe.pipeline import stage_step
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
 from lingvo.core import py_utils
@@ -101,7 +102,7 @@ def test_rotate_stages_is_a_roll_and_its_gradient_the_opposite_roll(
   cot = np.random.RandomState(1).normal(size=[4, 3]).astype(np.float32)
   with tf.Graph().as_default():
     x = tf.constant(x_np)
-    y = rotating_buffer.RotateStages(x, shift, split)
+    y = rotation.RotateStages(x, shift, split)
     (g,) = tf.gradients(y, [x], grad_ys=[cot])
     with sessions.AsBuilt() as sess:
       y_v, g_v = sess.run((y, g))
@@ -114,7 +115,7 @@ def test_mask_bubbles_passes_the_input_through_without_gradient():
     out = tf.constant([[1.0], [2.0], [3.0]])
     stage_in = tf.constant([[10.0], [20.0], [30.0]])
     valid = tf.constant([True, False, True])
-    y = rotating_buffer.MaskBubbles(valid, out, stage_in)
+    y = iteration.MaskBubbles(valid, out, stage_in)
     g_out, g_in = tf.gradients(y, [out, stage_in])
     with sessions.AsBuilt() as sess:
       y_v, g_out_v = sess.run((y, g_out))
@@ -137,8 +138,8 @@ def test_stage_inputs_follow_the_schedule(s, m, r, split):
     # Iteration i's row of the loop's tables says where stage 0 reads.
     got = []
     for i in range(sched.num_iterations):
-      y = rotating_buffer.WithFreshMicrobatch(
-          stage_step.RowsAt(sched, tf.constant(i)).reads, rotated, fresh,
+      y = loop_io.WithFreshMicrobatch(
+          iteration.RowAt(sched, tf.constant(i)).reads, rotated, fresh,
           split)
       got.append((y,) + tuple(tf.gradients(y, [fresh, rotated],
                                            grad_ys=[cot])))

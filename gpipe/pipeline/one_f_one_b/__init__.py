@@ -8,7 +8,7 @@ each wave runs, the picture and the ring's size: gpipe.schedule.OneFOneB,
 drawn by `python -m gpipe.schedule --backward_schedule 1f1b`):
 
     forward wave    each stage runs iteration j's forward again, from the
-                    pipeline's inputs (gpipe.pipeline.rotating_buffer.Step),
+                    pipeline's inputs (gpipe.pipeline.iteration.Step),
                     and pushes its stage input [S, mb, ...] into a ring of
                     2 R S - 1 entries
     backward wave   each stage differentiates the call whose output
@@ -31,16 +31,20 @@ loop pair is one tf.custom_gradient, in graph mode and under XLA.
 
 Its modules, in the order a call runs them:
 
-    run              Run: the forward loop and its custom gradient (or,
-                     with a LastStageLoss, the gradient loop alone)
-    gradient_loop    the gradient loop: a forward and a backward wave an
-                     iteration
-    rings            the rings of stage inputs the waves write and read
-    per_stage_rows   rows each stage reads or adds to on its own (the
-                     per-stage states and their gradients)
+    pipelined          Run: the forward loop as one custom gradient whose
+                       gradient is the gradient loop (or, with a
+                       LastStageLoss, the gradient loop alone)
+    forward_loop       the forward loop: T iterations, nothing kept
+    gradient_loop      the gradient loop: a forward and a backward wave an
+                       iteration
+    cell               the stage work both loops run, traced once with
+                       its gradient
+    rings              the rings of stage inputs the waves write and read
+    per_stage_entries  entries each stage reads or adds to on its own (the
+                       per-stage states and their gradients)
 """
 
-from gpipe.pipeline.one_f_one_b.run import FORWARD_LOOP
-from gpipe.pipeline.one_f_one_b.run import Run
+from gpipe.pipeline.one_f_one_b.forward_loop import FORWARD_LOOP
+from gpipe.pipeline.one_f_one_b.pipelined import Run
 
 __all__ = ['FORWARD_LOOP', 'Run']

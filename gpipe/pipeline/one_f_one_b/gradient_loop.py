@@ -2,19 +2,20 @@
 
 gpipe.pipeline.one_f_one_b says what the waves do; gpipe.schedule.OneFOneB
 has the picture and the arithmetic (which call each stage's backward wave
-differentiates, and where its input waits in the ring). What the loop
-carries through its phases:
+differentiates, and where its input waits in the ring). Per iteration j:
 
-    buffer, vars, reading   the forward wave's, as the forward loop's
-    rings                   per stage, ring_size entries: stage inputs,
-                            non-trainable values, and what the remat
-                            policy keeps of the body, [S, ring_size, ...]
-    d_buffer                each stage's input gradient of the iteration
-                            before, handed one stage back
-    d_reading, d_writing    output gradients read, input gradients written
-                            (gpipe.pipeline.loop_io)
-    d_theta, d_captures     the weights' and captured tensors' gradients
-    d_states                the per-stage state slots' gradients, [S, T, ...]
+    forward wave    iteration.Step on the cell's forward (cell.BoundCell):
+                    the forward loop's iteration j again; each stage's
+                    input (and what the remat policy keeps) pushed into its
+                    ring at j mod ring_size
+    backward wave   each stage's output gradient: the layer's (the io
+                    reads it) where its call is the last layer's, else the
+                    one the next stage handed back (rotation.RotateStages
+                    by -1); the cell's gradient at the ring entry; the
+                    input gradient handed back (d_buffer) or, for the first
+                    layer, written by the io
+
+What the loop carries, with shapes: GradientCarry.
 
 Non-trainable values take no gradient: a body's updates of them go
 through `assign`, which cuts the gradient (gpipe.pipeline.non_trainable_vars).
@@ -25,43 +26,89 @@ call scores its microbatch inside the cell and is differentiated from
 that, and the forward wave also sums what the forward loop would have
 returned:
 
-    loss, summaries         the loss's sums and the body's summaries, over
-                            the iterations
+the loss's sums and the body's summaries over the iterations
+(GradientCarry.loss, .summaries).
 """
+
+import dataclasses
+from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
 from gpipe.loops import cell_graph
 from gpipe.loops import made_after
 from gpipe.loops import while_loops
-from gpipe.pipeline.one_f_one_b import per_stage_rows
+from gpipe.pipeline.one_f_one_b import cell as cell_lib
+from gpipe.pipeline.one_f_one_b import per_stage_entries
 from gpipe.pipeline.one_f_one_b import rings
-from gpipe.pipeline import rotating_buffer
-from gpipe.pipeline import stage_step
+from gpipe.pipeline import iteration
+from gpipe.pipeline import rotation
 from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
 
 
-# What each wave changes of the loop's carry (with a LastStageLoss: and
-# what the forward wave sums; no output gradient is read).
-_FORWARD_WAVE = ('buffer', 'vars', 'reading', 'rings')
-_BACKWARD_WAVE = ('d_buffer', 'd_reading', 'd_writing', 'd_theta',
-                  'd_captures', 'd_states')
-_FORWARD_SUMS = ('loss', 'summaries')
+@dataclasses.dataclass(frozen=True)
+class GradientCarry:
+  """What the gradient loop carries. A phase's loop carries the fields its
+  waves change (FORWARD_WAVE, BACKWARD_WAVE, FORWARD_SUMS) and reads the
+  others. Lists hold a tensor per leaf.
+
+  Attributes:
+    buffer: [S, mb, ...] per buffer leaf: the forward wave's buffer.
+    vars: [S, (R,) ...] per non-trainable variable: the forward wave's.
+    reading: the io's input state: [] (whole), [K, S, mb, ...] (streamed).
+    rings: NestedMap(buffer, vars, stored) of [S, ring_size, ...] rings
+      (gpipe.pipeline.one_f_one_b.rings; split further over
+      ring_split_mesh_dim where asked).
+    d_buffer: [S, mb, ...] per buffer leaf: each stage's input gradient of
+      the iteration before, handed one stage back.
+    d_reading: the output gradients the io reads: [M, S or 1, mb, ...]
+      (whole), [K, S, mb, ...] (streamed); [] with a LastStageLoss.
+    d_writing: the input gradients the io writes: TensorLists of M + 1
+      entries [S or 1, mb, ...] (whole), [K, S, mb, ...] (streamed), []
+      (made at stage 0).
+    d_theta: the differentiable weights' gradients, [S, (R,) ...] each.
+    d_captures: the differentiable captures' gradients, each its capture's
+      shape (16-bit floats summed in float32: _Accumulated).
+    d_states: [S, T, ...] per differentiable per-stage state leaf.
+    loss: with a LastStageLoss, its sums per stage, [S] per name.
+    summaries: with a LastStageLoss, {name: (value x weight [S], weight
+      [S])} summed over the iterations.
+  """
+  buffer: List[tf.Tensor]
+  vars: List[tf.Tensor]
+  reading: List[tf.Tensor]
+  rings: NestedMap
+  d_buffer: List[tf.Tensor]
+  d_reading: List[tf.Tensor]
+  d_writing: List[tf.Tensor]
+  d_theta: List[tf.Tensor]
+  d_captures: List[tf.Tensor]
+  d_states: List[tf.Tensor]
+  loss: Optional[NestedMap] = None
+  summaries: Optional[Dict[str, Tuple[tf.Tensor, tf.Tensor]]] = None
+
+  def Fields(self, names) -> NestedMap:
+    """The named fields, as a loop's carry."""
+    return NestedMap({n: getattr(self, n) for n in names})
+
+  def With(self, **changed) -> 'GradientCarry':
+    return dataclasses.replace(self, **changed)
+
+
+# What each wave changes of the carry (with a LastStageLoss: and what the
+# forward wave sums; no output gradient is read).
+FORWARD_WAVE = ('buffer', 'vars', 'reading', 'rings')
+BACKWARD_WAVE = ('d_buffer', 'd_reading', 'd_writing', 'd_theta',
+                 'd_captures', 'd_states')
+FORWARD_SUMS = ('loss', 'summaries')
 
 
 def _Mask(flags, like):
   """[S] bools -> [S, 1, ...] against `like`."""
   return tf.reshape(flags, [-1] + [1] * (like.shape.rank - 1))
-
-
-def Row(tables, index, place):
-  """Row `index` of [T, S] tables, replicated (each device takes its own
-  stage's entries)."""
-  return NestedMap({n: place.ReplicateBookkeeping(tf.gather(t, index))
-                    for n, t in tables.items()})
 
 
 def _Accumulated(dtype):
@@ -73,7 +120,7 @@ def _Accumulated(dtype):
 
 
 def _ByStage(x, place):
-  """[T, S, ...] -> [S, T, ...], stage dim split: rows a stage reads."""
+  """[T, S, ...] -> [S, T, ...], stage dim split: entries a stage reads."""
   perm = [1, 0] + list(range(2, x.shape.rank))
   return place.SplitStages(tf.transpose(x, perm), 0)
 
@@ -85,7 +132,8 @@ def _ByIteration(x, place):
 
 
 class GradientLoop:
-  """The gradient of one forward loop (run._Pipelined)."""
+  """The gradient of one forward loop (forward_loop.ForwardLoop), or with
+  a LastStageLoss the whole pass."""
 
   def __init__(self, cell, io, theta, native, state_leaves, var_values,
                captures, loss=None):
@@ -95,7 +143,7 @@ class GradientLoop:
     self._io = io
     self._place = cell.spec.placement
     self._waves = schedule_lib.OneFOneB(cell.spec.schedule)
-    self._backward_tables = stage_step.Tables(self._waves.BackwardTables())
+    self._backward_tables = iteration.Tables(self._waves.BackwardTables())
     self._theta = theta
     self._native = native
     self._states = [self._place.SplitStages(x, 1) for x in state_leaves]
@@ -105,7 +153,8 @@ class GradientLoop:
     place = self._place
     entry = lambda x: tf.TensorSpec(x.shape, x.dtype)
     size = self._waves.ring_size
-    self._rows = per_stage_rows.For(place, cell.spec.runner.manual_mesh)
+    self._per_stage = per_stage_entries.EntriesFor(
+        place, cell.spec.runner.manual_mesh)
     ring = lambda spec: rings.Ring(spec, size, place,
                                          cell.spec.ring_split_mesh_dim)
     self._rings = NestedMap(
@@ -124,7 +173,7 @@ class GradientLoop:
         d_states=[_ByStage(x, self._place) for x in d.states],
         states=[_ByStage(x, self._place) for x in self._states])
     for phase in self._waves.Phases():
-      carry = self._RunPhase(phase, carry, consts)
+      carry = self._PhaseLoop(phase, carry, consts)
     return self._Finish(carry)
 
   def RunWithLoss(self):
@@ -134,12 +183,12 @@ class GradientLoop:
     Run's)."""
     extras = self._graph.extras_spec
     zeros = lambda spec: tf.zeros(spec.shape, spec.dtype)
-    carry = self._Start(NestedMap(outputs=None, aux=None))
-    # Per stage [S], summed after the loop: a loop-carried scalar is what
-    # the partitioner tends to give the cell's manual sharding.
-    carry.loss = extras.loss.Transform(
-        lambda s: self._place.SplitStages(zeros(s)))
-    carry.summaries = tf.nest.map_structure(zeros, extras.summaries)
+    carry = self._Start(NestedMap(outputs=None, aux=None)).With(
+        # Per stage [S], summed after the loop: a loop-carried scalar is
+        # what the partitioner tends to give the cell's manual sharding.
+        loss=extras.loss.Transform(
+            lambda s: self._place.SplitStages(zeros(s))),
+        summaries=tf.nest.map_structure(zeros, extras.summaries))
     t = self._waves.schedule.num_iterations
     num_stages = self._waves.schedule.num_stages
     consts = NestedMap(
@@ -153,7 +202,7 @@ class GradientLoop:
             [num_stages], float(k == self._loss.differentiated)))
                           for k in extras.loss}))
     for phase in self._waves.Phases():
-      carry = self._RunPhase(phase, carry, consts)
+      carry = self._PhaseLoop(phase, carry, consts)
     return (NestedMap(loss=carry.loss.Transform(tf.reduce_sum),
                       summaries=carry.summaries, vars=carry.vars),
             self._Finish(carry))
@@ -163,7 +212,7 @@ class GradientLoop:
     flat_theta = tf.nest.flatten(self._theta)
     filler = self._cell.state0.buffer
     after = [] if d.aux is None else [d.aux]
-    return NestedMap(
+    return GradientCarry(
         buffer=filler, vars=self._var_values,
         reading=self._io.StartReading(self._native),
         rings=tf.nest.map_structure(lambda r: r.Empty(), self._rings),
@@ -181,114 +230,108 @@ class GradientLoop:
 
   def _DiffStateInputs(self):
     """Indices of the per-stage state leaves that take gradients (the
-    cell's differentiable inputs are its rows' ints, then the states)."""
-    num_rows = len(tf.nest.flatten(self._cell.CellRows(self._cell.tables)))
-    return [i - num_rows for i in self._graph.differentiable['inputs']]
+    cell's differentiable inputs are its row's fields, then the states)."""
+    num_fields = len(tf.nest.flatten(cell_lib.CellFields(self._cell.tables)))
+    return [i - num_fields for i in self._graph.differentiable['inputs']]
 
-  def _RunPhase(self, phase, carry, consts):
-    """The phase's iterations as one loop.
+  def _PhaseLoop(self, phase, carry, consts):
+    """The phase's iterations as one loop: the carry after them.
 
     The loop carries only what its waves change; what it only reads (the
     rings in the backward phase) it captures. (A constant carried
     unchanged through three consecutive loops makes TensorFlow 2.21's
     tf2xla abort: 'Cannot find body function ..._const_0'.)
     """
-    keys = ((_FORWARD_WAVE if phase.forward else ()) +
-            (_FORWARD_SUMS if phase.forward and self._loss else ()) +
-            (_BACKWARD_WAVE if phase.backward else ()))
+    keys = ((FORWARD_WAVE if phase.forward else ()) +
+            (FORWARD_SUMS if phase.forward and self._loss else ()) +
+            (BACKWARD_WAVE if phase.backward else ()))
 
     def Body(j, changing):
-      full = carry.copy()
-      full.update(changing)
+      full = carry.With(**changing)
       if phase.forward:
         full = self._ForwardWave(j, full)
       if phase.backward:
         full = self._BackwardWave(j, full, consts)
-      return j + 1, NestedMap({k: full[k] for k in keys})
+      return j + 1, full.Fields(keys)
 
     _, changed = while_loops.WhileLoop(
-        Body, [tf.constant(phase.begin), NestedMap({k: carry[k] for k in keys})],
+        Body, [tf.constant(phase.begin), carry.Fields(keys)],
         phase.end - phase.begin)
-    out = carry.copy()
-    out.update(changed)
-    return out
+    return carry.With(**changed)
 
   def _ForwardWave(self, j, carry):
     """Iteration j of the forward loop again, its stage inputs (and what
-    the policy keeps) pushed into the rings at slot j mod ring_size."""
-    rows = Row(self._cell.tables, j, self._place)  # [S] each
-
-    def RunStages(stage_in):  # [S, mb, ...] per leaf
-      new, extras, stored = self._cell.Forward(
-          self._theta, stage_in, carry.vars, rows,
-          [x[j] for x in self._states], self._captures,
-          with_extras=self._loss is not None, with_stored=True)
-      return new.buffer, (new, extras, stored)
-
-    stepped = rotating_buffer.Step(self._io, j, rows, self._native,
-                                   carry.reading, carry.buffer, RunStages)
-    new, extras, stored = stepped.ran
-    slot = j % self._waves.ring_size
+    the policy keeps) pushed into the rings at entry j mod ring_size."""
+    stepped = iteration.Step(
+        self._cell.Bind(self._theta, self._captures,
+                        with_extras=self._loss is not None, with_stored=True),
+        self._io, j, cell_lib.Row(self._cell.tables, j, self._place),
+        self._native, carry.buffer, carry.vars, carry.reading,
+        state_slots=[x[j] for x in self._states])
+    done = stepped.done
+    index = j % self._waves.ring_size
     # Each ring entry [S, ...]: stage s's input (and what the policy keeps).
     entries = NestedMap(buffer=stepped.stage_in, vars=carry.vars,
-                        stored=stored)
-    out = carry.copy()
+                        stored=done.stored)
+    changed = dict(
+        rings=tf.nest.map_structure(
+            lambda r, ring, e: r.Write(ring, index, e),
+            self._rings, carry.rings, entries),
+        buffer=stepped.buffer,  # [S, mb, ...] per leaf
+        vars=done.vars,  # [S, (R,) ...] per variable
+        reading=stepped.reading)
     if self._loss is not None:
-      out.loss = tf.nest.map_structure(
-          lambda total, s: self._place.SplitStages(total + s), carry.loss,
-          extras.loss)
-      out.summaries = tf.nest.map_structure(
-          lambda total, s: total + s, carry.summaries, extras.summaries)
-    out.rings = tf.nest.map_structure(lambda r, ring, e: r.Write(ring, slot, e),
-                                      self._rings, carry.rings, entries)
-    out.buffer = stepped.buffer  # [S, mb, ...] per leaf
-    out.vars = new.vars
-    out.reading = stepped.reading
-    return out
+      changed.update(
+          loss=tf.nest.map_structure(
+              lambda total, s: self._place.SplitStages(total + s),
+              carry.loss, done.losses),
+          summaries=tf.nest.map_structure(
+              lambda total, s: total + s, carry.summaries, done.summaries))
+    return carry.With(**changed)
 
   def _BackwardWave(self, j, carry, consts):
     """Each stage differentiates the call schedule.OneFOneB gives it."""
     place = self._place
     per_stage = place.SplitStages
-    rows = Row(self._backward_tables, j - self._waves.delay, place)  # [S]
-    slots = per_stage(rows.ring_slot)  # [S]: each stage's own
+    row = cell_lib.Row(self._backward_tables, j - self._waves.delay,
+                       place)  # [S] per field
+    indices = per_stage(row.ring_slot)  # [S]: each stage's own
     # Each entry [S, ...]: the input (and what the policy kept) of the call
     # each stage differentiates.
-    entries = tf.nest.map_structure(lambda r, ring: r.Read(ring, slots),
+    entries = tf.nest.map_structure(lambda r, ring: r.Read(ring, indices),
                                     self._rings, carry.rings)
     if self._loss is None:  # d_out: [S or 1, mb, ...] per leaf
-      d_out, d_reading = self._io.ReadGradient(carry.d_reading, rows)
+      d_out, d_reading = self._io.ReadGradient(carry.d_reading, row)
     else:  # the last layer's output gradient is the loss's, in the cell
       d_out, d_reading = [tf.zeros_like(b) for b in carry.d_buffer], []
-    last = per_stage(rows.last_layer)  # [S] bools
+    last = per_stage(row.last_layer)  # [S] bools
     # dy [S, mb, ...] per leaf: the layer's output gradient where a stage's
     # call is the last layer's, else the one the next stage handed back.
     dy = [per_stage(tf.where(_Mask(last, o), o,
-                             rotating_buffer.RotateStages(
+                             rotation.RotateStages(
                                  b, -1, place.splits_stage_dim)))
           for o, b in zip(d_out, carry.d_buffer)]
-    at = per_stage(rows.iteration)  # [S]: the forward iteration of the call
-    grads = self._Differentiate(rows, at, entries, dy, consts)
-    first = per_stage(rows.first_layer)  # [S] bools
-    out = carry.copy()
-    out.d_reading = d_reading
-    out.d_writing = self._io.WriteGradient(carry.d_writing, rows, grads.d_x)
-    # [S, mb, ...] per leaf, handed one stage back next iteration.
-    out.d_buffer = [per_stage(tf.where(_Mask(first, x), tf.zeros_like(x), x))
-                    for x in grads.d_x]
-    out.d_theta = [a + g for a, g in zip(carry.d_theta, grads.theta)]
-    out.d_captures = [a + tf.cast(g, a.dtype)
-                      for a, g in zip(carry.d_captures, grads.captures)]
-    out.d_states = [self._rows.Add(a, at, g)
-                    for a, g in zip(carry.d_states, grads.states)]
-    return out
+    at = per_stage(row.iteration)  # [S]: the forward iteration of the call
+    grads = self._Differentiate(row, at, entries, dy, consts)
+    first = per_stage(row.first_layer)  # [S] bools
+    return carry.With(
+        d_reading=d_reading,
+        d_writing=self._io.WriteGradient(carry.d_writing, row, grads.d_x),
+        # [S, mb, ...] per leaf, handed one stage back next iteration.
+        d_buffer=[per_stage(tf.where(_Mask(first, x), tf.zeros_like(x), x))
+                  for x in grads.d_x],
+        d_theta=[a + g for a, g in zip(carry.d_theta, grads.theta)],
+        d_captures=[a + tf.cast(g, a.dtype)
+                    for a, g in zip(carry.d_captures, grads.captures)],
+        d_states=[self._per_stage.Add(a, at, g)
+                  for a, g in zip(carry.d_states, grads.states)])
 
-  def _Differentiate(self, rows, at, entries, dy, consts):
+  def _Differentiate(self, row, at, entries, dy, consts):
     """The cell's gradient for each stage's call: NestedMap(d_x per buffer
     leaf, theta, states, captures) of the differentiable entries."""
     graph = self._graph
     diff = graph.differentiable
-    read = lambda x: self._rows.Read(x, at)
+    read = lambda x: self._per_stage.Read(x, at)
     state = NestedMap(buffer=entries.buffer, vars=entries.vars)
     flat_state = tf.nest.flatten(state)
     num_buffer = len(entries.buffer)
@@ -304,7 +347,7 @@ class GradientLoop:
         g for g, s in zip(tf.nest.flatten(d_extras),
                           tf.nest.flatten(graph.extras_spec))
         if cell_graph.IsDifferentiable(s)]
-    inputs = NestedMap(rows=self._cell.CellRows(rows),
+    inputs = NestedMap(row=cell_lib.CellFields(row),
                        states=[read(x) for x in consts.states])
     grads = graph.Backward(
         tf.nest.flatten(self._theta), flat_state, tf.nest.flatten(inputs),

@@ -1,11 +1,11 @@
 """The 1f1b gradient loop's rings: per stage, `size` [S, ...] entries (the
 stage inputs its backward wave reads back, what the remat policy keeps).
 
-In iteration j every stage writes its entry at slot j mod size, and each
-reads the slot of the call it differentiates (gpipe.schedule.OneFOneB):
+In iteration j every stage writes its entry at index j mod size, and each
+reads the index of the call it differentiates (gpipe.schedule.OneFOneB):
 
     ring [S, size, ...]   write: ring[:, j mod size] = entry [S, ...]
-                          read:  stage s takes ring[s, slot[s]] -> [S, ...]
+                          read:  stage s takes ring[s, index[s]] -> [S, ...]
 
 Under XLA a scatter into a loop-carried tensor updates it in place;
 TensorFlow's own kernel copies the whole tensor, so outside XLA the ring
@@ -25,17 +25,17 @@ from gpipe import sharding
 
 
 class Ring:
-  """A ring of `size` [S, ...] entries: written at one slot for every stage,
-  read at a slot of each stage's own.
+  """A ring of `size` [S, ...] entries: written at one index for every stage,
+  read at an index of each stage's own.
 
   Under XLA a [S, size, ...] tensor: a write is one dynamic-update-slice
-  at a slot all stages share (in place, each device its own part), a read
-  each stage's entry picked by a mask and summed over the slots: each
+  at an index all stages share (in place, each device its own part), a read
+  each stage's entry picked by a mask and summed over the indices: each
   device reads its own part of the ring. (XLA:CPU builds the masked ring
   before summing it, one ring-sized temporary, which a TPU's fusion of the
   select into the reduction does not; a batched matmul with a one-hot
   mask made XLA:CPU copy the ring into the dot's layout, a larger
-  temporary; a gather at per-stage slots is kept local by XLA's
+  temporary; a gather at per-stage indices is kept local by XLA's
   partitioner only where it sees through the indices.) Otherwise a TensorList of `size` [S, ...] entries
   (a write stores a reference, a read copies S rows).
 
@@ -72,21 +72,22 @@ class Ring:
         element_shape=self.spec.shape, num_elements=self.size,
         element_dtype=self.spec.dtype)
 
-  def Write(self, ring, slot, entry):
-    """Every stage's entry [S, ...] into slot `slot` (a scalar)."""
+  def Write(self, ring, index, entry):
+    """Every stage's entry [S, ...] at `index` (int32 [])."""
     if self.xla:
-      start = [0, slot] + [0] * (self.spec.shape.rank - 1)
+      start = [0, index] + [0] * (self.spec.shape.rank - 1)
       entry = self._layout.PlaceEntry(entry)
       if self._bits:
         entry = tf.bitcast(entry, self._bits)
       return self._Placed(xla_ops.dynamic_update_slice(
           ring, entry[:, None], tf.stack(start)))
-    return list_ops.tensor_list_set_item(ring, slot, entry)
+    return list_ops.tensor_list_set_item(ring, index, entry)
 
-  def Read(self, ring, slots):
-    """[S, ...]: stage s's entry in slot slots[s]."""
+  def Read(self, ring, indices):
+    """[S, ...]: stage s's entry at indices[s] (indices [S])."""
     if self.xla:
-      hit = tf.equal(slots[:, None], tf.range(self.size)[None, :])  # [S, size]
+      # [S, size]: where each stage's entry is.
+      hit = tf.equal(indices[:, None], tf.range(self.size)[None, :])
       hit = tf.reshape(hit, [self.num_stages, self.size] +
                        [1] * (self.spec.shape.rank - 1))
       picked = tf.where(hit, ring, tf.zeros([], ring.dtype))
@@ -94,12 +95,12 @@ class Ring:
       if self._bits:
         entry = tf.bitcast(entry, self.spec.dtype)
       return self._layout.PlaceEntry(entry)
-    rows = [
-        list_ops.tensor_list_get_item(ring, slots[s], self.spec.dtype,
+    own = [  # stage s's entry [...] of the ring's [S, ...] at indices[s]
+        list_ops.tensor_list_get_item(ring, indices[s], self.spec.dtype,
                                       element_shape=self.spec.shape)[s]
         for s in range(self.num_stages)
     ]
-    return tf.stack(rows)
+    return tf.stack(own)
 
 
 class RingLayout:
