@@ -3,9 +3,9 @@
     python -m benchmarks.one_device_defaults [--bodies gelu,tanh] [--modes jit]
 
 On one device, remat_policy=None keeps the dots' outputs for a body of at
-least loop_spec.MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS a microbatch, and
-skip_bubbles=None skips the fill's and drain's bubble slots under XLA for
-one of at least MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES. For section 6's bodies
+least loop_choices.MIN_FLOPS_PER_CALL_TO_SAVE_DOTS a microbatch, and
+skip_bubbles=None skips the fill's and drain's bubbles under XLA for
+one of at least MIN_FLOPS_PER_CALL_TO_SKIP_BUBBLES. For section 6's bodies
 and shapes (benchmarks.one_device) this times, in rotation in one process,
 the default step, the same step recomputing (remat_policy='recompute') and
 the same step in one loop (skip_bubbles=False), and prints the ratios: the
@@ -21,7 +21,7 @@ import tensorflow as tf
 from benchmarks import measure
 from benchmarks import one_device
 from gpipe.lingvo_support import flags_and_seeds
-from gpipe.pipeline import loop_spec
+from gpipe.pipeline import loop_choices
 
 ALTERNATIVES = (('recompute', dict(remat_policy='recompute')),
                 ('one loop', dict(skip_bubbles=False)))
@@ -39,12 +39,12 @@ class Row:
 
 
 def SlotMflops(body, s, m, r):
-  """loop_spec.SlotFlops of the body on one microbatch, in millions."""
+  """loop_choices.CallFlops of the body on one microbatch, in millions."""
   with tf.Graph().as_default():
     layer = one_device.LayerParams(body, s, m, r).Instantiate()
     sched = layer.Schedule(m)
     rows = tf.zeros([m, body.batch // m, body.dim])
-    return loop_spec.SlotFlops(sched, layer.theta.Flatten(), [rows]) / 1e6
+    return loop_choices.CallFlops(sched, layer.theta.Flatten(), [rows]) / 1e6
 
 
 def MeasureRow(body, mode, s, m, r, reps):
@@ -58,7 +58,7 @@ def MeasureRow(body, mode, s, m, r, reps):
 
 
 def Table(rows):
-  lines = ['| body | mode | S/M/R | MFLOPs a slot | default ms | '
+  lines = ['| body | mode | S/M/R | MFLOPs a call | default ms | '
            'recompute ms | one loop ms | default / recompute | '
            'default / one loop |', '|---|---|---|---|---|---|---|---|---|']
   for w in rows:

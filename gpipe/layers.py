@@ -51,6 +51,7 @@ from gpipe import nest
 from gpipe.pipeline import layer_by_layer
 from gpipe.pipeline import layer_params
 from gpipe.pipeline import layouts
+from gpipe.pipeline import loop_choices
 from gpipe.pipeline import loop_spec
 from gpipe.pipeline import param_checks
 from gpipe.pipeline import per_stage_states
@@ -389,10 +390,10 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
         return result
       except vectorized_stages.CannotVectorize as e:
         self._layer_by_layer.CannotVectorize(e)
-    spec = loop_spec.WithRematPolicy(spec, theta, mb_leaves)
-    if spec.backward_schedule == '1f1b':
-      return one_f_one_b.Run(spec, theta, mb_leaves, state_leaves, var_values)
-    return pipeline_loop.Run(spec, theta, mb_leaves, state_leaves, var_values)
+    spec, io_kind = loop_choices.Decide(spec, theta, mb_leaves)
+    run = (one_f_one_b.RunOneFOneB if spec.backward_schedule == '1f1b' else
+           pipeline_loop.RunReverse)
+    return run(spec, io_kind, theta, mb_leaves, state_leaves, var_values)
 
   def _LoopSpec(self, sched, fn_name, args, states, mb_kwargs,
                 kwargs_no_batch, loss=None, first_stage=None):

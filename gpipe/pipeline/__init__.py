@@ -15,7 +15,9 @@ parts (internal: their names may change).
                        stage calls, for callers that drive their own loop
     unrolled           unroll: the S * R layers one after another
     loop_spec          what a loop is given (LoopSpec) and gives back
-                       (LoopResult); its remat policy and its io
+                       (LoopResult): data
+    loop_choices       what the layer decides before a loop runs: the
+                       defaults the params leave to it, the io's kind
     layer_by_layer     one device: each layer on every microbatch at once
     pipeline_loop      the pod's schedule: T iterations over the rotating
                        buffer, its gradient in reverse

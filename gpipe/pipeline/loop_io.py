@@ -1,8 +1,8 @@
 """How the pipeline loop takes its inputs and hands back its outputs: the
 interface every kind implements (LoopInputs, LoopIo), and the kinds that
 keep the batch whole (WholeIo) or make it at stage 0 (MadeAtStageZero);
-StreamedIo is gpipe.pipeline.streamed_io's, and gpipe.pipeline.loop_spec.Io
-picks one.
+StreamedIo is gpipe.pipeline.streamed_io's, and the layer picks one
+(gpipe.pipeline.loop_choices.IoKind).
 
 Stage 0 reads each microbatch once, in order; the last stage finishes each
 once, in order. Where the [M, ...] microbatches live between is the
@@ -12,13 +12,13 @@ once, in order. Where the [M, ...] microbatches live between is the
     inputs   [M, mb, ...] on every     [K, S, mb, ...]: stage s keeps the
              device                    K = ceil(M / S) microbatches s K ..
                                        s K + K - 1 (gpipe.schedule.Streams)
-    read     row i [mb, ...], stage 0  a slot's column [S, mb, ...] rotates
-             takes it                  one stage towards stage 0 after
-                                       stage 0 read its entry
+    read     microbatch m [mb, ...]:   a column [S, mb, ...] rotates one
+             stage 0 takes it          stage towards stage 0 after stage
+                                       0 read its entry
     outputs  [M, S, mb, ...]: the      [K, S, mb, ...] like the inputs: a
-             last stage's slot of the  slot's column rotates, the last
-             iterations that finish a  stage's output goes to its last
-             microbatch ([M, 1, mb,    entry
+             last stage's slot of the  column rotates, the last stage's
+             iterations that finish a  output goes to its last entry
+             microbatch ([M, 1, mb,
              ...] on one device)
 
 so no device of a streamed pipeline holds the whole batch: each holds

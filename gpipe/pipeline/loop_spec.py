@@ -1,6 +1,7 @@
-"""What a call's loop is given and gives back, and the remat policy it runs.
+"""What a call's loop is given (LoopSpec) and gives back (LoopResult): data.
 
-The layer (gpipe.layers.PipelinedLayer) fills a LoopSpec once per call and
+The layer (gpipe.layers.PipelinedLayer) fills a LoopSpec once per call,
+decides what the params leave to it (gpipe.pipeline.loop_choices) and
 hands it, with the tensors, to the path it chose: layer by layer
 (gpipe.pipeline.layer_by_layer), the pipeline loop with the reverse backward
 (gpipe.pipeline.pipeline_loop) or with 1f1b (gpipe.pipeline.one_f_one_b).
@@ -13,12 +14,10 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from gpipe import nest
-from gpipe.pipeline import loop_io
 from gpipe.pipeline import repeats as repeats_lib
 from gpipe.pipeline import stage_call
 from gpipe.pipeline import stage_ends
 from gpipe.pipeline import stage_runners
-from gpipe.pipeline import streamed_io
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
 from lingvo.core import py_utils
@@ -48,13 +47,14 @@ class LoopSpec:
       None.
     var_names: the body's non-trainable variables the loop carries.
     remat_policy: what the forward pass stores for the backward pass (the
-      name of a gpipe.loops.remat policy); None: as RematPolicy decides.
+      name of a gpipe.loops.remat policy); None: as
+      loop_choices.ChosenRematPolicy decides.
     skip_bubbles: on one device, run the fill and drain iterations on the
       stages that hold their useful work only (Schedule.Phases); None:
-      where it pays (SkipsBubbles).
+      where it pays (loop_choices.SkipsBubbles).
     backward_schedule: 'reverse' or '1f1b' (gpipe.pipeline.one_f_one_b).
     stream_io: whether the inputs and outputs are split over the stages
-      (gpipe.pipeline.loop_io).
+      (gpipe.pipeline.streamed_io).
     ring_split_mesh_dim: the mesh axis the 1f1b rings' entries are split
       over too (gpipe.pipeline.one_f_one_b.rings.SplitRingLayout), or None.
     loss: a gpipe.pipeline.stage_ends.LastStageLoss (its inputs
@@ -103,60 +103,3 @@ class LoopResult:
   summaries: Dict[str, Tuple[tf.Tensor, tf.Tensor]]
   vars: List[tf.Tensor]
   losses: Optional[py_utils.NestedMap] = None
-
-
-# remat_policy=None keeps the dots' outputs (save_dots) on one device for a
-# body whose call on one microbatch takes at least this many FLOPs
-# (SlotFlops), rather than running its dots again in the backward loop:
-# above it, keeping them measured faster than recomputing; below, within
-# the noise, so those bodies keep recomputing
-# (docs/benchmarks.md#the-one-device-defaults-against-what-they-replace).
-MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS = 2e6
-
-
-def RematPolicy(spec, theta, mb_leaves):
-  """The loop's remat policy: the one the params ask for; None: save_dots
-  on one device, with the reverse schedule, for a body of at least
-  MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS, else recompute.
-
-  On one device the plain stack the pipeline stands for keeps all of its
-  dots' outputs: keeping them costs no more than running unpipelined
-  would. Partitioned, a chip's memory is what recomputing saves (and what
-  `gpipe.plan` plans for), and 1f1b is chosen to bound memory."""
-  if spec.remat_policy is not None:
-    return spec.remat_policy
-  if (spec.runner.any_stage_range and spec.backward_schedule == 'reverse' and
-      SlotFlops(spec.schedule, theta, mb_leaves) >=
-      MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS):
-    return 'save_dots'
-  return 'recompute'
-
-
-def SlotFlops(sched, theta, mb_leaves):
-  """A body call's FLOPs on one microbatch, as if each weight entered one
-  multiply-add per row: 2 x rows x one layer's weights, where rows are a
-  microbatch's positions (all dims but the first and the features) of its
-  largest input. The dots of dense layers, not those between activations
-  (attention's scores); an over-estimate for lookups."""
-  weights = sum(w.shape.num_elements() or 0 for w in tf.nest.flatten(theta)
-                if w.dtype.is_floating) / sched.num_layers
-  rows = max([x.shape[1:-1].num_elements() or 0 for x in mb_leaves
-              if x.shape.rank and x.shape.rank >= 2] or [1])
-  return 2 * rows * weights
-
-
-def Io(spec) -> loop_io.LoopInputs:
-  """The loop io the call asks for: a loop_io.LoopIo (whole, or streamed
-  with stream_io), or with a FirstStageInput (1f1b with a LastStageLoss:
-  no outputs) loop_io.MadeAtStageZero."""
-  if spec.first_stage is not None:
-    return loop_io.MadeAtStageZero(spec)
-  if spec.stream_io:
-    return streamed_io.StreamedIo(spec)
-  return loop_io.WholeIo(spec)
-
-
-def WithRematPolicy(spec, theta, mb_leaves) -> LoopSpec:
-  """spec with its remat_policy decided (RematPolicy)."""
-  return dataclasses.replace(
-      spec, remat_policy=RematPolicy(spec, theta, mb_leaves))

@@ -143,7 +143,7 @@ def RematPolicy(p):
   """The partitioned pipeline loop's remat policy (what `gpipe.plan`
   plans): the one params ask for (store_body_intermediates: save_all), by
   default recompute. On one device the loop decides for None
-  (gpipe.pipeline.loop_spec.RematPolicy)."""
+  (gpipe.pipeline.loop_choices.ChosenRematPolicy)."""
   return AskedRematPolicy(p) or 'recompute'
 
 
@@ -151,7 +151,7 @@ def LoopRematPolicy(p, do_eval):
   """What the pipeline's loop is asked to store: the policy the params ask
   for; else in eval 'recompute', which stores nothing (no backward pass
   reads what another policy would); else None, for the loop to decide
-  (gpipe.pipeline.loop_spec.RematPolicy)."""
+  (gpipe.pipeline.loop_choices.ChosenRematPolicy)."""
   asked = AskedRematPolicy(p)
   if asked is None and do_eval:
     return 'recompute'

@@ -19,7 +19,6 @@ gpipe.layers.PipelinedLayer._RunLoop).
 
 import tensorflow as tf
 
-from gpipe.loops import compiled_loops
 from gpipe.pipeline import loop_spec
 from gpipe.pipeline import iteration
 from gpipe import recurrent
@@ -30,12 +29,14 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-def Run(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
-        var_values) -> loop_spec.LoopResult:
+def RunReverse(spec: loop_spec.LoopSpec, io_kind, theta, mb_leaves,
+               state_leaves, var_values) -> loop_spec.LoopResult:
   """The loop whose gradient runs in reverse (gpipe.recurrent).
 
   Args:
-    spec: the LoopSpec, its remat_policy decided (WithRematPolicy).
+    spec: the LoopSpec, its remat_policy and skip_bubbles decided
+      (gpipe.pipeline.loop_choices.Decide).
+    io_kind: the loop io's class (gpipe.pipeline.loop_io).
     theta: the stage-stacked weights, placed, [S, (R,) ...] each.
     mb_leaves: the [M, mb, ...] tensor leaves of the microbatched inputs.
     state_leaves: the [T, S, ...] padded per-stage state leaves.
@@ -43,7 +44,7 @@ def Run(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
   """
   place = spec.placement
   sched = spec.schedule
-  io = loop_spec.Io(spec)
+  io = io_kind(spec)
   native = io.ToNative(mb_leaves)
   filler = io.Filler(native)
   # Carried: the buffer, the body's non-trainable variables (see
@@ -73,7 +74,7 @@ def Run(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
       row=iteration.StageTables(sched),  # [T, S] per field
       states=[place.SplitStages(x, 1) for x in state_leaves])  # [T, S, ...]
   pieces = []
-  for phase in _Phases(spec, theta, mb_leaves):
+  for phase in _Phases(spec):
     state, extras = _PhaseLoop(spec, io, undo, phase, loop_theta, state,
                                _PhaseInputs(inputs, phase))
     pieces.append(extras)
@@ -89,37 +90,14 @@ def Run(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
       vars=state.vars)
 
 
-def _Phases(spec, theta, mb_leaves):
+def _Phases(spec):
   """The loop's phases: one, or where it skips bubbles, the fill and drain
-  iterations on the stages that hold their useful slots only
+  iterations on the stages that hold their useful calls only
   (Schedule.Phases)."""
   sched = spec.schedule
-  if SkipsBubbles(spec, theta, mb_leaves):
+  if spec.skip_bubbles:
     return sched.Phases()
   return [schedule_lib.Phase(0, sched.num_iterations, 0, sched.num_stages)]
-
-
-# skip_bubbles=None turns it on under XLA for a body whose call on one
-# microbatch takes at least this many FLOPs (SlotFlops): below, what the
-# skipped bubble slots save is within a short step's noise, and every
-# body's three loops take longer to trace and compile than one
-# (docs/benchmarks.md#the-one-device-defaults-against-what-they-replace).
-MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES = 1e6
-
-
-def SkipsBubbles(spec, theta, mb_leaves):
-  """Whether the loop runs in phases: only where a runner computes a range
-  of the stages (one device), as the skip_bubbles param says; None: under
-  XLA (tf.function(jit_compile=True)) for a body of at least
-  MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES. In a Session it measured no faster,
-  and slower for small bodies."""
-  if not spec.runner.any_stage_range:
-    return False
-  if spec.skip_bubbles is not None:
-    return spec.skip_bubbles
-  return (compiled_loops.UnderXla() and
-          loop_spec.SlotFlops(spec.schedule, theta, mb_leaves) >=
-          MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES)
 
 
 def _PhaseInputs(inputs, phase):

@@ -66,8 +66,8 @@ def test_loop_runs_every_layer_on_every_microbatch_in_order(s, m, r, store):
   with tf.Graph().as_default():
     x = tf.constant(x_np, tf.float32)
     w = tf.constant(0.9)
-    res = pipeline_loop.Run(_Spec(sched, x, store), py_utils.NestedMap(w=w),
-                            [x], [], [])
+    res = pipeline_loop.RunReverse(_Spec(sched, x, store), loop_io.WholeIo,
+                                   py_utils.NestedMap(w=w), [x], [], [])
     (out,) = res.outputs
     want = []
     for mb in range(m):

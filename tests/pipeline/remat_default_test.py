@@ -2,7 +2,7 @@
 
 The default keeps the dots' outputs (save_dots) on one device, with the
 reverse schedule, for a body of at least
-loop_spec.MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS a microbatch, and recomputes
+loop_choices.MIN_FLOPS_PER_CALL_TO_SAVE_DOTS a microbatch, and recomputes
 everywhere else (partitioned, 1f1b, small bodies). A policy asked for is
 what runs. The decision is checked as a table, then on a layer whose dense
 body is above the threshold: its default step stores the dots and equals
@@ -19,7 +19,7 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe import schedule
-from gpipe.pipeline import loop_spec
+from gpipe.pipeline import loop_choices
 from gpipe.pipeline import stage_runners
 from lingvo.core import cluster_factory
 from tests import close
@@ -46,9 +46,9 @@ def _Spec(remat_policy, runner, backward_schedule='reverse'):
 ])
 def test_none_saves_dots_on_one_device_for_a_compute_bound_body(
     monkeypatch, asked, runner, backward, flops, policy):
-  assert loop_spec.MIN_FLOPS_PER_SLOT_TO_SAVE_DOTS == 2e6
-  monkeypatch.setattr(loop_spec, 'SlotFlops', lambda *_: flops)
-  assert loop_spec.RematPolicy(
+  assert loop_choices.MIN_FLOPS_PER_CALL_TO_SAVE_DOTS == 2e6
+  monkeypatch.setattr(loop_choices, 'CallFlops', lambda *_: flops)
+  assert loop_choices.ChosenRematPolicy(
       _Spec(asked, runner, backward), (), ()) == policy
 
 

@@ -30,7 +30,7 @@ from gpipe import layers
 from gpipe.loops import cell_graph
 from gpipe.loops import compiled_loops
 from gpipe.loops import deferred_dots
-from gpipe.pipeline import loop_spec
+from gpipe.pipeline import loop_choices
 from gpipe.pipeline import pipeline_loop
 from gpipe.pipeline import stage_runners
 from gpipe import schedule
@@ -128,8 +128,9 @@ def _Spec(skip_bubbles, runner):
 
 
 def _Phases(skip_bubbles, runner, theta=(), mb_leaves=()):
-  return pipeline_loop._Phases(  # pylint: disable=protected-access
-      _Spec(skip_bubbles, runner), theta, mb_leaves)
+  spec = _Spec(skip_bubbles, runner)
+  spec.skip_bubbles = loop_choices.SkipsBubbles(spec, theta, mb_leaves)
+  return pipeline_loop._Phases(spec)  # pylint: disable=protected-access
 
 
 def test_phases_only_with_the_param_and_a_one_device_runner():
@@ -144,14 +145,14 @@ def test_phases_only_with_the_param_and_a_one_device_runner():
   assert _Phases(True, stage_runners.Together()) == whole
 
 
-def test_slot_flops_count_one_layers_weights_on_a_microbatchs_rows():
-  """2 x rows x weights of one of the S x R layers; rows: all dims of the
-  largest input but the microbatch and the features."""
+def test_call_flops_count_one_layers_weights_on_a_microbatchs_positions():
+  """2 x positions x weights of one of the S x R layers; positions: all
+  dims of the largest input but the examples and the features."""
   sched = schedule.Schedule(2, 4, 3)
   theta = {'w': tf.zeros([2, 3, 8, 16]), 'b': tf.zeros([2, 3, 16]),
            'step': tf.zeros([2, 3], tf.int32)}
   mb_leaves = [tf.zeros([4, 5, 7, 8]), tf.zeros([4, 5, 2]), tf.zeros([4])]
-  assert loop_spec.SlotFlops(sched, theta, mb_leaves) == (
+  assert loop_choices.CallFlops(sched, theta, mb_leaves) == (
       2 * (5 * 7) * (8 * 16 + 16))
 
 
@@ -165,15 +166,15 @@ def test_slot_flops_count_one_layers_weights_on_a_microbatchs_rows():
 def test_none_skips_under_xla_for_a_compute_bound_body(monkeypatch, param,
                                                        under_xla, flops,
                                                        skips):
-  assert pipeline_loop.MIN_FLOPS_PER_SLOT_TO_SKIP_BUBBLES == 1e6
+  assert loop_choices.MIN_FLOPS_PER_CALL_TO_SKIP_BUBBLES == 1e6
   monkeypatch.setattr(compiled_loops, 'UnderXla',
                       lambda: under_xla)
-  monkeypatch.setattr(loop_spec, 'SlotFlops', lambda *_: flops)
-  assert pipeline_loop.SkipsBubbles(
+  monkeypatch.setattr(loop_choices, 'CallFlops', lambda *_: flops)
+  assert loop_choices.SkipsBubbles(
       _Spec(param, stage_runners.OneByOne()), (), ()) == skips
   # Partitioned: never.
   in_region = stage_runners.InManualRegion((np.arange(4), 0))
-  assert not pipeline_loop.SkipsBubbles(_Spec(param, in_region), (), ())
+  assert not loop_choices.SkipsBubbles(_Spec(param, in_region), (), ())
 
 
 def _JitLoops(skip_bubbles, dim, run=True):

@@ -31,7 +31,7 @@ loop pair is one tf.custom_gradient, in graph mode and under XLA.
 
 Its modules, in the order a call runs them:
 
-    pipelined          Run: the forward loop as one custom gradient whose
+    pipelined          RunOneFOneB: the forward loop as one custom gradient whose
                        gradient is the gradient loop (or, with a
                        LastStageLoss, the gradient loop alone)
     forward_loop       the forward loop: T iterations, nothing kept
@@ -45,6 +45,6 @@ Its modules, in the order a call runs them:
 """
 
 from gpipe.pipeline.one_f_one_b.forward_loop import FORWARD_LOOP
-from gpipe.pipeline.one_f_one_b.pipelined import Run
+from gpipe.pipeline.one_f_one_b.pipelined import RunOneFOneB
 
-__all__ = ['FORWARD_LOOP', 'Run']
+__all__ = ['FORWARD_LOOP', 'RunOneFOneB']

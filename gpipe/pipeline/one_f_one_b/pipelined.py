@@ -23,18 +23,18 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-def Run(spec, theta, mb_leaves, state_leaves,
-        var_values) -> loop_spec.LoopResult:
+def RunOneFOneB(spec, io_kind, theta, mb_leaves, state_leaves,
+                var_values) -> loop_spec.LoopResult:
   """The 1f1b pipeline (with spec.loss: `losses`, its sums, and no
   outputs).
 
-  Args: as gpipe.pipeline.pipeline_loop.Run's.
+  Args: as gpipe.pipeline.pipeline_loop.RunReverse's.
   """
   loss, first_stage = stage_ends.ForTheLoop(
       (spec.loss, spec.first_stage), spec.runner, spec.placement,
       spec.schedule.num_stages)
   spec = dataclasses.replace(spec, loss=loss, first_stage=first_stage)
-  io = loop_spec.Io(spec)
+  io = io_kind(spec)
   native = io.ToNative(mb_leaves)
   cell = cell_lib.StageCell(spec, theta, io.Filler(native), state_leaves,
                             var_values)
