@@ -18,6 +18,7 @@ docs/api.md; each subpackage's docstring maps its modules):
     nest              nested structures of tensors, None leaves kept
     recurrent         the loop whose gradient recomputes each iteration
     quiet             the commands' quiet logs
+    flag_spellings    older spellings of the commands' flags, still taken
     check_partitioning, demo, lingvo_trainer, plan (a package): the commands
     pipeline          the layer's data path, in the order a call runs it
     loops             the loops' machinery under recurrent
