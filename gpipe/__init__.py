@@ -23,6 +23,7 @@ docs/api.md; each subpackage's docstring maps its modules):
     pipeline          the layer's data path, in the order a call runs it
     loops             the loops' machinery under recurrent
     xla               XLA's SPMD partitioner on virtual CPU devices
+    model_step        a model's whole training step as a function of tensors
     lingvo_support    what gpipe needs of Lingvo around the layer
     apps              the commands' own code
 """

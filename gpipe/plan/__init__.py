@@ -12,7 +12,7 @@ optimizer update with its slots) from shapes alone, so no weight is ever
 allocated; XLA's SPMD partitioner splits it for N virtual CPU devices and
 XLA compiles it without running it. Per step:
 
-    params --build in a scratch graph (targets)--> TrainStep (train_step,
+    params --build in a scratch graph (targets)--> TrainStep (model_step,
       the task's optimizer) --TensorSpecs--> HLO --partition for N devices,
       compile (candidate)--> what XLA says --roofline--> predicted step
       time --> Plan (report): table, JSON, recommendation
@@ -34,9 +34,6 @@ depth * R0 / R blocks; a body without one plans only its own R.
 The parts:
   targets     what to plan: a registered Lingvo model, or PipelinedLayer
               Params on inputs of given shapes; candidates (M, R, policy)
-  stacks      where a model keeps its stack, and a candidate's reshaping
-  train_step  the whole training step as a function of tensors
-  optimizers  the optimizer updates it runs (Lingvo's, as functions)
   candidate   one candidate lowered, partitioned and compiled; its report
   model_flops the model's work MFU counts (its forward pass compiled alone)
   loops       what the compiled module's while loops compute and hold
@@ -48,6 +45,10 @@ The parts:
   plot        --plot: each candidate's bytes per chip, drawn
   flags       the flags, read before TensorFlow loads
   cli         the command line (`python -m gpipe.plan`)
+
+The step itself (where a model keeps its stack, the whole training step as
+a function of tensors, its optimizer) is gpipe.model_step's: the
+partitioning check runs the same step (gpipe.xla.check_model).
 
 Importing this package loads no TensorFlow: its names (MakePlan,
 LayerTarget, Candidate, ...) load their module when first used.

@@ -165,7 +165,7 @@ def Ratios(per_axis, floors):
 
 
 def ShapeOf(step, stage_axis):
-  """The ModelShape of a planned step (a gpipe.plan.train_step.TrainStep):
+  """The ModelShape of a planned step (a gpipe.model_step.train_step.TrainStep):
   its task's own (a `TrafficShape(input_specs)` method), or for a bare
   pipelined layer its inputs' rows and elements (no model axis known);
   None for a task that does not say."""
