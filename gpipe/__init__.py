@@ -6,24 +6,39 @@ first import of lingvo after `import gpipe` runs `lingvo_ops.EnsureLingvoOps()`
 first. Import gpipe before lingvo. Importing gpipe alone loads neither
 TensorFlow nor lingvo (the schedule command is pure arithmetic).
 
-The package, by job (the public surface is each public module's __all__,
-docs/api.md; each subpackage's docstring maps its modules):
+The package, from the top down: each module imports only modules listed
+below it. A subpackage counts as one module here, and the map in its
+docstring orders its own modules the same way; a package's __init__ (its
+re-exports) and __main__ may import anything of their package
+(tests/house_test.py checks). The public surface is each public module's
+__all__ (docs/api.md).
 
-    layers            PipelinedLayer (Lingvo's LayerwiseShardablePipelined-
-                      Layer), ValidateParams
-    sharding          XLA sharding annotations; SpmdPartitioning
-    lingvo_compat     UseGpipeInLingvo: Lingvo's own models on gpipe
-    schedule          the schedule's arithmetic (and the schedule command)
-    microbatch        the batch in microbatches and back
-    nest              nested structures of tensors, None leaves kept
-    recurrent         the loop whose gradient recomputes each iteration
-    quiet             the commands' quiet logs
-    check_partitioning, demo, lingvo_trainer, plan (a package): the commands
-    pipeline          the layer's data path, in the order a call runs it
-    loops             the loops' machinery under recurrent
-    xla               XLA's SPMD partitioner on virtual CPU devices
-    lingvo_support    what gpipe needs of Lingvo around the layer
-    apps              the commands' own code
+  The commands:
+    check_partitioning  does a PipelinedLayer (or a registered model) split
+                        over devices as intended?
+    demo                trains a pipelined LM on CPU, shows its schedule
+    lingvo_trainer      Lingvo's own trainer, gpipe's models registered
+    plan                will it fit? (a package: the planner)
+  What the commands stand on:
+    apps                the commands' own code
+    xla                 XLA's SPMD partitioner on virtual CPU devices
+    model_step          a model's whole training step as a function of
+                        tensors
+  The layer:
+    lingvo_compat       UseGpipeInLingvo: Lingvo's own models on gpipe
+    layers              PipelinedLayer (Lingvo's LayerwiseShardablePipelined-
+                        Layer), ValidateParams
+    lingvo_support      what gpipe needs of Lingvo around the layer
+    pipeline            the layer's data path, in the order a call runs it
+    recurrent           the loop whose gradient recomputes each iteration
+    loops               the loops' machinery under recurrent
+  The ground floor:
+    microbatch          the batch in microbatches and back
+    sharding            XLA sharding annotations; SpmdPartitioning
+    nest                nested structures of tensors, None leaves kept
+    schedule            the schedule's arithmetic (and the schedule command)
+    flag_spellings      older spellings of the commands' flags, still taken
+    quiet               the commands' quiet logs
 """
 
 import sys

@@ -37,7 +37,7 @@ _OLD_SPELLINGS = {'--skip-check': '--skip_check',
 
 
 def _Args(argv=None):
-  from gpipe.apps import flag_spellings  # pylint: disable=g-import-not-at-top
+  from gpipe import flag_spellings  # pylint: disable=g-import-not-at-top
   from gpipe import quiet  # pylint: disable=g-import-not-at-top
   from gpipe.schedule import plot as schedule_plot  # pylint: disable=g-import-not-at-top
   parser = argparse.ArgumentParser(

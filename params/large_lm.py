@@ -23,8 +23,6 @@ down:
     holds the logits of one sequence, not of its whole batch.
 """
 
-import dataclasses
-
 import numpy as np
 
 from gpipe import recurrent
@@ -124,10 +122,10 @@ class LargeLMTask(lm_task.PipelinedLMTask):
       return shape
     mesh = np.shape(sp.device_mesh) if sp.device_mesh is not None else (
         sp.num_stages,)
-    roles = shape.axis_roles
+    roles = shape['axis_roles']
     model = mesh[roles['model']] if 'model' in roles else 1
     vocab = self.emb.vars.wm.shape.num_elements() + self.params.vocab_size
-    return dataclasses.replace(
+    return dict(
         shape, end_reductions=2 if model > 1 else 0,
         tables=((vocab / model, (roles['stage'],)),
                 (self.pos_emb.vars.wm.shape.num_elements(),

@@ -12,7 +12,6 @@ import numpy as np
 
 from gpipe import layers as gpipe_layers
 from gpipe import sharding
-from gpipe.plan import traffic_floor
 from lingvo import compat as tf
 from lingvo.core import base_model
 from lingvo.core import layers
@@ -160,10 +159,12 @@ class PipelinedLMTask(base_model.BaseTask):
 
   def TrafficShape(self, input_specs):
     """What the least collective traffic of this task's training step
-    depends on (gpipe.plan.traffic_floor.ModelShape): its batch, the
-    activations between stages, two model-axis reductions per block and
-    forward pass (pod_blocks.SplitBlockOverMesh's Megatron-style split),
-    and the vocab-sized tables split over every device of the stack."""
+    depends on, in plain numbers: {field: value} of the planner's
+    gpipe.plan.traffic_floor.ModelShape, which the planner builds from
+    them. Its batch, the activations between stages, two model-axis
+    reductions per block and forward pass (pod_blocks.SplitBlockOverMesh's
+    Megatron-style split), and the vocab-sized tables split over every
+    device of the stack."""
     p, sp = self.params, self.params.stack
     rows, length = input_specs.ids.shape.as_list()
     body = sp.single_stage_body
@@ -176,7 +177,7 @@ class PipelinedLMTask(base_model.BaseTask):
     tables = [self.emb.vars.wm, self.pos_emb.vars.wm]
     if 'softmax' in self.children:
       tables += self.softmax.vars.Flatten()
-    return traffic_floor.ModelShape(
+    return dict(
         rows=rows, row_elements=length * p.model_dim,
         activation_bytes=tf.as_dtype(p.stack_dtype).size,
         model_reductions=2 * body.Get('num_blocks') if 'num_blocks' in body

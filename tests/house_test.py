@@ -3,11 +3,13 @@
 - At most 12 modules at the top of gpipe/: the public ones and the
   commands' entry points; the rest lives in subpackages by job, each with
   a module map in its docstring.
-- The ground floor (the schedule's arithmetic, nest, microbatch,
-  sharding) imports nothing of gpipe above it.
+- A walk without going back: each module imports only modules that the
+  package maps (gpipe/__init__.py's docstring, and each subpackage's)
+  place below it, so the ground floor (the schedule, nest, microbatch,
+  sharding, quiet) imports nothing of gpipe above it.
 - Library code never imports an app (a module with a `__main__` block;
   the schedule command and the SPMD worker aside, which the library runs)
-  or the model zoo (`params`).
+  or the model zoo (`params`), and the model zoo imports no command.
 - Sizes: a module at most 500 lines, a class 400, a function 80.
 - The tests mirror the tree and share one close-assertion helper.
 - Each trick once: one module asks TensorFlow whether XLA compiles, none
@@ -86,22 +88,144 @@ def test_library_code_imports_no_app_and_no_model_zoo():
   assert not wrong, wrong
 
 
-# The ground floor: what every part of gpipe stands on, which stands on no
-# part of gpipe but itself: the schedule's arithmetic (not its command's
-# modules) and these utilities.
-_GROUND = ('gpipe.schedule', 'gpipe.nest', 'gpipe.microbatch',
-           'gpipe.sharding')
-
-
-def test_the_ground_floor_imports_nothing_above_it():
-  wrong = []
-  for path in _Modules('gpipe'):
-    if _Dotted(path) not in _GROUND:
-      continue
-    for name in sorted(_Imports(path.read_text())):
-      if name.startswith('gpipe.') and name not in _GROUND:
-        wrong.append(f'{_Dotted(path)} imports {name}')
+def test_the_model_zoo_imports_no_command():
+  """A model's Params are asked by the commands (the planner asks a task
+  its TrafficShape), and ask nothing of them."""
+  commands = {_Dotted(p) for p in _Modules('gpipe') if _HasMainBlock(p)}
+  commands |= {_Dotted(p.parent) for p in GPIPE.rglob('__main__.py')}
+  commands = {c for c in commands if not c.startswith(_RUN_BY_THE_LIBRARY)}
+  assert 'gpipe.plan' in commands and 'gpipe.demo' in commands
+  wrong = [f'{_Dotted(path)} imports {name}'
+           for path in _Modules('params')
+           for name in sorted(_Imports(path.read_text()))
+           if any(_Within(name, c) for c in commands)]
   assert not wrong, wrong
+
+
+# Packages whose own map's order is not checked yet: pipeline's modules are
+# being restructured, and the maps of loops and schedule wait for their
+# docstrings' edit. Each still counts as one module on its parent's map,
+# where its modules' imports out of it are checked.
+_ORDER_NOT_YET_CHECKED = (
+    'gpipe.pipeline',
+    'gpipe.pipeline.one_f_one_b',
+    'gpipe.loops',  # its map lists cell_graph and tensor_lists too high
+    'gpipe.schedule',  # its docstring does not map text and plot yet
+)
+
+
+def _Within(name, package):
+  return name == package or name.startswith(package + '.')
+
+
+def _Packages():
+  return sorted(_Dotted(p) for p in GPIPE.rglob('__init__.py'))
+
+
+def _Children(package):
+  """What the package's map places: its modules (not __init__, __main__)
+  and its subpackages."""
+  directory = ROOT.joinpath(*package.split('.'))
+  return ({p.stem for p in directory.glob('*.py')} -
+          {'__init__', '__main__'}) | {
+              p.parent.name for p in directory.glob('*/__init__.py')}
+
+
+def _Maps():
+  """{package: its map, top down}: the map is the indented lines of the
+  package's docstring that start with the name of one of its modules."""
+  maps = {}
+  for package in _Packages():
+    if package in _ORDER_NOT_YET_CHECKED:
+      continue
+    init = ROOT.joinpath(*package.split('.'), '__init__.py')
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ''
+    children = _Children(package)
+    maps[package] = [line.split()[0] for line in doc.splitlines()
+                     if line.startswith(' ') and line.strip() and
+                     line.split()[0] in children]
+  return maps
+
+
+def _Module(name, modules):
+  """The longest prefix of an imported name that is one of the modules."""
+  parts = name.split('.')
+  return next((m for m in ('.'.join(parts[:i])
+                           for i in range(len(parts), 0, -1))
+               if m in modules), None)
+
+
+def _UpwardImports(imports, maps):
+  """'X imports Y, which the map places above it' for each import by X
+  (imports: {X: the names it imports}) of a gpipe module Y that the map of
+  the innermost package holding both places above X (each by the module
+  or subpackage of that package it is in)."""
+  modules = {_Dotted(p) for p in _Modules('gpipe')}
+  packages = _Packages()
+  wrong = []
+  for importer, names in sorted(imports.items()):
+    found = {_Module(name, modules) for name in names} - {None}
+    # `from gpipe.xla import hlo_text` names gpipe.xla too: the module is
+    # the import.
+    found = {m for m in found
+             if not any(o != m and _Within(o, m) for o in found)}
+    for imported in sorted(found):
+      if _Within(importer, imported):
+        continue  # the importer's own package
+      common = max((p for p in packages
+                    if _Within(importer, p) and _Within(imported, p)),
+                   key=len)
+      if (importer in (common, f'{common}.__main__') or
+          common not in maps):
+        continue  # a re-export, a command's main, or not checked yet
+      depth = common.count('.') + 1
+      mine, theirs = (n.split('.')[depth] for n in (importer, imported))
+      order = maps[common]
+      if mine not in order or theirs not in order:
+        wrong.append(f'{common}\'s map lacks {mine} or {theirs}')
+      elif order.index(theirs) < order.index(mine):
+        wrong.append(f'{importer} imports {imported}, which the map places '
+                     f'above it ({common}: {theirs} above {mine})')
+  return wrong
+
+
+def test_each_map_places_each_module_of_its_package_once():
+  maps = _Maps()
+  assert set(maps) == set(_Packages()) - set(_ORDER_NOT_YET_CHECKED)
+  wrong = []
+  for package, order in maps.items():
+    wrong += [f'{package}\'s map lacks {name}'
+              for name in sorted(_Children(package) - set(order))]
+    wrong += [f'{package}\'s map places {name} {n} times'
+              for name, n in collections.Counter(order).items() if n > 1]
+  assert not wrong, wrong
+
+
+def test_no_module_imports_one_the_map_places_above_it():
+  """The walk down never goes back up: the commands stand on the layer,
+  the layer on the ground floor (the schedule's arithmetic, nest,
+  microbatch, sharding, quiet), which imports nothing of gpipe above it."""
+  imports = {_Dotted(p): _Imports(p.read_text()) for p in _Modules('gpipe')}
+  wrong = _UpwardImports(imports, _Maps())
+  assert not wrong, wrong
+
+
+def test_the_order_check_sees_an_upward_import():
+  """On imports written here: up the top map and up a subpackage's map
+  are named; down, a package's re-export and its command's main are not."""
+  imports = {
+      'gpipe.nest': {'gpipe.layers.PipelinedLayer'},
+      'gpipe.layers': {'gpipe.nest', 'gpipe'},
+      'gpipe.xla.spmd_worker': {'gpipe.xla.check_model'},
+      'gpipe.xla.check_model': {'gpipe.xla.spmd_worker', 'gpipe.xla'},
+      'gpipe.xla': {'gpipe.xla.check_model'},
+      'gpipe.plan.__main__': {'gpipe.plan.cli'},
+  }
+  assert _UpwardImports(imports, _Maps()) == [
+      'gpipe.nest imports gpipe.layers, which the map places above it '
+      '(gpipe: layers above nest)',
+      'gpipe.xla.spmd_worker imports gpipe.xla.check_model, which the map '
+      'places above it (gpipe.xla: check_model above spmd_worker)']
 
 
 def test_tests_mirror_the_tree():

@@ -246,7 +246,7 @@ def test_device_groups_read_both_spellings_and_name_axes():
 
 def test_tf_annotations_reach_the_planners_arguments():
   """The planner reads each variable's own annotation (AnnotatedShard)."""
-  from gpipe.plan import train_step  # pylint: disable=g-import-not-at-top
+  from gpipe.model_step import train_step  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default(), tpu_build.AsOnTpu():
     task = _Cfg().task.Instantiate()
     w = task.stack.vars.body.blocks[0].self_atten.atten.query.w

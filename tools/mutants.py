@@ -66,7 +66,7 @@ BUGS = (
         'return max(ok, key=lambda i: self.reports[i].prediction.step_seconds)',
         ('tests/plan/plan_test.py', '-k', 'fits or recommend')),
     Bug('plan-clip-dropped', "the planned update ignores the gradient clip",
-        'gpipe/plan/train_step.py',
+        'gpipe/model_step/train_step.py',
         'scale = _ClipScale(grads, self.clip_norm) if self.clip_norm > 0 '
         'else None',
         'scale = None',

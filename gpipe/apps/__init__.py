@@ -6,6 +6,5 @@ gpipe.demo, gpipe.lingvo_trainer, gpipe.plan and gpipe.schedule).
     held_out_text    a trained text LM on held-out text: bits per byte
                      beside gzip and xz, a continuation sampled through the
                      pipeline (gpipe.demo)
-    flag_spellings   older spellings of the commands' flags, still taken
     prompt_exit      a command's end, without collecting its objects first
 """

@@ -1,10 +1,10 @@
 """What gpipe needs of Lingvo around the layer (internal).
 
+    registered_models  a registered model by name, or an error listing them
+    tpu_build          layers built as for a TPU job, wherever they are
+    flags_and_seeds    Lingvo's flags parsed, step seeds, the caller's step
     lingvo_ops         Lingvo importable where its custom-op library
                        cannot load (pure-TF versions of the ops it uses)
-    flags_and_seeds    Lingvo's flags parsed, step seeds, the caller's step
-    tpu_build          layers built as for a TPU job, wherever they are
-    registered_models  a registered model by name, or an error listing them
 
 The switch to gpipe's layer in Lingvo's own models is gpipe.lingvo_compat.
 """

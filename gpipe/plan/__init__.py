@@ -12,7 +12,7 @@ optimizer update with its slots) from shapes alone, so no weight is ever
 allocated; XLA's SPMD partitioner splits it for N virtual CPU devices and
 XLA compiles it without running it. Per step:
 
-    params --build in a scratch graph (targets)--> TrainStep (train_step,
+    params --build in a scratch graph (targets)--> TrainStep (model_step,
       the task's optimizer) --TensorSpecs--> HLO --partition for N devices,
       compile (candidate)--> what XLA says --roofline--> predicted step
       time --> Plan (report): table, JSON, recommendation
@@ -31,23 +31,24 @@ Varying circular_repeat keeps the model's depth: a stage body with a
 `--depth_param` (default `num_blocks`, e.g. params.lm.StageBlocks) gets
 depth * R0 / R blocks; a body without one plans only its own R.
 
-The parts:
+The parts, from the top down (each imports only parts below it):
+  cli         the command line (`python -m gpipe.plan`)
+  flags       the flags, read before TensorFlow loads
+  plot        --plot: each candidate's bytes per chip, drawn
+  candidate   one candidate lowered, partitioned and compiled; its report
+  report      every candidate's report, the table, JSON, recommendation
   targets     what to plan: a registered Lingvo model, or PipelinedLayer
               Params on inputs of given shapes; candidates (M, R, policy)
-  stacks      where a model keeps its stack, and a candidate's reshaping
-  train_step  the whole training step as a function of tensors
-  optimizers  the optimizer updates it runs (Lingvo's, as functions)
-  candidate   one candidate lowered, partitioned and compiled; its report
   model_flops the model's work MFU counts (its forward pass compiled alone)
   loops       what the compiled module's while loops compute and hold
   collectives what a chip sends over each mesh axis in a step
   traffic_floor  the least each mesh axis must carry, from the model's
               shapes
   roofline    the TPU generations and the step-time model
-  report      every candidate's report, the table, JSON, recommendation
-  plot        --plot: each candidate's bytes per chip, drawn
-  flags       the flags, read before TensorFlow loads
-  cli         the command line (`python -m gpipe.plan`)
+
+The step itself (where a model keeps its stack, the whole training step as
+a function of tensors, its optimizer) is gpipe.model_step's: the
+partitioning check runs the same step (gpipe.xla.check_model).
 
 Importing this package loads no TensorFlow: its names (MakePlan,
 LayerTarget, Candidate, ...) load their module when first used.

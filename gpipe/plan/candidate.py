@@ -21,15 +21,15 @@ import numpy as np
 
 from gpipe import layers as gpipe_layers
 from gpipe.lingvo_support import tpu_build
+from gpipe.model_step import stacks
+from gpipe.model_step import train_step
 from gpipe.plan import collectives
 from gpipe.plan import loops
 from gpipe.plan import model_flops as model_flops_lib
 from gpipe.plan.report import Plan
 from gpipe.plan import roofline
-from gpipe.plan import stacks
 from gpipe.plan import targets
 from gpipe.plan import traffic_floor
-from gpipe.plan import train_step
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
 from gpipe.xla import hlo_text

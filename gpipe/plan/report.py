@@ -10,10 +10,10 @@ the JSON's `measured_by_xla` / `from_the_schedule` /
 import dataclasses
 import textwrap
 
+from gpipe.model_step import train_step
 from gpipe.plan import roofline
 from gpipe.plan import targets
 from gpipe.plan import traffic_floor
-from gpipe.plan import train_step
 from gpipe.xla import hlo_text
 
 GIB = 2**30

@@ -13,8 +13,8 @@ import tensorflow as tf
 
 from gpipe import layers as gpipe_layers
 from gpipe import lingvo_compat
-from gpipe.plan import stacks
-from gpipe.plan import train_step
+from gpipe.model_step import stacks
+from gpipe.model_step import train_step
 from gpipe.xla import user_layer
 
 
@@ -53,7 +53,7 @@ class ModelTarget:
 
   The stack is gpipe's PipelinedLayer in the task's Params, or a Lingvo
   client that builds one (PipelinedTransformerLayers, a GShard builder's
-  task; see gpipe.plan.stacks): the task is built with gpipe's layer
+  task; see gpipe.model_step.stacks): the task is built with gpipe's layer
   switched in (`stack.Switch()`), so either way the step runs gpipe's
   layer. With `lingvos_layer`, it runs Lingvo's own
   LayerwiseShardablePipelinedLayer from the same Params instead (all but
@@ -99,7 +99,7 @@ class ModelTarget:
 class LayerTarget:
   """A PipelinedLayer's Params trained on float32 inputs of given shapes.
 
-  `optimizer` (a gpipe.plan.optimizers.Optimizer) updates the weights;
+  `optimizer` (a gpipe.model_step.optimizers.Optimizer) updates the weights;
   None: Adam. `lingvos_layer`: as for ModelTarget.
   """
 

@@ -1,8 +1,8 @@
 """The least a step must send over each mesh axis: the floor the planner's
 measured collectives are set against.
 
-Derived from the model's shapes (a `ModelShape`, which the model gives),
-the schedule and the mesh, in bytes one chip sends in one step, by the
+Derived from the model's shapes (a `ModelShape`, of the numbers the model
+gives), the schedule and the mesh, in bytes one chip sends in one step, by the
 same ring algorithms the measured figures use (gpipe.plan.collectives;
 ring(n) = 2 (n - 1) / n for an all-reduce over n devices). With S stages,
 M microbatches, R circular repeats, a mesh of D data and P model devices,
@@ -165,14 +165,15 @@ def Ratios(per_axis, floors):
 
 
 def ShapeOf(step, stage_axis):
-  """The ModelShape of a planned step (a gpipe.plan.train_step.TrainStep):
-  its task's own (a `TrafficShape(input_specs)` method), or for a bare
-  pipelined layer its inputs' rows and elements (no model axis known);
+  """The ModelShape of a planned step (a gpipe.model_step.train_step.TrainStep):
+  from its task's own numbers (a `TrafficShape(input_specs)` method giving
+  {ModelShape field: value}: the model says, the planner builds), or for a
+  bare pipelined layer its inputs' rows and elements (no model axis known);
   None for a task that does not say."""
   from gpipe import layers  # pylint: disable=g-import-not-at-top
   root = step.root
   if hasattr(root, 'TrafficShape'):
-    return root.TrafficShape(step.input_specs)
+    return ModelShape(**root.TrafficShape(step.input_specs))
   if not isinstance(root, layers.PipelinedLayer):
     return None
   specs = [a.spec for a in step.input_args]

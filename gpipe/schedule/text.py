@@ -159,7 +159,7 @@ def _CheckOut(parser, out):
 
 
 def main(argv=None):
-  from gpipe.apps import flag_spellings  # pylint: disable=g-import-not-at-top
+  from gpipe import flag_spellings  # pylint: disable=g-import-not-at-top
   parser = _Parser()
   argv = sys.argv[1:] if argv is None else argv
   args = parser.parse_args(flag_spellings.Respell(argv, _OLD_SPELLINGS,

@@ -1,17 +1,19 @@
 """XLA's SPMD partitioner on virtual CPU devices: the checks and the
 planner's measurements (needs jax and jaxlib: the spmd extra).
 
-    partitioning      lowers a computation to HLO, partitions and compiles
-                      (and runs) it for N virtual devices
-    spmd_worker       the subprocess that does it with jaxlib
-    worker_pool       one such process per device count, kept for the next
-                      module
-    hlo_text          reading the compiled module: loops, collectives,
-                      buffers, op names
+    check_model       check_partitioning for a registered Lingvo model's
+                      whole step
     user_layer        a user's PipelinedLayer Params for the checks: loaded
                       by name, checked against devices and inputs, the
                       check as a function
     partitioned_step  one training step partitioned and on one device, and
                       the report of what each device holds and sends
-    check_model       the same for a registered Lingvo model's whole step
+    partitioning      lowers a computation to HLO, partitions and compiles
+                      (and runs) it for N virtual devices
+    worker_pool       one spmd_worker process per device count, kept for
+                      the next module
+    hlo_text          reading the compiled module: loops, collectives,
+                      buffers, op names
+    spmd_worker       the subprocess that partitions and compiles with
+                      jaxlib
 """

@@ -22,8 +22,8 @@ import tensorflow as tf
 
 from gpipe.lingvo_support import registered_models
 from gpipe.lingvo_support import tpu_build
-from gpipe.plan import stacks
-from gpipe.plan import train_step
+from gpipe.model_step import stacks
+from gpipe.model_step import train_step
 from gpipe import sharding
 from gpipe.xla import partitioned_step
 
@@ -31,7 +31,7 @@ from gpipe.xla import partitioned_step
 @dataclasses.dataclass(frozen=True)
 class Model:
   cfg: object  # the registered model's Params (task and input)
-  stack: object  # where its pipelined stack is (gpipe.plan.stacks)
+  stack: object  # where its pipelined stack is (gpipe.model_step.stacks)
   stack_params: object  # the PipelinedLayer Params the stack amounts to
 
 

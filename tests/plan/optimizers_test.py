@@ -4,7 +4,7 @@ Each Lingvo optimizer the planner models (SGD, Momentum, Adam,
 XLAShardingAdafactor in several configurations) is built from its Params
 and applied by Lingvo to tf variables in a graph, several steps with a
 changing learning rate, the global step incremented after each update as
-Lingvo's train op does; gpipe.plan.optimizers' update for the same Params
+Lingvo's train op does; gpipe.model_step.optimizers' update for the same Params
 runs from the same weights and gradients, jit-compiled as the planner
 compiles it. Weights and every slot must agree to float32 rounding, and
 the slots must have Lingvo's names and shapes (Adafactor's factored row
@@ -27,10 +27,10 @@ from tensorflow.compiler.xla import xla_data_pb2  # pylint: disable=g-direct-ten
 
 import gpipe  # pylint: disable=unused-import
 from gpipe import layers
+from gpipe.model_step import optimizers
+from gpipe.model_step import train_step
 from gpipe import plan
-from gpipe.plan import optimizers
 from gpipe.plan import roofline
-from gpipe.plan import train_step
 from tests import close
 from gpipe import sharding
 from gpipe.xla import partitioning

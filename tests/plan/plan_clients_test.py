@@ -12,12 +12,12 @@ import gpipe  # pylint: disable=unused-import
 from gpipe import layers as gpipe_layers
 from gpipe import lingvo_compat
 from gpipe.lingvo_support import registered_models
+from gpipe.model_step import stacks
+from gpipe.model_step import train_step
 from gpipe import plan
 from gpipe.plan import candidate as candidate_lib
 from gpipe.plan import roofline
-from gpipe.plan import stacks
 from gpipe.plan import targets
-from gpipe.plan import train_step
 from gpipe.xla import partitioning
 
 MODEL = 'examples.lingvo_client_lm.PipelinedTransformerLM'

@@ -24,10 +24,10 @@ import pytest
 import gpipe  # pylint: disable=unused-import
 from gpipe import lingvo_compat
 from gpipe.lingvo_support import tpu_build
+from gpipe.model_step import train_step
 from gpipe import plan
 from gpipe.plan import candidate as candidate_lib
 from gpipe.plan import roofline
-from gpipe.plan import train_step
 import params.lm  # pylint: disable=unused-import  (the registered lm.* models)
 from tests.plan import plan_test
 from tensorflow.python.compiler.xla.experimental import xla_sharding
@@ -94,7 +94,7 @@ def test_stream_io_alone_means_true_and_lingvo_clients_plan_defaults_only():
   assert args.stream_io == [False, True]
   with pytest.raises(SystemExit):
     flags.Parse(['--params', 'x.P', '--backward_schedule', 'forward'])
-  from gpipe.plan import stacks  # pylint: disable=g-import-not-at-top
+  from gpipe.model_step import stacks  # pylint: disable=g-import-not-at-top
   with pytest.raises(stacks.StackError, match=r"plan only those"):
     stacks._OnlyTheDefaultPolicy(  # pylint: disable=protected-access
         plan.Candidate(8, 1, backward_schedule='1f1b'), 'AClient')

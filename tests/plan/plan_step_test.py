@@ -1,6 +1,6 @@
 """The planner's step and XLA's figures, each checked on a step of its own.
 
-The planned training step (gpipe.plan.train_step) of the small pipelined
+The planned training step (gpipe.model_step.train_step) of the small pipelined
 layer of plan_test.py, and XLA's compiled figures gpipe.plan reads:
   * the Adam update equals TensorFlow's own AdamOptimizer (two steps), and
     the planned update, with and without a gradient clip, TensorFlow's
@@ -23,11 +23,11 @@ import pytest
 import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import
+from gpipe.model_step import optimizers
+from gpipe.model_step import train_step
 from gpipe import plan
-from gpipe.plan import optimizers
 from gpipe.plan import report as report_lib
 from gpipe.plan import roofline
-from gpipe.plan import train_step
 from gpipe import sharding
 from gpipe.xla import partitioning
 from tests.plan import plan_test

@@ -38,11 +38,11 @@ import tensorflow as tf
 
 import gpipe  # pylint: disable=unused-import
 from gpipe import layers
+from gpipe.model_step import train_step
 from gpipe import plan
 from gpipe.plan import plot
 from gpipe.plan import report as report_lib
 from gpipe.plan import roofline
-from gpipe.plan import train_step
 from gpipe.xla import partitioning
 from tests import docs_test
 from tests import reference_bodies

@@ -238,9 +238,9 @@ def test_old_flag_spellings_still_work_with_a_note(capsys):
 
 def test_old_flag_spellings_are_gone_by_their_end_version():
   """The spellings end in the version the CHANGELOG names: a release at it
-  must remove them (gpipe.apps.flag_spellings and its callers)."""
+  must remove them (gpipe.flag_spellings and its callers)."""
   import gpipe  # pylint: disable=g-import-not-at-top
-  from gpipe.apps import flag_spellings  # pylint: disable=g-import-not-at-top
+  from gpipe import flag_spellings  # pylint: disable=g-import-not-at-top
   version = lambda v: tuple(int(x) for x in v.split('.'))
   assert version(gpipe.__version__) < version(flag_spellings.REMOVED_IN)
   changelog = (pathlib.Path(__file__).parents[2] / 'CHANGELOG.md').read_text()

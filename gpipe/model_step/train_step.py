@@ -12,7 +12,7 @@ a model larger than host memory lowers on a laptop) and compiled for N
 devices. The new weights and slots are the step's outputs, each updating
 its input in place (`aliases`), as donated buffers do on a TPU.
 
-The optimizer (gpipe.plan.optimizers) is the task's own, and says each
+The optimizer (gpipe.model_step.optimizers) is the task's own, and says each
 weight's slots; a slot may have another shape than its weight (Adafactor's
 factored moments drop one of the weight's dims).
 
@@ -37,7 +37,7 @@ import tensorflow as tf
 from gpipe import layers as gpipe_layers
 from gpipe import lingvo_compat
 from gpipe.loops import made_after
-from gpipe.plan import optimizers
+from gpipe.model_step import optimizers
 from lingvo.core import base_layer
 # pylint: disable=g-direct-tensorflow-import
 from tensorflow.compiler.xla import xla_data_pb2
@@ -55,7 +55,7 @@ def LearnerOf(task_params):
   """(optimizer update, gradient clip norm) of a Lingvo task's training.
 
   Reads the task's learner (a built task has its legacy `train.optimizer`
-  moved there); the optimizers gpipe.plan.optimizers models are accepted,
+  moved there); the optimizers gpipe.model_step.optimizers models are accepted,
   any other is refused with one line naming it.
   """
   tp = task_params.train
@@ -92,7 +92,7 @@ class TrainStep:
     input_specs: NestedMap of tf.TensorSpecs, the input batch.
     loss_fn: (theta, input_batch) -> scalar loss, run under the step's
       global step.
-    optimizer: a gpipe.plan.optimizers.Optimizer (its slots may have other
+    optimizer: a gpipe.model_step.optimizers.Optimizer (its slots may have other
       shapes than their weights, e.g. Adafactor's factored moments).
     clip_norm: if > 0, gradients are scaled to at most this global norm.
   """
@@ -340,7 +340,7 @@ def _FollowsWeight(slot, weight_shape, num_stages):
   elements (which may be the stage dim), is left to XLA's propagation.
 
   Args:
-    slot: a gpipe.plan.optimizers.Slot.
+    slot: a gpipe.model_step.optimizers.Slot.
     weight_shape: the weight's shape, a list.
     num_stages: S of the weight's pipelined stack, None for another weight.
   """

@@ -258,7 +258,7 @@ def _KeepDepth(body, depth_param, shape0, shape, hint):
 def _BuiltStackParams(task_params, switch):
   """The Params of the one pipelined layer in the task built from them
   (with `switch`, a lingvo_compat.UseGpipeInLingvo)."""
-  from gpipe.plan import train_step  # pylint: disable=g-import-not-at-top
+  from gpipe.model_step import train_step  # pylint: disable=g-import-not-at-top
   with tf.Graph().as_default(), switch:
     task = task_params.Instantiate()
   found = train_step.FindPipelinedLayers(task)
