@@ -115,7 +115,7 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
     self._layer_by_layer = layer_by_layer.LayerByLayer(
         layer_by_layer.Resolve(p.layer_by_layer), p.name,
         param_checks.LayerByLayerRematPolicy(p))
-    self._layout = layouts.For(p, repeats.For(p.circular_repeat))
+    self._layout = layouts.LayoutFor(p, repeats.RepeatsFor(p.circular_repeat))
     self._placement = sharding.StagePlacement(
         p.num_stages, p.shard_stages_1d, p.device_mesh,
         p.pipeline_stage_mesh_dim)
@@ -301,7 +301,7 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
             unrolled.RunPremadeMicrobatches(
                 p.aux_loss_microbatch_accumulation, *run_args))
       else:
-        outputs, per_layer_states, carried = unrolled.Run(*run_args)
+        outputs, per_layer_states, carried = unrolled.RunUnrolled(*run_args)
       outputs, per_layer_states = self._layout.AfterAssigning(
           self, names, carried, (outputs, per_layer_states))
     outputs = outputs[0] if len(outputs) == 1 else tuple(outputs)
@@ -384,7 +384,7 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
     """
     if self._layer_by_layer.Runs(spec):
       try:
-        result = layer_by_layer.Run(spec, theta, mb_leaves, state_leaves,
+        result = layer_by_layer.RunLayerByLayer(spec, theta, mb_leaves, state_leaves,
                                     self._layer_by_layer.remat_policy)
         self._layer_by_layer.Ran()
         return result
@@ -400,7 +400,7 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
     """What the loop (or one of its iterations) needs besides tensors."""
     return loop_spec.LoopSpec(
         schedule=sched, body=self._body, fn_name=fn_name,
-        runner=stage_runners.For(self._layout.stage_parallel,
+        runner=stage_runners.RunnerFor(self._layout.stage_parallel,
                                  self._placement, self._vectorizing),
         repeats=self._layout.repeats, placement=self._placement,
         args=args, states=states, mb_kwargs=mb_kwargs,

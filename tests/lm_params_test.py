@@ -211,8 +211,8 @@ def test_circular_lm_on_the_schedule_and_layer_by_layer_equals_unrolled(
   ref_loss, ref_grads, values = trainer._LossAndGradients(unrolled, None)  # pylint: disable=protected-access
   reference = (ref_loss, ref_grads)
   ran = []
-  run = layer_by_layer.Run
-  monkeypatch.setattr(layer_by_layer, 'Run',
+  run = layer_by_layer.RunLayerByLayer
+  monkeypatch.setattr(layer_by_layer, 'RunLayerByLayer',
                       lambda *a: ran.append(1) or run(*a))
   on_schedule = _Compared(cfg, reference, values)
   assert not ran, 'the schedule ran layer by layer'

@@ -1,17 +1,17 @@
 """The loops' machinery under gpipe.recurrent (internal): nothing here
 knows about stages or microbatches.
 
+    while_loops    while loops of exactly n iterations, XLA-friendly
+    compiled_loops a loop a Session runs as one XLA computation; whether
+                   the graph being built is XLA's (UnderXla)
     cell_graph     one iteration and its gradient, traced once and imported
                    into the loops
     graph_import   importing what a loop needs of the cell, values fed
     remat          what the backward pass stores and what it recomputes
-    while_loops    while loops of exactly n iterations, XLA-friendly
-    compiled_loops a loop a Session runs as one XLA computation; whether
-                   the graph being built is XLA's (UnderXla)
+    deferred_dots  weight gradients of few-row dots summed once after the
+                   backward loop
     tensor_lists   the [T, ...] results a loop fills row by row
     extras_rows    where each iteration's extras go (Rows) and their
                    gradients come from
-    deferred_dots  weight gradients of few-row dots summed once after the
-                   backward loop
     made_after     values a scheduler cannot compute before a given tensor
 """

@@ -127,8 +127,8 @@ def WhyNot(spec) -> Optional[str]:
   return None
 
 
-def Run(spec, theta, mb_leaves, state_leaves,
-        remat_policy) -> loop_spec.LoopResult:
+def RunLayerByLayer(spec, theta, mb_leaves, state_leaves,
+                    remat_policy) -> loop_spec.LoopResult:
   """The S x R layers one after another, each on all microbatches.
 
   Args:

@@ -31,7 +31,7 @@ def _Paths(theta):
   return frozenset(path for path, _ in theta.FlattenItems())
 
 
-def For(params, repeats):
+def LayoutFor(params, repeats):
   """The layout the params ask for."""
   if params.stage_parallel_body is not None:
     return StageParallelLayout(params, repeats)

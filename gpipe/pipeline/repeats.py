@@ -19,7 +19,7 @@ from lingvo.core import gshard_utils
 from lingvo.core import py_utils
 
 
-def For(circular_repeat):
+def RepeatsFor(circular_repeat):
   """The repeat selector of a layer with this circular_repeat."""
   return Linear() if circular_repeat == 1 else Circular(circular_repeat)
 

@@ -129,7 +129,8 @@ class Together(StageRunner):
     return RunTogether(spec, theta, it)
 
 
-def For(stage_parallel, placement, one_device=None) -> StageRunner:
+def RunnerFor(stage_parallel, placement,
+              one_device=None) -> StageRunner:
   """The runner for a layout (stage-parallel or not) and a placement.
 
   A single-stage body whose stages are placed over devices runs in a manual

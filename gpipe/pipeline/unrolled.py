@@ -91,8 +91,8 @@ class StageSummaries:
          for name, terms in self._terms.items()}, self._num_stages)
 
 
-def Run(layout, body, fn_name, theta, args, kwargs, kwargs_no_batch,
-        per_layer_states, var_names, carried, summaries=None):
+def RunUnrolled(layout, body, fn_name, theta, args, kwargs, kwargs_no_batch,
+                per_layer_states, var_names, carried, summaries=None):
   """Runs every logical layer in order.
 
   Args:
@@ -148,7 +148,7 @@ def RunMicrobatchByMicrobatch(num_microbatches, layout, body, fn_name, theta,
   for m in range(num_microbatches):
     take = lambda t, m=m: t[m]
     with tf.name_scope(f'microbatch_{m:03d}'):
-      out, state, carried = Run(
+      out, state, carried = RunUnrolled(
           layout, body, fn_name, theta, nest.MapTensors(take, args),
           nest.MapTensors(take, kwargs), kwargs_no_batch,
           nest.MapTensors(take, per_layer_states), var_names, carried,

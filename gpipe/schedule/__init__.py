@@ -37,9 +37,11 @@ draws it, see gpipe.schedule.plot):
     python -m gpipe.schedule --num_stages 4 --num_microbatches 8 \
         --circular_repeat 2 --out schedule.png
 
-The command (`python -m gpipe.schedule`) prints a schedule as text
-(gpipe.schedule.text) and draws it (gpipe.schedule.plot); neither loads
-TensorFlow.
+The command (`python -m gpipe.schedule`), whose modules load no
+TensorFlow:
+
+    text   the command line; a schedule printed as text
+    plot   a schedule drawn (--out)
 """
 
 import dataclasses

@@ -119,8 +119,8 @@ def test_decoding_with_per_stage_states(num_stages, num_microbatches,
   on the decoder's weights): outputs and every layer's cache. Layer by
   layer in graph mode; under XLA the pipeline loop (faster there)."""
   ran = []
-  run = layer_by_layer.Run
-  monkeypatch.setattr(layer_by_layer, 'Run',
+  run = layer_by_layer.RunLayerByLayer
+  monkeypatch.setattr(layer_by_layer, 'RunLayerByLayer',
                       lambda *a: ran.append(1) or run(*a))
   decoding_test.CheckDecoding(num_stages, num_microbatches, circular_repeat,
                               2 * num_microbatches, mode, layer_by_layer=True)

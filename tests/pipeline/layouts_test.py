@@ -37,7 +37,7 @@ class _Host(base_layer.BaseLayer):
   def __init__(self, params):
     super().__init__(params)
     pipe = self.params.pipe
-    self.layout = layouts.For(pipe, repeats.For(pipe.circular_repeat))
+    self.layout = layouts.LayoutFor(pipe, repeats.RepeatsFor(pipe.circular_repeat))
     self.layout.CreateChildren(self)
 
   def _child_variable_scope_override(self):

@@ -49,7 +49,7 @@ def _FakeRun(spec, theta, it):
 def _Spec(sched, x_mb, remat_policy='recompute'):
   return loop_spec.LoopSpec(
       schedule=sched, body=None, fn_name='FProp', runner=_FakeRunner(),
-      repeats=repeats.For(sched.circular_repeat),
+      repeats=repeats.RepeatsFor(sched.circular_repeat),
       placement=sharding.StagePlacement(sched.num_stages),
       args=nest.TensorLeaves((x_mb,)), states=[], mb_kwargs={},
       kwargs_no_batch={}, base_seed=tf.constant(0, tf.int64),

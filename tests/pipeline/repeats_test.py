@@ -17,7 +17,7 @@ def _Values():
 
 
 def test_linear_passes_everything_through():
-  linear = repeats.For(1)
+  linear = repeats.RepeatsFor(1)
   assert isinstance(linear, repeats.Linear) and linear.count == 1
   x, new = tf.constant(1.0), tf.constant(2.0)
   assert linear.Take(x, 0) is x
@@ -31,7 +31,7 @@ def test_linear_passes_everything_through():
 @pytest.mark.parametrize('repeat', [0, 2])
 def test_circular_take_and_put(repeat):
   values = _Values()
-  circ = repeats.For(R)
+  circ = repeats.RepeatsFor(R)
   np.testing.assert_array_equal(circ.Take(tf.constant(values), repeat),
                                 values[repeat])
   np.testing.assert_array_equal(
@@ -46,7 +46,7 @@ def test_circular_take_and_put(repeat):
 
 def test_take_by_one_hot_equals_take_and_its_gradient_is_one_hot():
   values = tf.constant(_Values())
-  circ = repeats.For(R)
+  circ = repeats.RepeatsFor(R)
   with tf.GradientTape() as tape:
     tape.watch(values)
     picked = circ.TakeByOneHot({'w': values}, tf.constant(1))['w']
@@ -60,7 +60,7 @@ def test_take_by_one_hot_equals_take_and_its_gradient_is_one_hot():
 def test_take_per_stage_picks_each_stages_repeat():
   values = np.random.RandomState(1).normal(size=[R, S, 2]).astype(np.float32)
   ids = np.array([2, 0, 1, 2], np.int32)
-  got = repeats.For(R).TakeFromRS(tf.constant(values), tf.constant(ids))
+  got = repeats.RepeatsFor(R).TakeFromRS(tf.constant(values), tf.constant(ids))
   np.testing.assert_array_equal(got, values[ids, np.arange(S)])
 
 
@@ -76,7 +76,7 @@ def test_take_for_each_stage_and_its_gradient_against_numpy(mode):
   def Step(v, i, dy):
     with tf.GradientTape() as tape:
       tape.watch(v)
-      picked = repeats.For(R).TakeFromSR(v, i)
+      picked = repeats.RepeatsFor(R).TakeFromSR(v, i)
     return picked, tape.gradient(picked, v, output_gradients=dy)
 
   args = [tf.constant(values), tf.constant(ids), tf.constant(cotangent)]
@@ -96,6 +96,6 @@ def test_take_for_each_stage_and_its_gradient_against_numpy(mode):
 
 
 def test_circular_variable_prefix_adds_the_repeat_dim():
-  with repeats.For(R).VariablePrefix():
+  with repeats.RepeatsFor(R).VariablePrefix():
     assert py_utils.GetVariableShapePrefixes() == [R]
   assert py_utils.GetVariableShapePrefixes() == []

@@ -62,7 +62,7 @@ def test_each_stage_gets_its_slot_repeat_and_microbatch(stage_parallel):
     spec = types.SimpleNamespace(
         schedule=schedule_lib.Schedule(S, M, R),
         body=stage_call.Body(layer, param, 'pipe'), fn_name='FProp',
-        repeats=repeats.For(R), mb_kwargs={'scale': tf.constant(d['scale'])},
+        repeats=repeats.RepeatsFor(R), mb_kwargs={'scale': tf.constant(d['scale'])},
         kwargs_no_batch={}, var_names=(), global_step=None)
     it = stage_runners.IterationStages(
         args=(tf.constant(d['x']),), mb_ids=tf.constant(d['mb_ids']),
@@ -84,23 +84,23 @@ def test_stage_parallel_aux_losses_must_be_per_stage():
 
 
 def test_the_runner_a_layer_gets_says_what_it_can_do():
-  """stage_runners.For: one runner object per layout and placement, whose
+  """stage_runners.RunnerFor: one runner object per layout and placement, whose
   attributes the loop and layer_by_layer read (no closures, no isinstance)."""
   placed = sharding.StagePlacement(4, shard_stages_1d=True)
   unplaced = sharding.StagePlacement(4)
   vectorizing = vectorized_stages.Vectorizing('auto', 'stack')
-  together = stage_runners.For(True, placed, vectorizing)
+  together = stage_runners.RunnerFor(True, placed, vectorizing)
   assert isinstance(together, stage_runners.Together)
   assert together.stage_parallel and not together.any_stage_range
   assert together.manual_mesh is None
-  one_device = stage_runners.For(False, placed, vectorizing)
+  one_device = stage_runners.RunnerFor(False, placed, vectorizing)
   assert one_device is vectorizing and one_device.any_stage_range
   assert one_device.vectorizes and one_device.manual_mesh is None
   assert not one_device.stage_dim_inside  # until a call has run vectorized
-  assert isinstance(stage_runners.For(False, placed), stage_runners.OneByOne)
+  assert isinstance(stage_runners.RunnerFor(False, placed), stage_runners.OneByOne)
   with sharding.SpmdPartitioning():
-    partitioned = stage_runners.For(False, placed, vectorizing)
-    assert isinstance(stage_runners.For(False, unplaced),
+    partitioned = stage_runners.RunnerFor(False, placed, vectorizing)
+    assert isinstance(stage_runners.RunnerFor(False, unplaced),
                       stage_runners.OneByOne)
   assert isinstance(partitioned, stage_runners.InManualRegion)
   assert np.array_equal(partitioned.manual_mesh[0], placed.mesh[0])

@@ -29,11 +29,12 @@ body's activations they name). The waves run in three loops
 The layer's gradient is still what TensorFlow's autodiff asks of it: the
 loop pair is one tf.custom_gradient, in graph mode and under XLA.
 
-Its modules, in the order a call runs them:
+Its modules, from the top down (each imports only modules below it; a
+call runs them in this order):
 
-    pipelined          RunOneFOneB: the forward loop as one custom gradient whose
-                       gradient is the gradient loop (or, with a
-                       LastStageLoss, the gradient loop alone)
+    pipelined          RunOneFOneB: the forward loop as one custom
+                       gradient whose gradient is the gradient loop (or,
+                       with a LastStageLoss, the gradient loop alone)
     forward_loop       the forward loop: T iterations, nothing kept
     gradient_loop      the gradient loop: a forward and a backward wave an
                        iteration

@@ -173,7 +173,7 @@ class GradientLoop:
         d_states=[_ByStage(x, self._place) for x in d.states],
         states=[_ByStage(x, self._place) for x in self._states])
     for phase in self._waves.Phases():
-      carry = self._PhaseLoop(phase, carry, consts)
+      carry = self._WavesLoop(phase, carry, consts)
     return self._Finish(carry)
 
   def RunWithLoss(self):
@@ -202,7 +202,7 @@ class GradientLoop:
             [num_stages], float(k == self._loss.differentiated)))
                           for k in extras.loss}))
     for phase in self._waves.Phases():
-      carry = self._PhaseLoop(phase, carry, consts)
+      carry = self._WavesLoop(phase, carry, consts)
     return (NestedMap(loss=carry.loss.Transform(tf.reduce_sum),
                       summaries=carry.summaries, vars=carry.vars),
             self._Finish(carry))
@@ -234,7 +234,7 @@ class GradientLoop:
     num_fields = len(tf.nest.flatten(cell_lib.CellFields(self._cell.tables)))
     return [i - num_fields for i in self._graph.differentiable['inputs']]
 
-  def _PhaseLoop(self, phase, carry, consts):
+  def _WavesLoop(self, phase, carry, consts):
     """The phase's iterations as one loop: the carry after them.
 
     The loop carries only what its waves change; what it only reads (the
