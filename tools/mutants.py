@@ -204,8 +204,8 @@ BUGS = (
     Bug('deferred-dots-row-off-by-one',
         "a deferred weight gradient's operands written a row early",
         'gpipe/loops/deferred_dots.py',
-        '[tensor_lists.SetRow(l, t, x) for l, x in zip(lists, operands)]',
-        '[tensor_lists.SetRow(l, tf.maximum(t - 1, 0), x)\n'
+        '[tensor_lists.SetEntry(l, t, x) for l, x in zip(lists, operands)]',
+        '[tensor_lists.SetEntry(l, tf.maximum(t - 1, 0), x)\n'
         '             for l, x in zip(lists, operands)]',
         ('tests/loops/deferred_dots_test.py',
          'tests/pipeline/skip_bubbles_test.py', '-k',

@@ -8,10 +8,10 @@ knows about stages or microbatches.
     while_loops    while loops of exactly n iterations, XLA-friendly
     compiled_loops a loop a Session runs as one XLA computation; whether
                    the graph being built is XLA's (UnderXla)
-    tensor_lists   the [T, ...] results a loop fills row by row
-    extras_rows    where each iteration's extras go (Rows) and their
+    tensor_lists   the [T, ...] results a loop fills entry by entry
+    kept_extras    where each iteration's extras are kept (Kept) and their
                    gradients come from
-    deferred_dots  weight gradients of few-row dots summed once after the
-                   backward loop
+    deferred_dots  weight gradients of dots over few examples summed once
+                   after the backward loop
     made_after     values a scheduler cannot compute before a given tensor
 """

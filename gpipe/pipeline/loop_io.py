@@ -224,7 +224,7 @@ class WholeIo(LoopIo):
     num_mb = self._spec.schedule.num_microbatches
     row = tf.gather(Constant([num_mb if r < 0 else r for r in rows]),
                     iteration)
-    return [tensor_lists.SetRow(l, row, self._LastSlot(o))
+    return [tensor_lists.SetEntry(l, row, self._LastSlot(o))
             for l, o in zip(writing, outputs)]
 
   def FinishWriting(self, writing, like):
@@ -255,7 +255,7 @@ class WholeIo(LoopIo):
     """Stage 0's input gradient, where its layer is the first."""
     num_mb = self._spec.schedule.num_microbatches
     row = tf.where(rows.first_layer[0], rows.microbatch[0], num_mb)
-    return [tensor_lists.SetRow(l, row, self._FirstSlot(d))
+    return [tensor_lists.SetEntry(l, row, self._FirstSlot(d))
             for l, d in zip(writing, d_inputs)]
 
   def FinishWritingGradients(self, writing, like):

@@ -145,7 +145,7 @@ def _RunPhase(spec, io, undo, phase, loop_theta, state0, inputs):
   finished = spec.schedule.OutputIndexPerIteration()[phase.begin:phase.end]
   done = [m for m in finished if m >= 0]
   first = done[0] if done else 0
-  rows = recurrent.Rows(tuple(m - first if m >= 0 else -1 for m in finished),
+  rows = recurrent.Kept(tuple(m - first if m >= 0 else -1 for m in finished),
                         max(len(done), 1))
   marks = lambda entries, mark: [mark] * len(entries)
   # The phase's loop takes the weights of its stages only: inside, each
@@ -159,7 +159,7 @@ def _RunPhase(spec, io, undo, phase, loop_theta, state0, inputs):
       lambda th, st, inp: _Iteration(spec, io, phase, th, st, inp),
       remat_policy=spec.remat_policy,
       manual_boundary=sharding.ManualBoundary.For(spec.runner.manual_mesh),
-      extras_rows={'outputs': rows},
+      kept_extras={'outputs': rows},
       return_states=False,
       # One device: the weights' gradients summed after the loop where
       # their dots read few rows (more memory, which partitioned is not

@@ -286,12 +286,12 @@ def _ForwardLoop(cell, io, theta, native, state_leaves, var_values, caps):
         buffer=stepped.buffer,  # [S, mb, ...] per leaf
         vars=new.vars,  # [S, (R,) ...] per variable
         reading=stepped.reading, writing=stepped.writing,
-        aux=tensor_lists.SetRow(carry.aux, i, place.ReplicateBookkeeping(
+        aux=tensor_lists.SetEntry(carry.aux, i, place.ReplicateBookkeeping(
             tf.reduce_sum(extras.aux))),
         summaries=tf.nest.map_structure(
-            lambda l, v: tensor_lists.SetRow(l, i, v),
+            lambda l, v: tensor_lists.SetEntry(l, i, v),
             carry.summaries, extras.summaries),
-        states=[tensor_lists.SetRow(l, i, v) for l, v in zip(carry.states,
+        states=[tensor_lists.SetEntry(l, i, v) for l, v in zip(carry.states,
                                                   extras.states)])
 
   with tf.name_scope(FORWARD_LOOP):
