@@ -89,8 +89,8 @@ def test_library_code_imports_no_app_and_no_model_zoo():
 # The ground floor: what every part of gpipe stands on, which stands on no
 # part of gpipe but itself: the schedule's arithmetic (not its command's
 # modules) and these utilities.
-_GROUND = ('gpipe.schedule', 'gpipe.nest', 'gpipe.microbatch',
-           'gpipe.sharding')
+_GROUND = ('gpipe.schedule', 'gpipe.schedule.streams', 'gpipe.nest',
+           'gpipe.microbatch', 'gpipe.sharding')
 
 
 def test_the_ground_floor_imports_nothing_above_it():

@@ -11,7 +11,7 @@ once, in order. Where the [M, ...] microbatches live between is the
     WholeIo (stream_io=False)          StreamedIo (stream_io=True)
     inputs   [M, mb, ...] on every     [K, S, mb, ...]: stage s keeps the
              device                    K = ceil(M / S) microbatches s K ..
-                                       s K + K - 1 (gpipe.schedule.Streams)
+                                       s K + K - 1 (gpipe.schedule.streams)
     read     row i [mb, ...], stage 0  a slot's column [S, mb, ...] rotates
              takes it                  one stage towards stage 0 after
                                        stage 0 read its entry

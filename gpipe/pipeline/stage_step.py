@@ -22,6 +22,7 @@ from gpipe import nest
 from gpipe.pipeline import stage_ends
 from gpipe.pipeline import rotating_buffer
 from gpipe.pipeline import stage_runners
+from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -175,20 +176,16 @@ class StageRange:
     return tf.concat([tile(self.first), part, tile(after)], 0)
 
 
-_TABLE_DTYPES = dict(seed_offset=tf.int64, valid=tf.bool, reads=tf.bool,
-                     last_layer=tf.bool, first_layer=tf.bool)
-
-
-def Tables(tables):
-  """{name: [T][S] table} (a Schedule's) as a NestedMap of [T, S] tensors:
-  int32, step seeds int64, flags bool."""
-  return NestedMap({name: tf.constant(table, _TABLE_DTYPES.get(name, tf.int32))
-                    for name, table in tables.items()})
+def Tables(rows):
+  """A Schedule's rows of works as a NestedMap of [T, S] tensors, a field
+  each, of its dtype (gpipe.schedule.FieldTables)."""
+  return NestedMap({name: tf.constant(table, dtype) for name, (dtype, table)
+                    in schedule_lib.FieldTables(rows).items()})
 
 
 def StageTables(sched):
-  """Schedule.StageTables as [T, S] tensors."""
-  return Tables(sched.StageTables())
+  """Schedule.Rows as [T, S] tensors."""
+  return Tables(sched.Rows())
 
 
 def RowsAt(sched, iteration):

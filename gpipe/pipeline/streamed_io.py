@@ -1,5 +1,5 @@
 """stream_io=True: the loop's inputs, outputs and their gradients split over
-the stages, as [K, S, mb, ...] streams (gpipe.schedule.Streams).
+the stages, as [K, S, mb, ...] streams (gpipe.schedule.streams.Streams).
 
 Stage s keeps the K = ceil(M / S) microbatches s K .. s K + K - 1. Stage 0
 reads a slot's entry, then the slot's column [S, mb, ...] rotates one
@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from gpipe.pipeline import loop_io
 from gpipe.pipeline import rotating_buffer
-from gpipe import schedule as schedule_lib
+from gpipe.schedule import streams as streams_lib
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -26,7 +26,7 @@ class StreamedIo(loop_io.LoopIo):
 
   def __init__(self, spec):
     super().__init__(spec)
-    self._streams = schedule_lib.Streams(spec.schedule)
+    self._streams = streams_lib.Streams(spec.schedule)
 
   def StageInputs(self, reads, buffer, fresh):
     """buffer [S, mb, ...], stage s taking its column entry fresh[s]
@@ -49,7 +49,7 @@ class StreamedIo(loop_io.LoopIo):
       shape = x.shape.as_list()
       if pad:
         x = tf.concat([x, tf.broadcast_to(x[:1], [pad] + shape[1:])], 0)
-      x = tf.reshape(x, [self._num_stages, self._streams.num_slots] + shape[1:])
+      x = tf.reshape(x, [self._num_stages, self._streams.num_columns] + shape[1:])
       perm = [1, 0] + list(range(2, x.shape.rank))
       out.append(self._PlaceStream(tf.transpose(x, perm)))
     return out
@@ -154,7 +154,7 @@ class StreamedIo(loop_io.LoopIo):
     """(each stage's entry of the slot stage 0 reads [S, ...], reading
     with that slot's column rotated towards stage 0)."""
     del native
-    slot = self._At(self._streams.ReadSlots(), iteration)
+    slot = self._At(self._streams.ReadColumns(), iteration)
     fresh, new = [], []
     for stream in reading:
       column = self._Column(stream, slot)
@@ -166,7 +166,7 @@ class StreamedIo(loop_io.LoopIo):
   def UndoRead(self, reading, iteration):
     """The streams before Read at `iteration` (the reverse loop's
     gradient recovers them instead of storing them)."""
-    slot = self._At(self._streams.ReadSlots(), iteration)
+    slot = self._At(self._streams.ReadColumns(), iteration)
     out = []
     for stream in reading:
       column = self._Column(stream, slot)
@@ -176,12 +176,12 @@ class StreamedIo(loop_io.LoopIo):
 
   def StartWriting(self, like):
     return [self._PlaceStream(tf.zeros(
-        [self._streams.num_slots] + x.shape.as_list(), x.dtype)) for x in like]
+        [self._streams.num_columns] + x.shape.as_list(), x.dtype)) for x in like]
 
   def Write(self, writing, iteration, outputs):
     """The last stage's outputs into their slot's last entry, the column
     rotated towards stage 0 first."""
-    slot = self._At(self._streams.WriteSlots(), iteration)
+    slot = self._At(self._streams.WriteColumns(), iteration)
     out = []
     for stream, o in zip(writing, outputs):
       column = self._Column(stream, slot)
@@ -194,7 +194,7 @@ class StreamedIo(loop_io.LoopIo):
   def UndoWrite(self, writing, iteration):
     """The streams before Write at `iteration`: the entry written was
     empty (zero) before, as every slot's first entry is."""
-    slot = self._At(self._streams.WriteSlots(), iteration)
+    slot = self._At(self._streams.WriteColumns(), iteration)
     out = []
     for stream in writing:
       column = self._Column(stream, slot)
@@ -214,7 +214,7 @@ class StreamedIo(loop_io.LoopIo):
   def _GradientSlot(self, rows, stage, flag):
     """The slot of the microbatch `stage` differentiates, -1 unless
     rows.<flag>[stage]."""
-    k = self._streams.num_slots
+    k = self._streams.num_columns
     return tf.where(getattr(rows, flag)[stage], rows.microbatch[stage] % k, -1)
 
   def StartReadingGradients(self, d_native):
