@@ -103,7 +103,7 @@ def _OverheadRow(cfg, body, mode, s, m, r):
   return report.OverheadRow(
       body.name, mode, s, m, r, sched.num_iterations, baseline, vectorized,
       one_by_one, skipping,
-      sched.SlotsComputed(sched.Phases()) / (sched.num_iterations * s),
+      sched.CallsComputed(sched.Phases()) / (sched.num_iterations * s),
       by_layer, lingvo)
 
 

@@ -141,7 +141,7 @@ def PadStates(x, schedule: schedule_lib.Schedule):
   if not nest.IsTensor(x):
     return x
   index = np.asarray([[(m, s) for s, m in enumerate(row)]
-                      for row in schedule.StateMicrobatchPerSlot()], np.int32)
+                      for row in schedule.StateMicrobatchPerCall()], np.int32)
   return tf.gather_nd(x, index)
 
 

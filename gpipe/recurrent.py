@@ -41,7 +41,7 @@ import tensorflow as tf
 from gpipe.loops import cell_graph
 from gpipe.loops import compiled_loops
 from gpipe.loops import deferred_dots
-from gpipe.loops import extras_rows as extras_rows_lib
+from gpipe.loops import kept_extras as kept_extras_lib
 from gpipe.loops import made_after
 from gpipe.loops import remat
 from gpipe.loops import tensor_lists
@@ -50,11 +50,11 @@ from gpipe.loops import while_loops
 from tensorflow.python.eager import record
 # pylint: enable=g-direct-tensorflow-import
 
-Rows = extras_rows_lib.Rows
+Kept = kept_extras_lib.Kept
 
 __all__ = [
+    'Kept',
     'Recurrent',
-    'Rows',
     'Undo',
 ]
 
@@ -66,7 +66,7 @@ def Recurrent(theta: Any,
               *,
               remat_policy: Any = 'recompute',
               manual_boundary: Optional[Any] = None,
-              extras_rows: Optional[Dict[str, 'Rows']] = None,
+              kept_extras: Optional[Dict[str, 'Kept']] = None,
               return_states: bool = True,
               data_state: Optional[Any] = None,
               undo: Optional['Undo'] = None,
@@ -88,8 +88,8 @@ def Recurrent(theta: Any,
     manual_boundary: a gpipe.sharding.ManualBoundary when the cell computes
       in a manual sharding region: activations stored from inside it leave
       and re-enter it through this.
-    extras_rows: {key of the extras (a dict): Rows}: those extras are kept
-      in Rows' rows rather than one row per iteration.
+    kept_extras: {key of the extras (a dict): Kept}: those extras are kept
+      in their Kept's entries rather than one entry per iteration.
     return_states: False: the states after each iteration are kept for the
       backward loop only, and not returned (None instead), so that no
       [T, ...] gradient of them is ever made.
@@ -103,14 +103,14 @@ def Recurrent(theta: Any,
       return_states=False.
     defer_weight_dots: the backward loop keeps the operands of the weight
       gradients' dots where they are small and contracts them once after
-      the loop (gpipe.loops.deferred_dots): faster with few rows per
-      iteration, for memory that grows with the iterations.
+      the loop (gpipe.loops.deferred_dots): faster where the dots read few
+      examples per iteration, for memory that grows with the iterations.
     name: name scope.
 
   Returns:
     (states, final_state, extras): states and extras stacked over the T
     iterations ([T, ...]; states[t] is the state after iteration t; an
-    extra with Rows: [num_rows, ...]), and the final state.
+    extra with a Kept: [num_kept, ...]), and the final state.
   """
   if isinstance(remat_policy, str):
     remat_policy = remat.For(remat_policy)
@@ -127,7 +127,7 @@ def Recurrent(theta: Any,
                                   remat_policy, manual_boundary, data_state,
                                   defer_weight_dots=defer_weight_dots)
     loops = _Loops(cell, (theta, state0, inputs), num_iterations,
-                   extras_rows_lib.FlatRows(cell.extras_spec, extras_rows),
+                   kept_extras_lib.FlatKept(cell.extras_spec, kept_extras),
                    watcher.watched_variables(), undo)
     return loops.Run(return_states)
 
@@ -151,16 +151,16 @@ class _Loops:
   loop. Its arguments: theta, state0, inputs and the outer float tensors
   the cell captures (their gradients are returned too)."""
 
-  def __init__(self, cell, structure, num_iterations, flat_rows,
+  def __init__(self, cell, structure, num_iterations, flat_kept,
                read_variables, undo):
     self._cell = cell
     self._undo = undo
-    self._kept = ([True] * len(tf.nest.flatten(structure[1]))
+    self._kept_states = ([True] * len(tf.nest.flatten(structure[1]))
                   if undo is None else
                   [not u for u in tf.nest.flatten(undo.unstored)])
     self._structure = structure  # (theta, state0, inputs)
     self._num_iterations = num_iterations
-    self._rows = flat_rows
+    self._kept_extras = flat_kept
     self._read_variables = read_variables
     self._sizes = [len(tf.nest.flatten(x)) for x in structure]
 
@@ -190,8 +190,8 @@ class _Loops:
       # GradientTape (under tf.function that took most of the tracing).
       with record.stop_recording():
         states, final, extras, stored = _ForwardLoop(
-            cell, th, s0, inp, caps, self._num_iterations, self._rows,
-            self._kept)
+            cell, th, s0, inp, caps, self._num_iterations,
+            self._kept_extras, self._kept_states)
       outputs = (states if return_states else (), final, extras)
 
       def Grad(*dys, variables=None):
@@ -201,7 +201,8 @@ class _Loops:
         with compiled_loops.Allowed(compiles):
           grads = _BackwardLoop(
               cell, th, s0, inp, caps, self._num_iterations, states, stored,
-              d_states, d_final, d_extras, self._rows, final, self._undo)
+              d_states, d_final, d_extras, self._kept_extras, final,
+              self._undo)
         grads = grads[:end] + [grads[end + i] for i in diff_caps]
         if variables is None:
           return grads
@@ -225,27 +226,27 @@ class _Loops:
 
 
 def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations,
-                 extras_rows, kept):
+                 kept_extras, kept_states):
   """Runs the forward loop.
 
   Returns:
     (states, final, extras, stored): the states after each iteration and
-    the extras, stacked [T, ...] (an extra with Rows: [num_rows, ...];
-    a state entry not `kept`: None); the final state; the stored
+    the extras, stacked [T, ...] (an extra with a Kept: [num_kept, ...];
+    a state entry not in `kept_states`: None); the final state; the stored
     activations, a flat list of [T, ...] stacks (see CellGraph.stored).
   """
   flat_state0 = tf.nest.flatten(state0)
   n_state = len(flat_state0)
-  kept_idx = [i for i in range(n_state) if kept[i]]
+  kept_idx = [i for i in range(n_state) if kept_states[i]]
   specs = ([tf.TensorSpec(flat_state0[i].shape, flat_state0[i].dtype)
             for i in kept_idx] +
            tf.nest.flatten(cell.extras_spec) + cell.StoredSpecs())
   n_kept = len(kept_idx)
   n_extras = len(tf.nest.flatten(cell.extras_spec))
-  rows = [None] * n_kept + extras_rows + [None] * (len(specs) - n_kept -
+  kept = [None] * n_kept + kept_extras + [None] * (len(specs) - n_kept -
                                                     n_extras)
-  # A kept-nowhere iteration writes one extra row, dropped after the loop.
-  sizes = [num_iterations if r is None else r.num_rows + 1 for r in rows]
+  # A kept-nowhere iteration writes one extra entry, dropped after the loop.
+  sizes = [num_iterations if k is None else k.num_kept + 1 for k in kept]
 
   def Body(t, *loop_vars):
     state = tf.nest.pack_sequence_as(state0, loop_vars[:n_state])
@@ -256,8 +257,8 @@ def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     values = ([flat_new[i] for i in kept_idx] + tf.nest.flatten(extras) +
               stored)
     new_lists = [
-        tensor_lists.SetRow(l, t if r is None else r.At(t), v)
-        for l, v, r in zip(lists, values, rows)
+        tensor_lists.SetEntry(l, t if k is None else k.At(t), v)
+        for l, v, k in zip(lists, values, kept)
     ]
     return [t + 1] + flat_new + new_lists
 
@@ -266,9 +267,9 @@ def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations,
       [tensor_lists.Reserve(s, n) for s, n in zip(specs, sizes)],
       num_iterations)
   final_flat = results[1:1 + n_state]
-  stacked = [tensor_lists.Stack(l, s, n) if r is None
-             else tensor_lists.Stack(l, s, n)[:r.num_rows]
-             for l, s, n, r in zip(results[1 + n_state:], specs, sizes, rows)]
+  stacked = [tensor_lists.Stack(l, s, n) if k is None
+             else tensor_lists.Stack(l, s, n)[:k.num_kept]
+             for l, s, n, k in zip(results[1 + n_state:], specs, sizes, kept)]
   states = _Scatter(stacked[:n_kept], kept_idx, n_state)
   extras = tf.nest.pack_sequence_as(cell.extras_spec,
                                     stacked[n_kept:n_kept + n_extras])
@@ -279,7 +280,7 @@ def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations,
 
 def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
                   stacked_states, stored, d_states, d_final, d_extras,
-                  extras_rows, final, undo):
+                  kept_extras, final, undo):
   """The reverse loop: iteration t's gradient, from what t stored.
 
   d_states entries may be None (the caller reads no past state of that
@@ -318,7 +319,7 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     ]
     grads = cell.Backward(
         flat_theta, state_in, inputs_t, captures, flat_after, d_state,
-        [extras_rows_lib.GradientAt(flat_d_extras[i], extras_rows[i], t)
+        [kept_extras_lib.GradientAt(flat_d_extras[i], kept_extras[i], t)
          for i in extras_idx],
         [tf.gather(s, t) for s in stored])
     g_theta, g_state, g_inputs, g_caps = _SplitAt(grads, n_th, n_st, n_in)
@@ -331,7 +332,7 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     new_theta_sums = sums.Next(t, theta_sums, g_theta)
     new_acc_caps = [a + g for a, g in zip(acc_caps, g_caps)]
     new_lists = [
-        tensor_lists.SetRow(l, t, g)
+        tensor_lists.SetEntry(l, t, g)
         for l, g in zip(input_lists, g_inputs)
     ]
     return ([t - 1] + new_d_state + new_theta_sums + new_acc_caps + new_lists +

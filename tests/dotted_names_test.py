@@ -1,6 +1,6 @@
 """Every dotted gpipe name the code and the docs mention names something.
 
-Docstrings and pages point readers on by name (`gpipe.schedule.Streams`,
+Docstrings and pages point readers on by name (`gpipe.schedule.OneFOneB`,
 `gpipe.pipeline.streamed_io.StreamedIo`); a module renamed or a function
 removed leaves such a pointer dangling, and nothing else would notice.
 """
@@ -66,7 +66,7 @@ def test_every_dotted_gpipe_name_resolves():
 
 
 def test_a_dangling_name_is_found():
-  assert _Resolves('gpipe.schedule.Streams')
+  assert _Resolves('gpipe.schedule.streams.Streams')
   assert _Resolves('gpipe.pipeline.loop_io')
   assert not _Resolves('gpipe.streams')
   assert not _Resolves('gpipe.schedule.NoSuchThing')

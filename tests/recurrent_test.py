@@ -11,7 +11,7 @@ cases.py, are compared with:
     w.r.t. theta, state0, inputs and the tensors the cell captures;
 
 for every cell and remat policy, losses on part of the outputs, theta as
-variables, extras kept in rows of their own (Rows), state undone instead of
+variables, extras kept in entries of their own (Kept), state undone instead of
 stored (Undo), and cells capturing their own arguments. What each remat
 policy stores and recomputes is in recurrent_remat_test.py; the cells and
 inputs Recurrent refuses are in recurrent_errors_test.py.
@@ -193,48 +193,48 @@ def test_theta_as_variables(mode, remat_policy):
       mode, 'rnn', remat_policy, 'all', theta_as_variables=True)
 
 
-# Extras kept in rows of their own, and no returned history of the states:
-# what the pipeline asks for so that a chip holds [M, ...] outputs and no
-# [T, ...] gradient of the buffer history.
-_ROWS = recurrent.Rows(index=(-1, 2, 0, -1, 1), num_rows=3)
+# Extras kept in entries of their own, and no returned history of the
+# states: what the pipeline asks for so that a chip holds [M, ...] outputs
+# and no [T, ...] gradient of the buffer history.
+_KEPT = recurrent.Kept(index=(-1, 2, 0, -1, 1), num_kept=3)
 
 
-def _KeptRows(stacked_y):
-  """The reference's [T, ...] extra, in the rows _ROWS keeps it in."""
-  order = [_ROWS.index.index(r) for r in range(_ROWS.num_rows)]
+def _KeptEntries(stacked_y):
+  """The reference's [T, ...] extra, in the entries _KEPT keeps it in."""
+  order = [_KEPT.index.index(k) for k in range(_KEPT.num_kept)]
   return tf.gather(stacked_y, order)
 
 
-def _RowsLoss(impl, case, tensors, w):
+def _KeptLoss(impl, case, tensors, w):
   theta, state0, inputs, _ = tensors
   cell_fn = case.make_cell(cases.TF, tensors)
   if impl == 'recurrent':
     states, final, extras = recurrent.Recurrent(
-        theta, state0, inputs, cell_fn, extras_rows={'y': _ROWS},
+        theta, state0, inputs, cell_fn, kept_extras={'y': _KEPT},
         return_states=False)
     assert states is None
     kept = extras['y']
   else:
     _, final, extras = cases.WhileLoopReference(theta, state0, inputs, cell_fn)
-    kept = _KeptRows(extras['y'])
+    kept = _KeptEntries(extras['y'])
   loss = (tf.reduce_sum(w[0] * final) + tf.reduce_sum(w[1] * kept) +
           tf.reduce_sum(w[2] * extras['n']))
   return (final, kept, extras['n']), loss
 
 
 @pytest.mark.parametrize('jit', [False, True])
-def test_extras_in_rows_and_no_returned_states(jit):
+def test_kept_extras_and_no_returned_states(jit):
   case = cases.MakeCase('rnn')
   rng = cases.Rng('rows')
   weights = [cases.Normal(rng, _B, _H, scale=1.0),
-             cases.Normal(rng, _ROWS.num_rows, _B, _H, scale=1.0),
+             cases.Normal(rng, _KEPT.num_kept, _B, _H, scale=1.0),
              cases.Normal(rng, _T, _B, scale=1.0)]
 
   def Run(impl, tensors):
     xs = cases.FloatLeaves(tensors)
     with tf.GradientTape() as tape:
       tape.watch(xs)
-      outputs, loss = _RowsLoss(impl, case, tensors, weights)
+      outputs, loss = _KeptLoss(impl, case, tensors, weights)
     return outputs, loss, tape.gradient(loss, xs)
 
   got = {}
@@ -251,7 +251,7 @@ def test_extras_in_rows_and_no_returned_states(jit):
           got[impl] = sess.run(fetches)
   (outputs, loss, grads), (ref_outputs, ref_loss, ref_grads) = (
       got['recurrent'], got['reference'])
-  assert outputs[1].shape == (_ROWS.num_rows, _B, _H)
+  assert outputs[1].shape == (_KEPT.num_kept, _B, _H)
   _AssertClose(outputs, ref_outputs, 'outputs', 'vs_while_loop')
   _AssertClose(loss, ref_loss, 'loss', 'vs_while_loop')
   for i, (g, ref_g) in enumerate(zip(grads, ref_grads)):
@@ -328,17 +328,17 @@ def test_undo_needs_return_states_false():
                           lambda th, st, x: (st, {}), undo=undo)
 
 
-def test_rows_out_of_range_and_unknown_extras_raise():
-  with pytest.raises(ValueError, match=r'Rows: every index must be in '
+def test_kept_out_of_range_and_unknown_extras_raise():
+  with pytest.raises(ValueError, match=r'Kept: every index must be in '
                      r'\[-1, 2\)'):
-    recurrent.Rows(index=(0, 2), num_rows=2)
+    recurrent.Kept(index=(0, 2), num_kept=2)
   case = cases.MakeCase('rnn')
   with tf.Graph().as_default():
     theta, state0, inputs, _ = tensors = cases.ToTensors(case, False)
-    with pytest.raises(ValueError, match=r"extras_rows names \['z'\]"):
+    with pytest.raises(ValueError, match=r"kept_extras names \['z'\]"):
       recurrent.Recurrent(theta, state0, inputs,
                           case.make_cell(cases.TF, tensors),
-                          extras_rows={'z': _ROWS})
+                          kept_extras={'z': _KEPT})
 
 
 # A cell may capture the very tensor it also gets as theta, state0 or inputs

@@ -20,7 +20,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGE = ROOT / 'docs' / 'api.md'
 # In the order a user meets them.
 PUBLIC_MODULES = ('gpipe.layers', 'gpipe.sharding', 'gpipe.lingvo_compat',
-                  'gpipe.schedule', 'gpipe.recurrent', 'gpipe.microbatch',
+                  'gpipe.schedule', 'gpipe.schedule.streams',
+                  'gpipe.recurrent', 'gpipe.microbatch',
                   'gpipe.quiet', 'gpipe.check_partitioning')
 _HEADER = """# API
 

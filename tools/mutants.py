@@ -94,8 +94,8 @@ BUGS = (
         'gpipe/schedule/plot.py', 'y = s_count - 1 - stage', 'y = stage',
         ('tests/schedule/schedule_cli_test.py', '-k', 'diagram')),
     Bug('picture-colour-off-by-one', 'cells coloured by the next microbatch',
-        'gpipe/schedule/plot.py', 'facecolor=colors(cell[0] % 20)',
-        'facecolor=colors((cell[0] + 1) % 20)',
+        'gpipe/schedule/plot.py', 'facecolor=colors(entry[0] % 20)',
+        'facecolor=colors((entry[0] + 1) % 20)',
         ('tests/schedule/schedule_cli_test.py', '-k', 'diagram')),
     Bug('summary-stages-reversed', "stage i's summary under stage S-1-i",
         'gpipe/pipeline/side_outputs.py',
@@ -200,8 +200,8 @@ BUGS = (
     Bug('deferred-dots-row-off-by-one',
         "a deferred weight gradient's operands written a row early",
         'gpipe/loops/deferred_dots.py',
-        '[tensor_lists.SetRow(l, t, x) for l, x in zip(lists, operands)]',
-        '[tensor_lists.SetRow(l, tf.maximum(t - 1, 0), x)\n'
+        '[tensor_lists.SetEntry(l, t, x) for l, x in zip(lists, operands)]',
+        '[tensor_lists.SetEntry(l, tf.maximum(t - 1, 0), x)\n'
         '             for l, x in zip(lists, operands)]',
         ('tests/loops/deferred_dots_test.py',
          'tests/pipeline/skip_bubbles_test.py', '-k',

@@ -8,10 +8,10 @@ knows about stages or microbatches.
                    into the loops
     graph_import   importing what a loop needs of the cell, values fed
     remat          what the backward pass stores and what it recomputes
-    deferred_dots  weight gradients of few-row dots summed once after the
-                   backward loop
-    tensor_lists   the [T, ...] results a loop fills row by row
-    extras_rows    where each iteration's extras go (Rows) and their
+    deferred_dots  weight gradients of dots over few examples summed once
+                   after the backward loop
+    tensor_lists   the [T, ...] results a loop fills entry by entry
+    kept_extras    where each iteration's extras are kept (Kept) and their
                    gradients come from
     made_after     values a scheduler cannot compute before a given tensor
 """

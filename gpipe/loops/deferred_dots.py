@@ -1,19 +1,20 @@
 """Weight gradients contracted once after the backward loop.
 
 Each iteration of the backward loop computes the gradient of a weight that
-a matmul reads as a contraction over that iteration's rows, and adds it to
-an accumulator the loop carries: with few rows (a small microbatch) writing
-and re-reading the whole [d, h] gradient every iteration costs more than
-the dot itself. Deferred, the loop keeps the dot's two operands per
-iteration instead, and one contraction over iterations and rows makes the
-sum after the loop::
+a matmul reads as a contraction over that iteration's n examples (times
+their positions, for a sequence), and adds it to an accumulator the loop
+carries: with few of them (a small microbatch) writing and re-reading the
+whole [d, h] gradient every iteration costs more than the dot itself.
+Deferred, the loop keeps the dot's two operands per iteration instead, and
+one contraction over iterations and examples makes the sum after the
+loop::
 
-    per iteration:  acc += einsum('rd,rh->dh', x_t, dy_t)     T dots, T adds
-    deferred:       einsum('trd,trh->dh', x[T], dy[T])        one dot
+    per iteration:  acc += einsum('nd,nh->dh', x_t, dy_t)     T dots, T adds
+    deferred:       einsum('tnd,tnh->dh', x[T], dy[T])        one dot
 
 The numbers are the same sum in another order. The price is memory: the
 operands of every iteration until the loop ends, which `Find` allows only
-where they are at most a quarter of the gradient (rows <= d h / (4 (d + h))).
+where they are at most a quarter of the gradient (n <= d h / (4 (d + h))).
 A pipeline defers on one device only (gpipe.sharding's placement
 splits_stage_dim False): partitioned, memory is what the pipeline saves.
 """
@@ -78,8 +79,8 @@ def Find(grad, per_iteration: AbstractSet[str]) -> Optional[DeferredDot]:
 class WeightGradientSums:
   """How a backward loop sums the weights' gradients over the iterations:
   accumulated as it goes, or, for those the cell defers (a
-  cell_graph.CellGraph's DeferredDots), their dots' operands written row by
-  row and contracted once after the loop. Its loop variables: the
+  cell_graph.CellGraph's DeferredDots), their dots' operands written entry
+  by entry (one per iteration) and contracted once after the loop. Its loop variables: the
   accumulators, then the operands' lists."""
 
   def __init__(self, cell, flat_theta, num_iterations):
@@ -104,7 +105,7 @@ class WeightGradientSums:
     sums, lists = carried[:len(self._summed)], carried[len(self._summed):]
     operands = [x for j in self._kept for x in g_theta[j]]
     return ([a + g_theta[j] for a, j in zip(sums, self._summed)] +
-            [tensor_lists.SetRow(l, t, x) for l, x in zip(lists, operands)])
+            [tensor_lists.SetEntry(l, t, x) for l, x in zip(lists, operands)])
 
   def Final(self, carried):
     """The differentiable theta entries' gradients, in order."""

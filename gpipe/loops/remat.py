@@ -159,7 +159,7 @@ def _Roots(cell, tensors: Iterable) -> List[str]:
   from its inputs; storing those instead keeps one copy of the data, and
   none when they are the loop's own state or inputs (which the loop keeps
   anyway). A move whose activation inputs are larger than its output (a
-  slice, a gather of some rows) is stored itself: its source would cost
+  slice, a gather of some entries) is stored itself: its source would cost
   more per iteration than what the gradient reads. Tensors of unknown
   shape or of non-numeric dtypes cannot be stored per iteration and are
   left to the recomputation.

@@ -33,6 +33,7 @@ from gpipe import nest
 from gpipe.pipeline import rotation
 from gpipe.pipeline import stage_ends
 from gpipe.pipeline import stage_runners
+from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -284,20 +285,18 @@ class StageRange:
     return tf.concat([tile(self.first), part, tile(after)], 0)
 
 
-_TABLE_DTYPES = dict(seed_offset=tf.int64, valid=tf.bool, reads=tf.bool,
-                     last_layer=tf.bool, first_layer=tf.bool)
-
-
-def Tables(tables):
-  """{name: [T][S] table} (a Schedule's) as a NestedMap of [T, S] tensors:
-  int32, step seeds int64, flags bool."""
-  return NestedMap({name: tf.constant(table, _TABLE_DTYPES.get(name, tf.int32))
-                    for name, table in tables.items()})
+def Tables(rows):
+  """Rows of the schedule's typed work (a Schedule's Rows, or OneFOneB's
+  BackwardRows) as a NestedMap of [T, S] tensors, each field in the dtype
+  its metadata names (int32, step seeds int64, flags bool)."""
+  return NestedMap({
+      name: tf.constant(table, dtype)
+      for name, (dtype, table) in schedule_lib.FieldTables(rows).items()})
 
 
 def StageTables(sched):
-  """Schedule.StageTables as [T, S] tensors."""
-  return Tables(sched.StageTables())
+  """Schedule.Rows as [T, S] tensors a field."""
+  return Tables(sched.Rows())
 
 
 def RowAt(sched, iteration):

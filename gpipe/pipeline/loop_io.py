@@ -11,7 +11,7 @@ once, in order. Where the [M, ...] microbatches live between is the
     WholeIo (stream_io=False)          StreamedIo (stream_io=True)
     inputs   [M, mb, ...] on every     [K, S, mb, ...]: stage s keeps the
              device                    K = ceil(M / S) microbatches s K ..
-                                       s K + K - 1 (gpipe.schedule.Streams)
+                                       s K + K - 1 (gpipe.schedule.streams)
     read     microbatch m [mb, ...]:   a column [S, mb, ...] rotates one
              stage 0 takes it          stage towards stage 0 after stage
                                        0 read its entry
@@ -92,9 +92,9 @@ class LoopInputs(abc.ABC):
     """The input gradients' writing state (1f1b's gradient loop)."""
 
   @abc.abstractmethod
-  def WriteGradient(self, writing, rows, d_inputs):
+  def WriteGradient(self, writing, row, d_inputs):
     """writing with stage 0's input gradient, where its layer is the first
-    (rows: the backward table's row)."""
+    (row: the backward wave's row, [S] per field)."""
 
   @abc.abstractmethod
   def FinishWritingGradients(self, writing, like):
@@ -119,7 +119,7 @@ class LoopIo(LoopInputs):
     """What a reverse-loop iteration keeps as extras for the outputs."""
 
   @abc.abstractmethod
-  def ReverseNativeOutputs(self, kept_rows, writing):
+  def ReverseNativeOutputs(self, kept, writing):
     """The reverse loop's outputs as Outputs takes them."""
 
   @abc.abstractmethod
@@ -140,7 +140,7 @@ class LoopIo(LoopInputs):
     """The output gradients' reading state (1f1b's gradient loop)."""
 
   @abc.abstractmethod
-  def ReadGradient(self, reading, rows):
+  def ReadGradient(self, reading, row):
     """(each leaf's output gradient [S or 1, mb, ...] for the call the
     last stage differentiates, reading)."""
 
@@ -185,8 +185,9 @@ class WholeIo(LoopIo):
 
   def ReverseLoopParts(self, native, filler):
     """(what the loop reads as theta, the state entries it carries, how to
-    undo an iteration's changes to them): here the microbatches, read by
-    row, and no state; the outputs leave as the loop's kept rows."""
+    undo an iteration's changes to them): here the microbatches, read one
+    an iteration, and no state; the outputs leave as the loop's kept
+    outputs."""
     del filler
     return native, NestedMap(reading=[], writing=[]), None
 
@@ -194,9 +195,9 @@ class WholeIo(LoopIo):
     """What an iteration keeps as extras for the outputs."""
     return [self._LastSlot(o) for o in outputs]
 
-  def ReverseNativeOutputs(self, kept_rows, writing):
+  def ReverseNativeOutputs(self, kept, writing):
     del writing
-    return kept_rows
+    return kept
 
   # -- The forward loop (the 1f1b pass and its gradient's forward wave).
 
@@ -208,23 +209,22 @@ class WholeIo(LoopIo):
     """(stage 0's fresh input per leaf, reading) at `iteration`."""
     sched = self._spec.schedule
     return [self._place.ReplicateOverStages(
-        StageZeroInput(x, sched, iteration,
-                                  self._place.splits_stage_dim))
+        StageZeroInput(x, sched, iteration, self._place.splits_stage_dim))
             for x in native], reading
 
   def StartWriting(self, like):
-    """Kept rows [M + 1, S, ...] per leaf (row M: iterations that finish
-    none; [M + 1, 1, ...] on a whole stage dim), as TensorLists."""
+    """Kept outputs [M + 1, S, ...] per leaf (entry M: iterations that
+    finish none; [M + 1, 1, ...] on a whole stage dim), as TensorLists."""
     return [tensor_lists.Reserve(self._LastSlot(x),
                                  self._spec.schedule.num_microbatches + 1)
             for x in like]
 
   def Write(self, writing, iteration, outputs):
-    rows = self._spec.schedule.OutputIndexPerIteration()
+    finishes = self._spec.schedule.OutputIndexPerIteration()
     num_mb = self._spec.schedule.num_microbatches
-    row = tf.gather(Constant([num_mb if r < 0 else r for r in rows]),
-                    iteration)
-    return [tensor_lists.SetRow(l, row, self._LastSlot(o))
+    m = tf.gather(Constant([num_mb if f < 0 else f for f in finishes]),
+                  iteration)
+    return [tensor_lists.SetEntry(l, m, self._LastSlot(o))
             for l, o in zip(writing, outputs)]
 
   def FinishWriting(self, writing, like):
@@ -239,11 +239,11 @@ class WholeIo(LoopIo):
   def StartReadingGradients(self, d_native):
     return [self._place.SplitStages(d, 1) for d in d_native]
 
-  def ReadGradient(self, reading, rows):
+  def ReadGradient(self, reading, row):
     """(d outputs per leaf [S, ...] or, on a whole stage dim, [1, ...],
     reading): the last stage's entry is the output gradient of the
     microbatch it differentiates, if its layer is the last."""
-    m = rows.microbatch[-1]
+    m = row.microbatch[-1]
     return [self._place.SplitStages(tf.gather(d, m)) for d in reading], reading
 
   def StartWritingGradients(self, like):
@@ -251,11 +251,11 @@ class WholeIo(LoopIo):
                                  self._spec.schedule.num_microbatches + 1)
             for x in like]
 
-  def WriteGradient(self, writing, rows, d_inputs):
+  def WriteGradient(self, writing, row, d_inputs):
     """Stage 0's input gradient, where its layer is the first."""
     num_mb = self._spec.schedule.num_microbatches
-    row = tf.where(rows.first_layer[0], rows.microbatch[0], num_mb)
-    return [tensor_lists.SetRow(l, row, self._FirstSlot(d))
+    m = tf.where(row.first_layer[0], row.microbatch[0], num_mb)
+    return [tensor_lists.SetEntry(l, m, self._FirstSlot(d))
             for l, d in zip(writing, d_inputs)]
 
   def FinishWritingGradients(self, writing, like):
@@ -310,8 +310,8 @@ class MadeAtStageZero(LoopInputs):
     del like
     return []
 
-  def WriteGradient(self, writing, rows, d_inputs):
-    del rows, d_inputs
+  def WriteGradient(self, writing, row, d_inputs):
+    del row, d_inputs
     return writing
 
   def FinishWritingGradients(self, writing, like):
@@ -423,7 +423,7 @@ def _SelectFresh(reads, fresh, rotated, split):
   broadcast stage dim is a reduce whose zero initial value XLA's lowering
   shares with the stage body's own reductions inside the manual-sharding
   region, and the SPMD partitioner then aborts resharding it (seen with
-  1-row microbatches). With the stage dim whole that region does not exist
+  1-example microbatches). With the stage dim whole that region does not exist
   and the sum is a plain reduce: XLA:CPU runs the contraction over a
   few stages as a dot, which is cheap
   (docs/benchmarks.md#measured-behind-the-codes-choices).

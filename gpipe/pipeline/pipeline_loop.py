@@ -48,9 +48,9 @@ def RunReverse(spec: loop_spec.LoopSpec, io_kind, theta, mb_leaves,
   native = io.ToNative(mb_leaves)
   filler = io.Filler(native)
   # Carried: the buffer, the body's non-trainable variables (see
-  # gpipe.pipeline.non_trainable_vars) and with stream_io the streams. Without, the
-  # microbatches are read inside the loop, row by row (no [T, ...] copy of
-  # them). The iteration index comes in as an input and each iteration's
+  # gpipe.pipeline.non_trainable_vars) and with stream_io the streams.
+  # Without, the microbatches are read inside the loop, one an iteration
+  # (no [T, ...] copy of them). The iteration index comes in as an input and each iteration's
   # aux loss goes out as an extra, summed afterwards: loop-carried scalars
   # are what the partitioner tends to mis-shard. The loop keeps the last
   # stage's output only from the iteration that finishes each microbatch,
@@ -124,7 +124,7 @@ def _PhaseLoop(spec, io, undo, phase, loop_theta, state0, inputs):
   finished = spec.schedule.OutputIndexPerIteration()[phase.begin:phase.end]
   done = [m for m in finished if m >= 0]
   first = done[0] if done else 0
-  kept = recurrent.Rows(tuple(m - first if m >= 0 else -1 for m in finished),
+  kept = recurrent.Kept(tuple(m - first if m >= 0 else -1 for m in finished),
                         max(len(done), 1))
   marks = lambda entries, mark: [mark] * len(entries)
   # The phase's loop takes the weights of its stages only: inside, each
@@ -138,7 +138,7 @@ def _PhaseLoop(spec, io, undo, phase, loop_theta, state0, inputs):
       lambda th, st, inp: _Iteration(spec, io, phase, th, st, inp),
       remat_policy=spec.remat_policy,
       manual_boundary=sharding.ManualBoundary.For(spec.runner.manual_mesh),
-      extras_rows={'outputs': kept},
+      kept_extras={'outputs': kept},
       return_states=False,
       # One device: the weights' gradients summed after the loop where
       # their dots read few rows (more memory, which partitioned is not

@@ -1,9 +1,9 @@
 """stream_io=True: the loop's inputs, outputs and their gradients split over
-the stages, as [K, S, mb, ...] streams (gpipe.schedule.Streams).
+the stages, as [K, S, mb, ...] streams (gpipe.schedule.streams.Streams).
 
 Stage s keeps the K = ceil(M / S) microbatches s K .. s K + K - 1. Stage 0
-reads a slot's entry, then the slot's column [S, mb, ...] rotates one
-stage towards stage 0; the last stage's output goes to a slot's last entry
+reads a column's entry, then the column [S, mb, ...] rotates one stage
+towards stage 0; the last stage's output goes to a column's last entry
 after its column rotates. Output gradients are read at the last stage after
 a rotation, input gradients written at stage 0, then the column rotates. A
 rotation is one collective-permute of one microbatch per iteration, and no
@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from gpipe.pipeline import loop_io
 from gpipe.pipeline import rotation
-from gpipe import schedule as schedule_lib
+from gpipe.schedule import streams as streams_lib
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -26,7 +26,7 @@ class StreamedIo(loop_io.LoopIo):
 
   def __init__(self, spec):
     super().__init__(spec)
-    self._streams = schedule_lib.Streams(spec.schedule)
+    self._streams = streams_lib.Streams(spec.schedule)
 
   def StageInputs(self, reads, buffer, fresh):
     """buffer [S, mb, ...], stage s taking its column entry fresh[s]
@@ -43,13 +43,15 @@ class StreamedIo(loop_io.LoopIo):
   def ToNative(self, mb_leaves):
     """[M, ...] (split over the stages) -> [K, S, ...] streams, padded with
     copies of microbatch 0 (what bubbles compute on: real data)."""
-    pad = self._streams.padded_microbatches - self._spec.schedule.num_microbatches
+    pad = (self._streams.padded_microbatches -
+           self._spec.schedule.num_microbatches)
     out = []
     for x in mb_leaves:
       shape = x.shape.as_list()
       if pad:
         x = tf.concat([x, tf.broadcast_to(x[:1], [pad] + shape[1:])], 0)
-      x = tf.reshape(x, [self._num_stages, self._streams.num_slots] + shape[1:])
+      x = tf.reshape(x, [self._num_stages, self._streams.num_columns] +
+                     shape[1:])
       perm = [1, 0] + list(range(2, x.shape.rank))
       out.append(self._PlaceStream(tf.transpose(x, perm)))
     return out
@@ -73,37 +75,38 @@ class StreamedIo(loop_io.LoopIo):
     return self._place.SpreadLoopDim(x[:self._spec.schedule.num_microbatches])
 
   def Home(self, stream):
-    """A written stream with each slot rotated home (Streams.FixupShifts):
-    a slot written n < S times sits S - n places short."""
+    """A written stream with each column rotated home
+    (Streams.FixupShifts): a column written n < S times sits S - n places
+    short."""
     shifts = self._streams.FixupShifts()
     groups = {}
-    for slot, shift in enumerate(shifts):
-      groups.setdefault(shift, []).append(slot)
+    for k, shift in enumerate(shifts):
+      groups.setdefault(shift, []).append(k)
     if list(groups) == [0]:
       return stream
     parts, order = [], []
-    for shift, slots in groups.items():
-      part = tf.gather(stream, slots)
-      parts.append(self._RotateSlots(part, -shift))
-      order += slots
+    for shift, columns in groups.items():
+      part = tf.gather(stream, columns)
+      parts.append(self._RotateColumns(part, -shift))
+      order += columns
     whole = tf.concat(parts, 0)
     back = [order.index(k) for k in range(len(shifts))]
     return self._PlaceStream(tf.gather(whole, back))
 
-  def _RotateSlots(self, columns, shift):
+  def _RotateColumns(self, columns, shift):
     """[k, S, ...] columns, each rotated by `shift` stages."""
     perm = [1, 0] + list(range(2, columns.shape.rank))
     rotated = rotation.RotateStages(
         tf.transpose(columns, perm), shift, self._place.splits_stage_dim)
     return tf.transpose(rotated, perm)
 
-  # -- Column ops: slot `slot`'s [S, ...] entries.
+  # -- Column ops: column k's [S, ...] entries.
 
-  def _Column(self, stream, slot):
-    return self._place.SplitStages(tf.gather(stream, tf.maximum(slot, 0)))
+  def _Column(self, stream, k):
+    return self._place.SplitStages(tf.gather(stream, tf.maximum(k, 0)))
 
-  def _SetColumn(self, stream, slot, column):
-    index = tf.reshape(tf.maximum(slot, 0), [1, 1])
+  def _SetColumn(self, stream, k, column):
+    index = tf.reshape(tf.maximum(k, 0), [1, 1])
     return self._PlaceStream(
         tf.tensor_scatter_nd_update(stream, index, column[None]))
 
@@ -141,8 +144,8 @@ class StreamedIo(loop_io.LoopIo):
     del outputs
     return []
 
-  def ReverseNativeOutputs(self, kept_rows, writing):
-    del kept_rows
+  def ReverseNativeOutputs(self, kept, writing):
+    del kept
     return self.FinishWriting(writing, None)
 
   # -- The forward loop.
@@ -151,101 +154,102 @@ class StreamedIo(loop_io.LoopIo):
     return list(native)
 
   def Read(self, native, reading, iteration):
-    """(each stage's entry of the slot stage 0 reads [S, ...], reading
-    with that slot's column rotated towards stage 0)."""
+    """(each stage's entry of the column stage 0 reads [S, ...], reading
+    with that column rotated towards stage 0)."""
     del native
-    slot = self._At(self._streams.ReadSlots(), iteration)
+    k = self._At(self._streams.ReadColumns(), iteration)
     fresh, new = [], []
     for stream in reading:
-      column = self._Column(stream, slot)
+      column = self._Column(stream, k)
       fresh.append(column)
-      advanced = tf.where(slot >= 0, self._Toward0(column), column)
-      new.append(self._SetColumn(stream, slot, advanced))
+      advanced = tf.where(k >= 0, self._Toward0(column), column)
+      new.append(self._SetColumn(stream, k, advanced))
     return fresh, new
 
   def UndoRead(self, reading, iteration):
     """The streams before Read at `iteration` (the reverse loop's
     gradient recovers them instead of storing them)."""
-    slot = self._At(self._streams.ReadSlots(), iteration)
+    k = self._At(self._streams.ReadColumns(), iteration)
     out = []
     for stream in reading:
-      column = self._Column(stream, slot)
-      back = tf.where(slot >= 0, self._Away0(column), column)
-      out.append(self._SetColumn(stream, slot, back))
+      column = self._Column(stream, k)
+      back = tf.where(k >= 0, self._Away0(column), column)
+      out.append(self._SetColumn(stream, k, back))
     return out
 
   def StartWriting(self, like):
     return [self._PlaceStream(tf.zeros(
-        [self._streams.num_slots] + x.shape.as_list(), x.dtype)) for x in like]
+        [self._streams.num_columns] + x.shape.as_list(), x.dtype))
+            for x in like]
 
   def Write(self, writing, iteration, outputs):
-    """The last stage's outputs into their slot's last entry, the column
+    """The last stage's outputs into their column's last entry, the column
     rotated towards stage 0 first."""
-    slot = self._At(self._streams.WriteSlots(), iteration)
+    k = self._At(self._streams.WriteColumns(), iteration)
     out = []
     for stream, o in zip(writing, outputs):
-      column = self._Column(stream, slot)
+      column = self._Column(stream, k)
       last = loop_io.IsStage(self._num_stages, self._num_stages - 1, o)
       written = tf.where(last, o, self._Toward0(column))
-      out.append(self._SetColumn(stream, slot,
-                                 tf.where(slot >= 0, written, column)))
+      out.append(self._SetColumn(stream, k,
+                                 tf.where(k >= 0, written, column)))
     return out
 
   def UndoWrite(self, writing, iteration):
     """The streams before Write at `iteration`: the entry written was
-    empty (zero) before, as every slot's first entry is."""
-    slot = self._At(self._streams.WriteSlots(), iteration)
+    empty (zero) before, as every column's first entry is."""
+    k = self._At(self._streams.WriteColumns(), iteration)
     out = []
     for stream in writing:
-      column = self._Column(stream, slot)
+      column = self._Column(stream, k)
       last = loop_io.IsStage(self._num_stages, self._num_stages - 1, column)
       back = self._Away0(tf.where(last, tf.zeros_like(column), column))
-      out.append(self._SetColumn(stream, slot,
-                                 tf.where(slot >= 0, back, column)))
+      out.append(self._SetColumn(stream, k,
+                                 tf.where(k >= 0, back, column)))
     return out
 
   def FinishWriting(self, writing, like):
-    """The written streams, each slot rotated home."""
+    """The written streams, each column rotated home."""
     del like
     return [self.Home(x) for x in writing]
 
   # -- The 1f1b backward wave.
 
-  def _GradientSlot(self, rows, stage, flag):
-    """The slot of the microbatch `stage` differentiates, -1 unless
-    rows.<flag>[stage]."""
-    k = self._streams.num_slots
-    return tf.where(getattr(rows, flag)[stage], rows.microbatch[stage] % k, -1)
+  def _GradientColumn(self, row, stage, flag):
+    """The column of the microbatch `stage` differentiates, -1 unless
+    row.<flag>[stage]."""
+    k = self._streams.num_columns
+    return tf.where(getattr(row, flag)[stage], row.microbatch[stage] % k, -1)
 
   def StartReadingGradients(self, d_native):
     return [self._PlaceStream(d) for d in d_native]
 
-  def ReadGradient(self, reading, rows):
+  def ReadGradient(self, reading, row):
     """(each leaf's [S, ...] column, the last stage's entry the output
     gradient it needs, reading with the column rotated first)."""
-    slot = self._GradientSlot(rows, -1, 'last_layer')
+    k = self._GradientColumn(row, -1, 'last_layer')
     d_out, new = [], []
     for stream in reading:
-      column = self._Column(stream, slot)
-      advanced = tf.where(slot >= 0, self._Toward0(column), column)
+      column = self._Column(stream, k)
+      advanced = tf.where(k >= 0, self._Toward0(column), column)
       d_out.append(advanced)
-      new.append(self._SetColumn(stream, slot, advanced))
+      new.append(self._SetColumn(stream, k, advanced))
     return d_out, new
 
   def StartWritingGradients(self, like):
     return self.StartWriting(like)
 
-  def WriteGradient(self, writing, rows, d_inputs):
-    """Stage 0's input gradient into its slot's first entry, the column
+  def WriteGradient(self, writing, row, d_inputs):
+    """Stage 0's input gradient into its column's first entry, the column
     then rotated towards stage 0."""
-    slot = self._GradientSlot(rows, 0, 'first_layer')
+    k = self._GradientColumn(row, 0, 'first_layer')
     out = []
     for stream, d in zip(writing, d_inputs):
-      column = self._Column(stream, slot)
+      column = self._Column(stream, k)
       first = loop_io.IsStage(self._num_stages, 0, d)
       written = self._Toward0(tf.where(first, d, column))
-      out.append(self._SetColumn(stream, slot,
-                                 tf.where(slot >= 0, written, column)))
+      out.append(self._SetColumn(stream, k,
+                                 tf.where(k >= 0, written, column)))
     return out
 
   def FinishWritingGradients(self, writing, like):

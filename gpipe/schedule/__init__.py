@@ -9,6 +9,12 @@ Notation: S = num_stages, M = num_microbatches, R = circular_repeat, T = number
 of loop iterations. At iteration `i`, stage `s` works on the microbatch that
 entered the pipeline `i - s` iterations earlier.
 
+Words, each with one meaning: a call is one stage's run of the body in one
+iteration, the (iteration, stage) pair (a bubble: a call on no microbatch);
+a row is what each stage does in one iteration (S StageWork), a table the
+rows of all iterations; a slot is only stage s's share of an [S, ...]
+tensor; a phase is iterations [begin, end) run as one loop.
+
 Linear schedule (R == 1): T = M + S - 1. Stage 0 reads microbatch `i` at
 iteration `i`; the buffer shifts one stage per iteration. S=3, M=4::
 
@@ -22,7 +28,7 @@ microbatches are cut into segments of S; each segment cycles through the S
 stages R times before the next one enters, so the buffer rotates (the last
 stage feeds stage 0) and stage 0 reads fresh input only in the first S
 iterations of every R * S block. A short last segment is padded, so
-T = R * ceil(M / S) * S + S - 1. S=2, M=3, R=2 (cells are microbatch/repeat)::
+T = R * ceil(M / S) * S + S - 1. S=2, M=3, R=2 (entries are microbatch/repeat)::
 
     iteration     0    1    2    3    4    5    6    7    8
     stage 0     0/0  1/0  0/1  1/1  2/0    .  2/1    .    .
@@ -31,30 +37,32 @@ T = R * ceil(M / S) * S + S - 1. S=2, M=3, R=2 (cells are microbatch/repeat)::
 The rotating buffer needs no storage beyond [S, ...]: a microbatch leaving the
 last stage at repeat r is exactly what stage 0 needs next, at repeat r + 1.
 
-As a command (gpipe.schedule.text), prints the schedule (and with --out
-draws it, see gpipe.schedule.plot):
+Besides this module, the package holds
+
+    text     the schedule as text; the `python -m gpipe.schedule` command
+    plot     the schedule drawn (the command's --out)
+    streams  where stream_io keeps each microbatch (Streams)
+
+none of which loads TensorFlow:
 
     python -m gpipe.schedule --num_stages 4 --num_microbatches 8 \
         --circular_repeat 2 --out schedule.png
-
-The command (`python -m gpipe.schedule`), whose modules load no
-TensorFlow:
-
-    text   the command line; a schedule printed as text
-    plot   a schedule drawn (--out)
 """
 
 import dataclasses
 import numbers
-from typing import Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 __all__ = [
     'Schedule',
     'Phase',
+    'StageWork',
     'OneFOneB',
+    'BackwardWork',
+    'GradientWork',
     'GradientPhase',
-    'Streams',
-    'ComputedSlots',
+    'ComputedCalls',
+    'FieldTables',
 ]
 
 # Step seeds one body call may draw (each py_utils.GenerateStepSeedPair takes
@@ -69,6 +77,37 @@ def _CeilDiv(a, b):
 def IsInteger(value):
   """A Python or NumPy integer, not a bool (which Python counts as one)."""
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _Field(dtype):
+  """A work's field whose [T, S] tensor has dtype `dtype` (a name)."""
+  return dataclasses.field(metadata={'dtype': dtype})
+
+
+@dataclasses.dataclass(frozen=True)
+class StageWork:
+  """What one stage does in one iteration, its call (Schedule.WorkAt).
+
+  Typed, not a dict: a misspelt field fails where the work is made, and
+  each field declares its tensor's dtype once, beside it, in its metadata
+  (no TensorFlow here; FieldTables hands the names on). The loops read
+  their work from those [T, S] tensors, a row per iteration, rather than
+  compute it in the graph (gpipe.pipeline.stage_step makes them).
+  """
+  microbatch: int = _Field('int32')  # clamped into [0, M) (a bubble's: any)
+  repeat: int = _Field('int32')  # its circular repeat
+  seed_offset: int = _Field('int64')  # StepSeedOffset: grows with L M
+  valid: bool = _Field('bool')  # False on a bubble
+  reads: bool = _Field('bool')  # takes a fresh microbatch (stage 0 only)
+
+
+def FieldTables(
+    rows: Sequence[Sequence[StageWork]]) -> Dict[str, Tuple[str, List[list]]]:
+  """{field: (dtype name, [T][S] values)} of rows of one kind of work (T
+  rows of S works): each field's table, for a tf.constant of that dtype."""
+  return {f.name: (f.metadata['dtype'],
+                   [[getattr(work, f.name) for work in row] for row in rows])
+          for f in dataclasses.fields(rows[0][0])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +165,7 @@ class Schedule:
 
   @property
   def bubble_fraction(self):
-    """Share of (iteration, stage) slots that do no useful work."""
+    """Share of the calls ((iteration, stage) pairs) that are bubbles."""
     useful = self.num_microbatches * self.circular_repeat
     return 1.0 - useful / self.num_iterations
 
@@ -188,18 +227,11 @@ class Schedule:
     """
     return (layer * self.num_microbatches + microbatch) * STEP_SEEDS_PER_CALL
 
-  def StageRow(self, iteration, stage):
-    """What `stage` does at `iteration` (Python ints), by name:
-
-        microbatch   its microbatch, clamped into [0, M) (bubbles: any)
-        repeat       its circular repeat
-        seed_offset  StepSeedOffset of its (layer, microbatch)
-        valid        False on bubbles
-        reads        whether it takes a fresh microbatch (stage 0 only)
-    """
+  def WorkAt(self, iteration, stage):
+    """What `stage` does at `iteration` (Python ints), a StageWork."""
     microbatch = min(max(self.MicrobatchId(iteration, stage), 0),
                      self.num_microbatches - 1)
-    return dict(
+    return StageWork(
         microbatch=microbatch,
         repeat=self.RepeatId(iteration, stage),
         seed_offset=self.StepSeedOffset(self.LayerId(iteration, stage),
@@ -207,18 +239,15 @@ class Schedule:
         valid=bool(self.IsValid(iteration, stage)),
         reads=stage == 0 and bool(self.StageZeroReadsInput(iteration)))
 
-  def StageTables(self):
-    """{name: [T][S] table} of StageRow: the loop reads a row of each per
-    iteration instead of computing it."""
-    rows = [[self.StageRow(i, s) for s in range(self.num_stages)]
+  def Rows(self) -> List[Tuple[StageWork, ...]]:
+    """The table: T rows of S StageWork, row i what iteration i runs."""
+    return [tuple(self.WorkAt(i, s) for s in range(self.num_stages))
             for i in range(self.num_iterations)]
-    return {name: [[cell[name] for cell in row] for row in rows]
-            for name in rows[0][0]}
 
   def Phases(self):
-    """Runs of iterations whose useful slots lie in fewer stages, as Phase.
+    """Runs of iterations whose useful calls lie in fewer stages, as Phase.
 
-    On one device every computed slot costs time, bubbles too. The first
+    On one device every computed call costs time, bubbles too. The first
     iterations only fill the pipeline from stage 0 and the last ones only
     drain it towards stage S - 1, so the loop computes those on the first
     (last) ceil(S / 2) stages alone; everything between on all S. Three
@@ -246,9 +275,9 @@ class Schedule:
               Phase(drain, t, s - half, half)]
     return [p for p in phases if p.end > p.begin]
 
-  def SlotsComputed(self, phases):
-    """(iteration, stage) slots the loop computes when run in `phases`."""
-    return len(ComputedSlots(phases))
+  def CallsComputed(self, phases):
+    """Calls ((iteration, stage) pairs) the loop computes run in `phases`."""
+    return len(ComputedCalls(phases))
 
   # -- Per microbatch quantities.
 
@@ -275,17 +304,15 @@ class Schedule:
 
   # -- Static index tables (Python lists) for padding and extraction.
 
-  def StateMicrobatchPerSlot(self):
-    """[T][S]: the microbatch whose per-stage state slot (i, s) holds.
+  def StateMicrobatchPerCall(self):
+    """[T][S]: the microbatch whose per-stage state call (i, s) reads.
 
-    Slot (i, s) is what stage s reads and writes at iteration i: the state
-    of the microbatch it works on then (any repeat); 0 on bubbles, whose
-    slots are never written.
+    Call (i, s) reads and writes the state of the microbatch stage s works
+    on at iteration i (any repeat); a bubble reads microbatch 0's and
+    writes nothing.
     """
-    return [[
-        self.MicrobatchId(i, s) if self.IsValid(i, s) else 0
-        for s in range(self.num_stages)
-    ] for i in range(self.num_iterations)]
+    return [[w.microbatch if w.valid else 0 for w in row]
+            for row in self.Rows()]
 
   def InputIndexPerIteration(self):
     """For each iteration, the microbatch stage 0 reads, or M for none."""
@@ -307,32 +334,54 @@ class Schedule:
 
   def Table(self):
     """[T][S] of (microbatch, repeat) tuples, or None on bubbles."""
-    rows = []
-    for i in range(self.num_iterations):
-      row = []
-      for s in range(self.num_stages):
-        if self.IsValid(i, s):
-          row.append((self.MicrobatchId(i, s), self.RepeatId(i, s)))
-        else:
-          row.append(None)
-      rows.append(row)
-    return rows
+    return [[(w.microbatch, w.repeat) if w.valid else None for w in row]
+            for row in self.Rows()]
 
 
-def ComputedSlots(phases: Sequence['Phase']) -> Set[Tuple[int, int]]:
-  """The (iteration, stage) slots the phases compute, as a set."""
+def ComputedCalls(phases: Sequence['Phase']) -> Set[Tuple[int, int]]:
+  """The calls ((iteration, stage) pairs) the phases compute, as a set."""
   return {(i, s) for p in phases for i in range(p.begin, p.end)
           for s in range(p.first_stage, p.first_stage + p.num_stages)}
 
 
+WAVES = ('forward', 'backward')
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardWork(StageWork):
+  """What one stage's backward wave does in one iteration of the 1f1b
+  gradient loop (OneFOneB.BackwardRows): the StageWork of the forward call
+  it differentiates (valid False on a bubble), and where to find that
+  call's input and which gradients are the layer's."""
+  iteration: int = _Field('int32')  # the call's forward iteration (bubble: 0)
+  ring_index: int = _Field('int32')  # where the forward wave put its input
+  last_layer: bool = _Field('bool')  # its output gradient is the layer's
+  first_layer: bool = _Field('bool')  # its input gradient is the layer's
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientWork:
+  """What one stage does in iteration j of the 1f1b gradient loop
+  (OneFOneB.Rows): each wave's work, None where that wave does not run in
+  j (a wave that runs may still hand the stage a bubble). Which waves an
+  iteration runs is read off these, so the phases follow from the table
+  rather than from flags of their own (OneFOneB.Phases)."""
+  forward: Optional[StageWork]
+  backward: Optional[BackwardWork]
+
+  @property
+  def waves(self) -> Tuple[str, ...]:
+    """The names of the waves that run, in WAVES order."""
+    return tuple(w for w in WAVES if getattr(self, w) is not None)
+
+
 @dataclasses.dataclass(frozen=True)
 class GradientPhase:
-  """Iterations [begin, end) of the 1f1b gradient loop and the waves they
-  run (OneFOneB.Phases)."""
+  """Iterations [begin, end) of the 1f1b gradient loop, which all run the
+  same waves (names from WAVES; OneFOneB.Phases)."""
   begin: int
   end: int
-  forward: bool
-  backward: bool
+  waves: Tuple[str, ...]
 
 
 class OneFOneB:
@@ -345,14 +394,14 @@ class OneFOneB:
                    stage pushes its input into its ring of `ring_size`;
     backward wave  each stage the backward of one layer call whose output
                    gradient has come back: stage s at backward step
-                   k = j - delay takes the forward slot (k, S - 1 - s)
+                   k = j - delay takes the forward call (k, S - 1 - s)
                    mirrored, i.e. its microbatch at repeat
                    R - 1 - RepeatId(k, S - 1 - s).
 
   With delay = R S - 1 the last layer's backward runs in the iteration that
   recomputes its forward, and every gradient reaches the layer before it
   one iteration later, one stage back (the last stage takes stage 0's, the
-  previous repeat). S=3, M=4 (cells: forward wave's microbatch, backward
+  previous repeat). S=3, M=4 (entries: forward wave's microbatch, backward
   wave's)::
 
       j            0   1   2   3   4   5   6   7
@@ -382,105 +431,66 @@ class OneFOneB:
     """Iterations of the gradient loop: T + delay."""
     return self.schedule.num_iterations + self.delay
 
+  def WorkAt(self, j, stage):
+    """What `stage` does in iteration j, a GradientWork: the forward wave
+    runs iteration j of the forward loop (j < T), the backward wave
+    backward step k = j - delay (0 <= k < T)."""
+    t, k = self.schedule.num_iterations, j - self.delay
+    return GradientWork(
+        forward=self.schedule.WorkAt(j, stage) if j < t else None,
+        backward=self.BackwardWorkAt(k, stage) if 0 <= k < t else None)
+
+  def Rows(self) -> List[Tuple[GradientWork, ...]]:
+    """The gradient loop's table: a row of S GradientWork per iteration."""
+    return [tuple(self.WorkAt(j, s) for s in range(self.schedule.num_stages))
+            for j in range(self.num_iterations)]
+
   def Phases(self):
-    """The loop's phases: forward wave only, both waves, backward only.
+    """The loop's phases: each run of iterations whose rows run the same
+    waves (forward wave only, both, backward only), from Rows.
 
     Each is a loop of its own, so that no iteration computes a wave that no
     stage needs (T > delay always: M >= 1 microbatch, padded to S when
     circular).
     """
-    t, d = self.schedule.num_iterations, self.delay
-    phases = [GradientPhase(0, d, True, False), GradientPhase(d, t, True, True),
-              GradientPhase(t, t + d, False, True)]
-    return [p for p in phases if p.end > p.begin]
+    phases = []
+    for j, row in enumerate(self.Rows()):
+      waves = tuple(w for w in WAVES if any(w in work.waves for work in row))
+      if phases and phases[-1].waves == waves:
+        phases[-1] = dataclasses.replace(phases[-1], end=j + 1)
+      else:
+        phases.append(GradientPhase(j, j + 1, waves))
+    return phases
 
-  def BackwardSlot(self, step, stage):
+  def BackwardIteration(self, k, stage):
     """The forward iteration whose call of `stage` the backward wave runs
-    at backward step `step` (iteration step + delay), or None on a bubble.
-    """
+    at backward step k (iteration k + delay), or None on a bubble."""
     sched = self.schedule
     mirror = sched.num_stages - 1 - stage
-    if not sched.IsValid(step, mirror):
+    if not sched.IsValid(k, mirror):
       return None
-    repeat = sched.circular_repeat - 1 - sched.RepeatId(step, mirror)
+    repeat = sched.circular_repeat - 1 - sched.RepeatId(k, mirror)
     layer = repeat * sched.num_stages + stage
-    return sched.LayerIteration(sched.MicrobatchId(step, mirror), layer)
+    return sched.LayerIteration(sched.MicrobatchId(k, mirror), layer)
 
-  def BackwardRow(self, step, stage):
-    """What `stage` does at backward step `step`, by name: the forward
-    StageRow of the call it differentiates, and
-
-        iteration   that call's forward iteration (0 on bubbles)
-        ring_slot   where the forward wave put its input
-        last_layer  its output gradient is the layer's (d outputs)
-        first_layer its input gradient is the layer's (d inputs)
-    """
+  def BackwardWorkAt(self, k, stage):
+    """What `stage`'s backward wave does at backward step k: BackwardWork."""
     sched = self.schedule
-    iteration = self.BackwardSlot(step, stage)
+    iteration = self.BackwardIteration(k, stage)
     valid = iteration is not None
     iteration = iteration if valid else 0
-    row = sched.StageRow(iteration, stage)
+    work = sched.WorkAt(iteration, stage)
     layer = sched.LayerId(iteration, stage)
-    row.update(
-        valid=valid and row['valid'], iteration=iteration,
-        ring_slot=iteration % self.ring_size,
+    return BackwardWork(
+        **dict(vars(work), valid=valid and work.valid), iteration=iteration,
+        ring_index=iteration % self.ring_size,
         last_layer=valid and layer == sched.num_layers - 1,
         first_layer=valid and layer == 0)
-    return row
 
-  def BackwardTables(self):
-    """{name: [T][S] table} of BackwardRow, one row per backward step."""
-    rows = [[self.BackwardRow(k, s) for s in range(self.schedule.num_stages)]
+  def BackwardRows(self) -> List[Tuple[BackwardWork, ...]]:
+    """The backward wave's table: a row of S BackwardWork per backward
+    step k, 0 <= k < T."""
+    return [tuple(self.BackwardWorkAt(k, s)
+                  for s in range(self.schedule.num_stages))
             for k in range(self.schedule.num_iterations)]
-    return {name: [[cell[name] for cell in row] for row in rows]
-            for name in rows[0][0]}
-
-
-class Streams:
-  """Where stream_io keeps each microbatch (gpipe.pipeline.streamed_io.StreamedIo).
-
-  A stream holds the [M, ...] inputs (outputs, their gradients) split over
-  the stages: stage s keeps microbatches s K .. s K + K - 1 in its K =
-  ceil(M / S) slots, slot k holding microbatches k, K + k, 2 K + k, ...
-  from stage 0 up. The pipeline takes them in order at stage 0 (and gives
-  them back in order at the last stage) by rotating one slot's column of
-  [S] entries by one stage at a time.
-  """
-
-  def __init__(self, schedule: 'Schedule'):
-    self.schedule = schedule
-
-  @property
-  def num_slots(self):
-    """K: microbatches each stage keeps."""
-    return _CeilDiv(self.schedule.num_microbatches, self.schedule.num_stages)
-
-  @property
-  def padded_microbatches(self):
-    """S K: the stream's microbatch rows, padded past M."""
-    return self.num_slots * self.schedule.num_stages
-
-  def Slot(self, microbatch):
-    return microbatch % self.num_slots
-
-  def WritesPerSlot(self, slot):
-    """How many of the M microbatches slot `slot` holds."""
-    return len(range(slot, self.schedule.num_microbatches, self.num_slots))
-
-  def FixupShifts(self):
-    """Per slot, the extra rotations a written stream needs at the end:
-    a slot written n < S times sits n places short of its home."""
-    s = self.schedule.num_stages
-    return [(s - self.WritesPerSlot(k)) % s for k in range(self.num_slots)]
-
-  def ReadSlots(self):
-    """Per forward iteration, the slot stage 0 reads (-1: none)."""
-    return [-1 if m == self.schedule.num_microbatches else self.Slot(m)
-            for m in self.schedule.InputIndexPerIteration()]
-
-  def WriteSlots(self):
-    """Per forward iteration, the slot the last stage's output goes to
-    (-1: none)."""
-    return [-1 if m < 0 else self.Slot(m)
-            for m in self.schedule.OutputIndexPerIteration()]
 

@@ -20,16 +20,16 @@ def CellLabels(schedule):
   table = schedule.Table()
   labels = []
   for stage in range(schedule.num_stages):
-    row = []
+    line = []
     for iteration in range(schedule.num_iterations):
-      cell = table[iteration][stage]
-      if cell is None:
-        row.append(None)
+      entry = table[iteration][stage]
+      if entry is None:
+        line.append(None)
       elif schedule.circular:
-        row.append(f'{cell[0]}/{cell[1]}')
+        line.append(f'{entry[0]}/{entry[1]}')
       else:
-        row.append(str(cell[0]))
-    labels.append(row)
+        line.append(str(entry[0]))
+    labels.append(line)
   return labels
 
 
@@ -91,16 +91,16 @@ def Figure(schedule):
   colors = pyplot.get_cmap('tab20')
   for stage in range(s_count):
     for iteration in range(t_count):
-      cell = table[iteration][stage]
+      entry = table[iteration][stage]
       y = s_count - 1 - stage
-      if cell is None:
+      if entry is None:
         ax.add_patch(
             pyplot.Rectangle((iteration, y), 1, 1, facecolor='0.9',
                              edgecolor='0.6', hatch='///', linewidth=0.5))
         continue
       ax.add_patch(
           pyplot.Rectangle((iteration, y), 1, 1,
-                           facecolor=colors(cell[0] % 20), edgecolor='white',
+                           facecolor=colors(entry[0] % 20), edgecolor='white',
                            linewidth=1.0))
       ax.text(iteration + 0.5, y + 0.5, labels[stage][iteration],
               ha='center', va='center', fontsize=8)

@@ -16,57 +16,51 @@ from gpipe import schedule as schedule_lib
 
 
 def Render(schedule, phases=None):
-  """A text diagram of the schedule, one row per stage ('.' a bubble;
+  """A text diagram of the schedule, one line per stage ('.' a bubble;
   with `phases`, '-' a bubble the loop does not compute)."""
-  cells = schedule.Table()
-  computed = schedule_lib.ComputedSlots(phases or [schedule_lib.Phase(
+  table = schedule.Table()
+  computed = schedule_lib.ComputedCalls(phases or [schedule_lib.Phase(
       0, schedule.num_iterations, 0, schedule.num_stages)])
   width = 5 if schedule.circular else 3
   lines = ['iteration ' + ''.join(f'{i:>{width}}' for i in
                                   range(schedule.num_iterations))]
   for s in range(schedule.num_stages):
-    row = []
+    line = []
     for i in range(schedule.num_iterations):
-      cell = cells[i][s]
-      if cell is None:
+      entry = table[i][s]
+      if entry is None:
         text = '.' if (i, s) in computed else '-'
       elif schedule.circular:
-        text = f'{cell[0]}/{cell[1]}'
+        text = f'{entry[0]}/{entry[1]}'
       else:
-        text = str(cell[0])
-      row.append(f'{text:>{width}}')
-    lines.append(f'stage {s:<4}' + ''.join(row))
+        text = str(entry[0])
+      line.append(f'{text:>{width}}')
+    lines.append(f'stage {s:<4}' + ''.join(line))
   return '\n'.join(lines)
 
 
 def RenderGradientLoop(schedule):
-  """The 1f1b gradient loop (schedule_lib.OneFOneB) as text, one row per
-  stage: 'f,b' is the forward wave's microbatch and the backward wave's
-  ('microbatch/repeat' when circular), '.' where a wave idles."""
-  waves = schedule_lib.OneFOneB(schedule)
-  t = schedule.num_iterations
+  """The 1f1b gradient loop (schedule_lib.OneFOneB.Rows) as text, one line
+  per stage: 'f,b' is the forward wave's microbatch and the backward wave's
+  ('microbatch/repeat' when circular), '.' where a wave idles (a bubble,
+  or an iteration the wave does not run in)."""
+  loop = schedule_lib.OneFOneB(schedule)
 
-  def Cell(microbatch, repeat):
-    return f'{microbatch}/{repeat}' if schedule.circular else str(microbatch)
+  def Text(work):
+    if work is None or not work.valid:
+      return '.'
+    if schedule.circular:
+      return f'{work.microbatch}/{work.repeat}'
+    return str(work.microbatch)
 
-  cells = []
-  for s in range(schedule.num_stages):
-    row = []
-    for j in range(waves.num_iterations):
-      forward = backward = '.'
-      if j < t and schedule.IsValid(j, s):
-        forward = Cell(schedule.MicrobatchId(j, s), schedule.RepeatId(j, s))
-      if 0 <= j - waves.delay < t:
-        b = waves.BackwardRow(j - waves.delay, s)
-        if b['valid']:
-          backward = Cell(b['microbatch'], b['repeat'])
-      row.append(f'{forward},{backward}')
-    cells.append(row)
-  width = 1 + max(len(c) for row in cells for c in row)
+  rows = loop.Rows()
+  texts = [[f'{Text(row[s].forward)},{Text(row[s].backward)}' for row in rows]
+           for s in range(schedule.num_stages)]
+  width = 1 + max(len(text) for line in texts for text in line)
   lines = ['j         ' + ''.join(
-      f'{j:>{width}}' for j in range(waves.num_iterations))]
-  lines += [f'stage {s:<4}' + ''.join(f'{c:>{width}}' for c in row)
-            for s, row in enumerate(cells)]
+      f'{j:>{width}}' for j in range(loop.num_iterations))]
+  lines += [f'stage {s:<4}' + ''.join(f'{text:>{width}}' for text in line)
+            for s, line in enumerate(texts)]
   return '\n'.join(lines)
 
 
@@ -89,10 +83,10 @@ def Summary(schedule):
 def PhasesSummary(schedule):
   """What skip_bubbles runs on one device (Schedule.Phases), as text."""
   phases = schedule.Phases()
-  slots = schedule.num_iterations * schedule.num_stages
-  computed = schedule.SlotsComputed(phases)
+  calls = schedule.num_iterations * schedule.num_stages
+  computed = schedule.CallsComputed(phases)
   lines = [f'skip_bubbles (one device): {len(phases)} loop(s), '
-           f'{computed} of {slots} slots computed ({computed / slots:.0%})']
+           f'{computed} of {calls} calls computed ({computed / calls:.0%})']
   for p in phases:
     last = p.first_stage + p.num_stages - 1
     lines.append(f'  iterations {p.begin}-{p.end - 1}: stages '
@@ -102,13 +96,12 @@ def PhasesSummary(schedule):
 
 def GradientLoopSummary(schedule):
   """What backward_schedule='1f1b' runs for the backward pass, as text."""
-  waves = schedule_lib.OneFOneB(schedule)
-  lines = [f"backward_schedule='1f1b': {waves.num_iterations} gradient-loop "
-           f'iterations, each stage keeping a ring of {waves.ring_size} stage '
+  loop = schedule_lib.OneFOneB(schedule)
+  lines = [f"backward_schedule='1f1b': {loop.num_iterations} gradient-loop "
+           f'iterations, each stage keeping a ring of {loop.ring_size} stage '
            'inputs']
-  for p in waves.Phases():
-    what = ('both waves' if p.forward and p.backward else
-            'forward wave' if p.forward else 'backward wave')
+  for p in loop.Phases():
+    what = 'both waves' if len(p.waves) == 2 else f'{p.waves[0]} wave'
     lines.append(f'  iterations {p.begin}-{p.end - 1}: {what}')
   return '\n'.join(lines)
 

@@ -153,38 +153,38 @@ def test_a_bad_value_names_the_param():
 # -- Compiled() on its own: a loop filling a TensorList. ----------------------
 
 
-def _FillRows(x, allowed):
-  """Row t of the result: x * t, summed into a carry too."""
+def _FillEntries(x, allowed):
+  """Entry t of the result: x * t, summed into a carry too."""
 
-  def Body(t, total, rows):
+  def Body(t, total, entries):
     value = x * tf.cast(t, x.dtype)
-    return t + 1, total + value, tensor_lists.SetRow(rows, t, value)
+    return t + 1, total + value, tensor_lists.SetEntry(entries, t, value)
 
   with compiled_loops.Allowed(allowed):
-    _, total, rows = while_loops.WhileLoop(
+    _, total, entries = while_loops.WhileLoop(
         Body, [tf.constant(0), tf.zeros_like(x),
                tensor_lists.Reserve(x, 5)], 5)
-  return total, tensor_lists.Stack(rows, x, 5)
+  return total, tensor_lists.Stack(entries, x, 5)
 
 
 @pytest.mark.parametrize('allowed', [True, False])
 def test_a_loop_and_its_list_compiled_or_not(allowed):
   x_np = np.arange(6, dtype=np.float32).reshape(2, 3)
   with tf.Graph().as_default() as graph:
-    total, rows = _FillRows(tf.constant(x_np), allowed)
+    total, entries = _FillEntries(tf.constant(x_np), allowed)
     assert len(_CompiledCalls(graph)) == (1 if allowed else 0)
     with tf.compat.v1.Session() as sess:
-      total, rows = sess.run([total, rows])
-  expected_rows = np.stack([x_np * t for t in range(5)])
-  np.testing.assert_array_equal(rows, expected_rows)
-  np.testing.assert_array_equal(total, expected_rows.sum(0))
+      total, entries = sess.run([total, entries])
+  expected_entries = np.stack([x_np * t for t in range(5)])
+  np.testing.assert_array_equal(entries, expected_entries)
+  np.testing.assert_array_equal(total, expected_entries.sum(0))
 
 
 def test_a_loop_of_dynamic_shape_runs_op_by_op():
   """XLA would take the fed shape for a constant of the computation."""
   with tf.Graph().as_default() as graph:
     x = tf.compat.v1.placeholder(tf.float32, [None, 3])
-    total, _ = _FillRows(x, True)
+    total, _ = _FillEntries(x, True)
     assert not _CompiledCalls(graph)
     with tf.compat.v1.Session() as sess:
       got = sess.run(total, {x: np.ones([4, 3], np.float32)})

@@ -15,11 +15,11 @@ from gpipe import recurrent
 from gpipe.loops import deferred_dots
 from tests import close
 
-S, B, D, F, T = 2, 2, 16, 32, 5  # stages, rows, widths, iterations
+S, B, D, F, T = 2, 2, 16, 32, 5  # stages, examples, widths, iterations
 
 
 def _Cell(theta, state, x):
-  """A pipeline-like cell: S stages of a residual MLP on B rows each, its
+  """A pipeline-like cell: S stages of a residual MLP on B examples each, its
   weights read by an einsum, a batch matmul and a bias add."""
   h = state + x
   act = tf.tanh(tf.einsum('sbd,sdf->sbf', h, theta['w1']) + theta['b'])
@@ -108,18 +108,18 @@ def test_deferred_gradients_equal_the_unrolled_loop(mode, policy,
   close.AssertClose(deferred, reference, close.FLOAT32, f'{mode} {policy}')
 
 
-_ROWS = 2
+_EXAMPLES = 2
 # (name, operand shapes, op): each op's gradient-like result of one iteration.
 _FORMS = [
-    ('einsum', ([_ROWS, D], [_ROWS, F]),
+    ('einsum', ([_EXAMPLES, D], [_EXAMPLES, F]),
      lambda a, b: tf.einsum('rd,rf->df', a, b)),
-    ('matmul-transpose_a', ([_ROWS, D], [_ROWS, F]),
+    ('matmul-transpose_a', ([_EXAMPLES, D], [_EXAMPLES, F]),
      lambda a, b: tf.matmul(a, b, transpose_a=True)),
-    ('matmul-transpose_b', ([D, _ROWS], [F, _ROWS]),
+    ('matmul-transpose_b', ([D, _EXAMPLES], [F, _EXAMPLES]),
      lambda a, b: tf.matmul(a, b, transpose_b=True)),
-    ('batch_matmul-adjoint_a', ([S, _ROWS, D], [S, _ROWS, F]),
+    ('batch_matmul-adjoint_a', ([S, _EXAMPLES, D], [S, _EXAMPLES, F]),
      lambda a, b: tf.linalg.matmul(a, b, adjoint_a=True)),
-    ('batch_matmul-identity', ([S, D, _ROWS], [S, _ROWS, F]),
+    ('batch_matmul-identity', ([S, D, _EXAMPLES], [S, _EXAMPLES, F]),
      lambda a, b: tf.identity(tf.linalg.matmul(a, b))),
 ]
 
@@ -147,19 +147,19 @@ def test_the_contraction_is_the_sum_over_iterations(shapes, op):
 
 
 @pytest.mark.parametrize('shapes, op, per_iteration', [
-    # Many rows: the operands of all iterations would cost more than the
+    # Many examples: the operands of all iterations would cost more than the
     # accumulation saves.
     (([64, D], [64, F]), lambda a, b: tf.einsum('rd,rf->df', a, b), 'ab'),
     # An operand the same every iteration (a weight): nothing to stack.
-    (([_ROWS, D], [_ROWS, F]), lambda a, b: tf.einsum('rd,rf->df', a, b),
+    (([_EXAMPLES, D], [_EXAMPLES, F]), lambda a, b: tf.einsum('rd,rf->df', a, b),
      'b'),
     # Broadcast batch dims, ellipses, and what is not a dot.
-    (([1, _ROWS, D], [S, _ROWS, F]),
+    (([1, _EXAMPLES, D], [S, _EXAMPLES, F]),
      lambda a, b: tf.linalg.matmul(a, b, adjoint_a=True), 'ab'),
-    (([S, _ROWS, D], [S, _ROWS, F]),
+    (([S, _EXAMPLES, D], [S, _EXAMPLES, F]),
      lambda a, b: tf.einsum('...rd,...rf->...df', a, b), 'ab'),
     (([D, F], [D, F]), tf.add, 'ab'),
-], ids=['many-rows', 'weight-operand', 'broadcast', 'ellipsis', 'add'])
+], ids=['many-examples', 'weight-operand', 'broadcast', 'ellipsis', 'add'])
 def test_what_is_not_deferred(shapes, op, per_iteration):
   grad, a, b = _Traced(shapes, op)
   names = {t.name for t, key in ((a, 'a'), (b, 'b')) if key in per_iteration}

@@ -249,7 +249,7 @@ def test_the_fill_and_drain_compute_only_the_stages_with_work(s, m, r):
         sess.run(y)
         counts[skip] = len(_CountingBody.calls)
   assert counts[False] == s * sched.num_iterations
-  computed = sched.SlotsComputed(sched.Phases())
+  computed = sched.CallsComputed(sched.Phases())
   assert counts[True] == computed < counts[False], (counts, computed)
   if (s, m, r) == (4, 4, 1):
     assert computed == 20

@@ -62,7 +62,7 @@ def _RecordedLogs(s_count, m_count, r_count):
         name='pipe', num_stages=s_count, num_microbatches=m_count,
         circular_repeat=r_count, unroll='never',
         single_stage_body=RecorderBody.Params()).Instantiate()
-    # Microbatch m holds rows m, m + M, ... (gpipe.microbatch).
+    # Microbatch m holds examples m, m + M, ... (gpipe.microbatch).
     tag = tf.constant(np.arange(batch) % m_count, tf.float32)
     out = layer.FProp(layer.theta, tf.ones([batch, 2]), tag=tag)
     with tf.compat.v1.Session() as sess:
@@ -298,7 +298,7 @@ def test_skip_bubbles_shows_the_loops_and_the_bubbles_left_out(capsys):
   assert schedule_text.main(['--num_stages', '4', '--num_microbatches', '4',
                             '--skip_bubbles']) == 0
   text = capsys.readouterr().out
-  assert ('skip_bubbles (one device): 3 loop(s), 20 of 28 slots computed '
+  assert ('skip_bubbles (one device): 3 loop(s), 20 of 28 calls computed '
           '(71%)\n  iterations 0-1: stages 0-1\n  iterations 2-4: stages '
           '0-3\n  iterations 5-6: stages 2-3\n') in text
   assert ('stage 0     0  1  2  3  .  -  -\n'

@@ -2,9 +2,10 @@
 
 The forward loop's phases (which stages each run of iterations computes:
 skip_bubbles), the 1f1b gradient loop (OneFOneB: its backward wave, by the
-rule its docstring states over the simulator's forward slots, its phases
-and diagram) and stream_io's slots (Streams, simulated with Python lists by
-the rules gpipe.schedule.Streams documents). The simulator is schedule_reference.py's.
+rule its docstring states over the simulator's forward calls, its phases
+and diagram) and stream_io's columns (gpipe.schedule.streams.Streams,
+simulated with Python lists by the rules it documents). The simulator is
+schedule_reference.py's.
 """
 
 import pytest
@@ -13,6 +14,7 @@ from gpipe.schedule import text as schedule_text
 from tests.schedule import schedule_reference
 
 schedule = schedule_reference.schedule
+streams_lib = schedule_reference.streams
 Schedule = schedule.Schedule
 _Simulate = schedule_reference.Simulate
 
@@ -21,9 +23,9 @@ _PHASE_SWEEP = [(s, m, r) for s in range(1, 7) for m in (1, 2, 3, 5, 8, 13)
                 for r in (1, 2, 3)]
 
 
-def _PhasesTileTheLoopAndHoldEveryUsefulSlot(s, m, r):
+def _PhasesTileTheLoopAndHoldEveryUsefulCall(s, m, r):
   """Phases: consecutive runs covering [0, T); each computes a range of
-  ceil(S/2) or S stages holding every valid slot of its iterations; at
+  ceil(S/2) or S stages holding every valid call of its iterations; at
   most three, the narrow ones first and last."""
   sched = Schedule(s, m, r)
   table = _Simulate(s, m, r).table
@@ -58,7 +60,7 @@ def test_phases_hand_worked():
   assert Schedule(3, 1).Phases() == [P(0, 2, 0, 2), P(2, 3, 1, 2)]
 
 
-# -- The 1f1b gradient loop (OneFOneB) and stream_io's slots (Streams). -------
+# -- The 1f1b gradient loop (OneFOneB) and stream_io's columns (Streams). -----
 
 _ONE_F_ONE_B_DOC_DIAGRAM = """\
 j            0   1   2   3   4   5   6   7
@@ -69,10 +71,10 @@ stage 2    .,. .,. 0,0 1,1 2,2 3,3 .,. .,."""
 
 def _ExpectedBackward(s, m, r):
   """{(microbatch, layer): gradient-loop iteration} from the rule the
-  OneFOneB docstring states, over the simulator's forward slots: the last
+  OneFOneB docstring states, over the simulator's forward calls: the last
   layer's backward in the iteration that runs its forward, each earlier
   layer's one iteration after the layer above it."""
-  done = _Simulate(s, m, r).slots
+  done = _Simulate(s, m, r).calls
   num_layers = s * r
   return {(mb, l): done[(mb, num_layers - 1)][0] + (num_layers - 1 - l)
           for (mb, l) in done}
@@ -85,43 +87,51 @@ def _BackwardWaveRunsEveryCallOnceByTheRule(s, m, r):
   in the ring fewer than ring_size iterations; bubbles read nothing."""
   sched = Schedule(s, m, r)
   waves = schedule.OneFOneB(sched)
-  done = _Simulate(s, m, r).slots
+  done = _Simulate(s, m, r).calls
   expected = _ExpectedBackward(s, m, r)
-  tables = waves.BackwardTables()
+  rows = waves.BackwardRows()
+  assert len(rows) == sched.num_iterations
   seen = {}
   for k in range(sched.num_iterations):
     for stage in range(s):
-      if not tables['valid'][k][stage]:
+      work = rows[k][stage]
+      if not work.valid:
         continue
-      mb = tables['microbatch'][k][stage]
-      layer = tables['repeat'][k][stage] * s + stage
+      mb = work.microbatch
+      layer = work.repeat * s + stage
       assert (mb, layer) not in seen, (mb, layer)
       j = k + waves.delay
       seen[(mb, layer)] = j
       forward_iteration, forward_stage = done[(mb, layer)]
       assert forward_stage == stage
-      assert tables['iteration'][k][stage] == forward_iteration
+      assert work.iteration == forward_iteration
       assert 0 <= j - forward_iteration < waves.ring_size
-      assert tables['ring_slot'][k][stage] == (forward_iteration %
-                                               waves.ring_size)
-      assert tables['last_layer'][k][stage] == (layer == s * r - 1)
-      assert tables['first_layer'][k][stage] == (layer == 0)
-      assert tables['seed_offset'][k][stage] == sched.StepSeedOffset(layer, mb)
+      assert work.ring_index == forward_iteration % waves.ring_size
+      assert work.last_layer == (layer == s * r - 1)
+      assert work.first_layer == (layer == 0)
+      assert work.seed_offset == sched.StepSeedOffset(layer, mb)
   assert seen == expected
   assert waves.ring_size == 2 * s * r - 1
 
 
 def _GradientPhasesHoldBothWaves(s, m, r):
   """The phases tile the gradient loop; the forward wave runs exactly in
-  [0, T), the backward wave in [delay, delay + T)."""
+  [0, T), the backward wave in [delay, delay + T), in every stage of the
+  rows, whose waves are their phase's."""
   sched = Schedule(s, m, r)
   waves = schedule.OneFOneB(sched)
   phases = waves.Phases()
   assert phases[0].begin == 0 and phases[-1].end == waves.num_iterations
   for before, after in zip(phases, phases[1:]):
     assert before.end == after.begin
-  forward = {j for p in phases if p.forward for j in range(p.begin, p.end)}
-  backward = {j for p in phases if p.backward for j in range(p.begin, p.end)}
+  rows = waves.Rows()
+  for p in phases:
+    assert all(work.waves == p.waves for row in rows[p.begin:p.end]
+               for work in row), p
+  forward = {j for p in phases if 'forward' in p.waves
+             for j in range(p.begin, p.end)}
+  backward = {j for p in phases if 'backward' in p.waves
+              for j in range(p.begin, p.end)}
   assert forward == set(range(sched.num_iterations))
   assert backward == set(range(waves.delay, waves.num_iterations))
   assert waves.num_iterations == sched.num_iterations + s * r - 1
@@ -145,18 +155,19 @@ def _Rotate(column):
 
 
 def _StreamsDeliverInOrderAndEndHome(s, m, r):
-  """Simulated with Python lists, by the rules gpipe.schedule.Streams documents:
-  stage 0 reads a slot's entry at stage 0, then the slot's column rotates;
-  the last stage's output goes to a slot's last entry after its column
-  rotates; output gradients are read at the last stage after a rotation;
+  """Simulated with Python lists, by the rules gpipe.schedule.streams
+  documents: stage 0 reads a column's entry at stage 0, then the column
+  rotates; the last stage's output goes to a column's last entry after the
+  column rotates; output gradients are read at the last stage after a rotation;
   input gradients are written at stage 0, then the column rotates. Reads
   come in microbatch order; written streams, after FixupShifts more
   rotations, hold microbatch s K + k at [s][k]."""
   sched = Schedule(s, m, r)
-  streams = schedule.Streams(sched)
-  k_slots = streams.num_slots
-  assert streams.padded_microbatches == s * k_slots >= m > s * (k_slots - 1)
-  home = [[st * k_slots + k for k in range(k_slots)] for st in range(s)]
+  streams = streams_lib.Streams(sched)
+  k_columns = streams.num_columns
+  assert (streams.padded_microbatches == s * k_columns >= m >
+          s * (k_columns - 1))
+  home = [[st * k_columns + k for k in range(k_columns)] for st in range(s)]
 
   def Column(stream, k):
     return [stream[st][k] for st in range(s)]
@@ -178,14 +189,14 @@ def _StreamsDeliverInOrderAndEndHome(s, m, r):
   # Inputs, read at stage 0 in the forward schedule's order.
   stream = [list(row) for row in home]
   reads = []
-  for k in streams.ReadSlots():
+  for k in streams.ReadColumns():
     if k >= 0:
       reads.append(stream[0][k])
       SetColumn(stream, k, _Rotate(Column(stream, k)))
   assert reads == list(range(m))
   # Outputs, written at the last stage.
-  stream = [[None] * k_slots for _ in range(s)]
-  for i, k in enumerate(streams.WriteSlots()):
+  stream = [[None] * k_columns for _ in range(s)]
+  for i, k in enumerate(streams.WriteColumns()):
     if k >= 0:
       column = _Rotate(Column(stream, k))
       column[-1] = sched.OutputIndexPerIteration()[i]
@@ -193,19 +204,19 @@ def _StreamsDeliverInOrderAndEndHome(s, m, r):
   assert Home(stream) == expected
   # Backward wave: output gradients read at the last stage, input
   # gradients written at stage 0.
-  tables = schedule.OneFOneB(sched).BackwardTables()
+  rows = schedule.OneFOneB(sched).BackwardRows()
   d_out = [list(row) for row in home]
-  d_in = [[None] * k_slots for _ in range(s)]
+  d_in = [[None] * k_columns for _ in range(s)]
   read_order, write_order = [], []
-  for step in range(sched.num_iterations):
-    if tables['last_layer'][step][s - 1]:
-      k = streams.Slot(tables['microbatch'][step][s - 1])
+  for row in rows:
+    if row[s - 1].last_layer:
+      k = streams.Column(row[s - 1].microbatch)
       SetColumn(d_out, k, _Rotate(Column(d_out, k)))
       read_order.append(d_out[s - 1][k])
-    if tables['first_layer'][step][0]:
-      mb = tables['microbatch'][step][0]
+    if row[0].first_layer:
+      mb = row[0].microbatch
       write_order.append(mb)
-      k = streams.Slot(mb)
+      k = streams.Column(mb)
       d_in[0][k] = mb
       SetColumn(d_in, k, _Rotate(Column(d_in, k)))
   assert read_order == list(range(m)) == write_order
@@ -214,9 +225,9 @@ def _StreamsDeliverInOrderAndEndHome(s, m, r):
 
 @pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
 def test_the_loops_follow_their_rules(s, m, r):
-  """The forward phases, the 1f1b gradient loop and stream_io's slots on
+  """The forward phases, the 1f1b gradient loop and stream_io's columns on
   one (S, M, R): one test per row, not one per row and check."""
-  _PhasesTileTheLoopAndHoldEveryUsefulSlot(s, m, r)
+  _PhasesTileTheLoopAndHoldEveryUsefulCall(s, m, r)
   _BackwardWaveRunsEveryCallOnceByTheRule(s, m, r)
   _GradientPhasesHoldBothWaves(s, m, r)
   _StreamsDeliverInOrderAndEndHome(s, m, r)

@@ -1,7 +1,8 @@
 """The independent reference of gpipe.schedule's tests: an event simulator.
 
 gpipe/schedule/__init__.py is loaded straight from its file under a private
-module name (`schedule` here): `import gpipe` would run gpipe/__init__.py,
+module name (`schedule` here), and so is gpipe/schedule/streams.py
+(`streams`): `import gpipe` would run gpipe/__init__.py,
 which imports TensorFlow, and the schedule arithmetic must neither need nor
 build a graph (TF_LOADED_BEFORE and TF_LOADED_AFTER say whether TensorFlow
 was loaded before and after the load).
@@ -16,7 +17,7 @@ schedule's docstring:
   * stage 0 reads fresh input only in the first S iterations of every R * S
     block (R == 1: every iteration), taking microbatches in order;
   * circular (R > 1): the last segment of S is padded with phantom
-    microbatches, which occupy slots but do no useful work.
+    microbatches, whose calls do no useful work (bubbles).
 
 Nothing in the simulator uses the closed-form formulas of
 gpipe/schedule/__init__.py.
@@ -29,12 +30,19 @@ import sys
 
 SCHEDULE_PATH = (pathlib.Path(__file__).resolve().parents[2] / 'gpipe' /
                  'schedule' / '__init__.py')
+STREAMS_PATH = SCHEDULE_PATH.with_name('streams.py')
+
+
+def _Load(name, path):
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
 
 TF_LOADED_BEFORE = 'tensorflow' in sys.modules
-_spec = importlib.util.spec_from_file_location('_gpipe_schedule_under_test',
-                                               SCHEDULE_PATH)
-schedule = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(schedule)
+schedule = _Load('_gpipe_schedule_under_test', SCHEDULE_PATH)
+streams = _Load('_gpipe_schedule_streams_under_test', STREAMS_PATH)
 TF_LOADED_AFTER = 'tensorflow' in sys.modules
 
 
@@ -47,19 +55,19 @@ class SimResult:
     output_iteration: per real microbatch, iteration it left the last layer.
     input_index: per iteration, the real microbatch stage 0 read, else M.
     reads_input: per iteration, whether stage 0 took fresh input.
-    useful_slots: number of (iteration, stage) slots doing real work.
-    slots: {(microbatch, layer): (iteration, stage)} of the real work.
+    useful_calls: number of calls ((iteration, stage) pairs) doing real work.
+    calls: {(microbatch, layer): (iteration, stage)} of the real work.
   """
 
   def __init__(self, table, input_iteration, output_iteration, input_index,
-               reads_input, useful_slots, slots):
-    self.slots = slots
+               reads_input, useful_calls, calls):
+    self.calls = calls
     self.table = table
     self.input_iteration = input_iteration
     self.output_iteration = output_iteration
     self.input_index = input_index
     self.reads_input = reads_input
-    self.useful_slots = useful_slots
+    self.useful_calls = useful_calls
 
   @property
   def num_iterations(self):
@@ -130,10 +138,10 @@ def Simulate(num_stages, num_microbatches, circular_repeat):
   for mb in range(m):
     for l in range(1, num_layers):
       assert done[(mb, l)][0] == done[(mb, l - 1)][0] + 1, (mb, l)
-  # No stage ever holds two things: each row has S cells, and every
-  # (iteration, stage) slot was claimed at most once.
-  slots = list(done.values())
-  assert len(slots) == len(set(slots))
+  # No stage ever holds two things: each row has S entries, and every
+  # call (iteration, stage) was claimed at most once.
+  calls = list(done.values())
+  assert len(calls) == len(set(calls))
   input_iteration = [done[(mb, 0)][0] for mb in range(m)]
   assert input_iteration == sorted(input_iteration)  # Enter in order.
   output_iteration = [done[(mb, num_layers - 1)][0] for mb in range(m)]

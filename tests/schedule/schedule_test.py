@@ -4,12 +4,12 @@ The reference is schedule_reference.py's simulator, which pushes
 microbatches through a rotating buffer of S stages one iteration at a time
 by the rules the schedule's docstring states (nothing in it uses the
 schedule's closed forms). Checked here: the module is TF free; the
-simulator reproduces the hand-worked examples; Schedule's table, per-slot,
+simulator reproduces the hand-worked examples; Schedule's table, per-call,
 per-stage and per-microbatch functions against the simulator over a sweep
 of S, M and R, on ints, NumPy grids and values that reject anything a
 tensor would not do; the closed forms the docstring states; its diagrams;
 parameter validation. The forward loop's phases, the 1f1b gradient loop
-and stream_io's slots are in schedule_loops_test.py.
+and stream_io's columns are in schedule_loops_test.py.
 """
 
 import ast
@@ -175,11 +175,15 @@ def test_loading_schedule_does_not_import_tensorflow():
     assert not schedule_reference.TF_LOADED_AFTER
   code = (
       'import importlib.util, sys\n'
-      'spec = importlib.util.spec_from_file_location(\n'
-      f'    "s", {str(schedule_reference.SCHEDULE_PATH)!r})\n'
-      'mod = importlib.util.module_from_spec(spec)\n'
-      'spec.loader.exec_module(mod)\n'
-      'mod.OneFOneB(mod.Schedule(3, 5, 2)).BackwardTables()\n'
+      'def Load(name, path):\n'
+      '  spec = importlib.util.spec_from_file_location(name, path)\n'
+      '  mod = importlib.util.module_from_spec(spec)\n'
+      '  spec.loader.exec_module(mod)\n'
+      '  return mod\n'
+      f'mod = Load("s", {str(schedule_reference.SCHEDULE_PATH)!r})\n'
+      f'streams = Load("t", {str(schedule_reference.STREAMS_PATH)!r})\n'
+      'mod.FieldTables(mod.OneFOneB(mod.Schedule(3, 5, 2)).BackwardRows())\n'
+      'streams.Streams(mod.Schedule(3, 5, 2)).WriteColumns()\n'
       'assert "tensorflow" not in sys.modules, "tensorflow imported"\n'
       'assert "gpipe" not in sys.modules, "gpipe package imported"\n')
   # -S: no site-packages, whose start-up .pth imports gpipe (tools/install.py):
@@ -210,6 +214,10 @@ def test_schedule_imports_only_the_standard_library_at_module_level():
     elif isinstance(node, ast.Import) and node not in tree.body:
       nested.update(alias.name for alias in node.names)
   assert nested <= {'gpipe'}, nested
+  # Streams reads the schedule it is given: it imports nothing at all.
+  tree = ast.parse(schedule_reference.STREAMS_PATH.read_text())
+  assert not [node for node in ast.walk(tree)
+              if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 # -- The simulator itself. ----------------------------------------------------
@@ -232,14 +240,14 @@ def _TableAndShapeMatchSimulator(s, m, r):
   assert sched.num_stages == s
   assert sched.num_layers == s * r
   assert sched.circular == (r > 1)
-  assert sim.useful_slots == m * r * s
-  total_slots = sim.num_iterations * s
+  assert sim.useful_calls == m * r * s
+  total_calls = sim.num_iterations * s
   assert sched.bubble_fraction == pytest.approx(
-      (total_slots - sim.useful_slots) / total_slots)
+      (total_calls - sim.useful_calls) / total_calls)
   assert 0.0 <= sched.bubble_fraction < 1.0
 
 
-def _PerSlotFunctionsMatchSimulator(s, m, r):
+def _PerCallFunctionsMatchSimulator(s, m, r):
   sched = Schedule(s, m, r)
   sim = _Simulate(s, m, r)
   margin = 2 * s * r + 1
@@ -264,15 +272,17 @@ def _PerSlotFunctionsMatchSimulator(s, m, r):
         assert type(value) is int  # pylint: disable=unidiomatic-typecheck
 
 
-def _StageTablesMatchSimulator(s, m, r):
+def _FieldTablesMatchSimulator(s, m, r):
   """The [T][S] tables the loop reads, against the simulator: on valid
-  slots the cell's microbatch and repeat; on bubbles a microbatch in range;
+  calls the cell's microbatch and repeat; on bubbles a microbatch in range;
   stage 0 reads where the simulator says, no other stage ever."""
   sched = Schedule(s, m, r)
   sim = _Simulate(s, m, r)
-  tables = sched.StageTables()
-  assert set(tables) == {'microbatch', 'repeat', 'seed_offset', 'valid',
-                         'reads'}
+  tables = schedule.FieldTables(sched.Rows())
+  assert {name: dtype for name, (dtype, _) in tables.items()} == {
+      'microbatch': 'int32', 'repeat': 'int32', 'seed_offset': 'int64',
+      'valid': 'bool', 'reads': 'bool'}
+  tables = {name: table for name, (_, table) in tables.items()}
   for name, table in tables.items():
     assert len(table) == sim.num_iterations and all(
         len(row) == s for row in table), name
@@ -319,19 +329,19 @@ def _NumpyGridsMatchInts(s, m, r):
   mb_grid = np.arange(-margin, m + margin)
   for dtype in (np.int64, np.int32):
     it_d, st_d = it.astype(dtype), st.astype(dtype)
-    per_slot = {
+    per_call = {
         'Offset': sched.Offset(it_d, st_d),
         'MicrobatchId': sched.MicrobatchId(it_d, st_d),
         'RepeatId': sched.RepeatId(it_d, st_d),
         'LayerId': sched.LayerId(it_d, st_d),
         'IsValid': sched.IsValid(it_d, st_d),
     }
-    for name, got in per_slot.items():
+    for name, got in per_call.items():
       assert got.shape == it.shape, name
       want = np.vectorize(lambda i, k, f=getattr(sched, name): f(int(i), int(k))
                          )(it, st)
       np.testing.assert_array_equal(got, want, err_msg=name)
-    assert per_slot['IsValid'].dtype == np.bool_
+    assert per_call['IsValid'].dtype == np.bool_
     got = sched.StageZeroReadsInput(it_d[:, 0])
     want = [sched.StageZeroReadsInput(int(i)) for i in it[:, 0]]
     np.testing.assert_array_equal(got, want)
@@ -343,31 +353,31 @@ def _NumpyGridsMatchInts(s, m, r):
         [sched.OutputIteration(int(x)) for x in mbs])
     # Valid cells of the grid agree with the simulator.
     sim = _Simulate(s, m, r)
-    valid = per_slot['IsValid']
-    assert int(valid.sum()) == sim.useful_slots
+    valid = per_call['IsValid']
+    assert int(valid.sum()) == sim.useful_calls
 
 
-def _LayerIterationAndStateSlotsMatchTheSimulator(s, m, r):
-  # Per-stage decoding states live in slot (iteration, stage) of the work
-  # item stage runs then: LayerIteration finds every (microbatch, layer)'s
-  # slot, and StateMicrobatchPerSlot names the microbatch of every slot.
+def _LayerIterationAndStateCallsMatchTheSimulator(s, m, r):
+  # Per-stage decoding states live in the entry of the call (iteration,
+  # stage) that runs them: LayerIteration finds every (microbatch, layer)'s
+  # call, and StateMicrobatchPerCall names the microbatch of every call.
   sched = Schedule(s, m, r)
   sim = _Simulate(s, m, r)
-  for (mb, layer), (iteration, stage) in sim.slots.items():
+  for (mb, layer), (iteration, stage) in sim.calls.items():
     assert sched.LayerIteration(mb, layer) == iteration, (mb, layer)
     assert layer % s == stage
-  per_slot = sched.StateMicrobatchPerSlot()
-  assert len(per_slot) == sim.num_iterations
+  per_call = sched.StateMicrobatchPerCall()
+  assert len(per_call) == sim.num_iterations
   for i, row in enumerate(sim.table):
-    assert len(per_slot[i]) == s
+    assert len(per_call[i]) == s
     for stage, cell in enumerate(row):
-      assert per_slot[i][stage] == (0 if cell is None else cell[0]), (i, stage)
+      assert per_call[i][stage] == (0 if cell is None else cell[0]), (i, stage)
 
 
 @pytest.mark.parametrize('s,m,r', [(1, 1, 1), (3, 4, 1), (2, 3, 2), (4, 9, 3),
                                    (5, 12, 2)])
 def test_only_tensor_ops_are_used(s, m, r):
-  """Runs every per-slot function on values that reject non-tensor ops."""
+  """Runs every per-call function on values that reject non-tensor ops."""
   sched = Schedule(s, m, r)
   it, st = _Grid(sched, margin=3)
   i, k = _StrictInt(it), _StrictInt(st)
@@ -444,11 +454,11 @@ def test_schedule_matches_the_simulator(s, m, r):
   of T the docstring states, on one (S, M, R): one test per row, not one
   per row and check (the checks are microseconds; a test item is not)."""
   _TableAndShapeMatchSimulator(s, m, r)
-  _PerSlotFunctionsMatchSimulator(s, m, r)
-  _StageTablesMatchSimulator(s, m, r)
+  _PerCallFunctionsMatchSimulator(s, m, r)
+  _FieldTablesMatchSimulator(s, m, r)
   _PerMicrobatchFunctionsMatchSimulator(s, m, r)
   _NumpyGridsMatchInts(s, m, r)
-  _LayerIterationAndStateSlotsMatchTheSimulator(s, m, r)
+  _LayerIterationAndStateCallsMatchTheSimulator(s, m, r)
   _RenderCellsMatchSimulator(s, m, r)
   if r == 1:
     _LinearNumIterationsFormula(s, m)

@@ -70,12 +70,12 @@ def ForwardLoop(cell, io, theta, native, state_leaves, var_values, captures):
     return i + 1, NestedMap(
         buffer=stepped.buffer, vars=done.vars,
         reading=stepped.reading, writing=stepped.writing,
-        aux=tensor_lists.SetRow(carry.aux, i, place.ReplicateBookkeeping(
+        aux=tensor_lists.SetEntry(carry.aux, i, place.ReplicateBookkeeping(
             tf.reduce_sum(done.aux))),
         summaries=tf.nest.map_structure(
-            lambda l, v: tensor_lists.SetRow(l, i, v),
+            lambda l, v: tensor_lists.SetEntry(l, i, v),
             carry.summaries, done.summaries),
-        states=[tensor_lists.SetRow(l, i, v)
+        states=[tensor_lists.SetEntry(l, i, v)
                 for l, v in zip(carry.states, done.states)])
 
   with tf.name_scope(FORWARD_LOOP):

@@ -143,7 +143,7 @@ class GradientLoop:
     self._io = io
     self._place = cell.spec.placement
     self._waves = schedule_lib.OneFOneB(cell.spec.schedule)
-    self._backward_tables = iteration.Tables(self._waves.BackwardTables())
+    self._backward_tables = iteration.Tables(self._waves.BackwardRows())
     self._theta = theta
     self._native = native
     self._states = [self._place.SplitStages(x, 1) for x in state_leaves]
@@ -242,15 +242,15 @@ class GradientLoop:
     unchanged through three consecutive loops makes TensorFlow 2.21's
     tf2xla abort: 'Cannot find body function ..._const_0'.)
     """
-    keys = ((FORWARD_WAVE if phase.forward else ()) +
-            (FORWARD_SUMS if phase.forward and self._loss else ()) +
-            (BACKWARD_WAVE if phase.backward else ()))
+    keys = ((FORWARD_WAVE if 'forward' in phase.waves else ()) +
+            (FORWARD_SUMS if 'forward' in phase.waves and self._loss else ()) +
+            (BACKWARD_WAVE if 'backward' in phase.waves else ()))
 
     def Body(j, changing):
       full = carry.With(**changing)
-      if phase.forward:
+      if 'forward' in phase.waves:
         full = self._ForwardWave(j, full)
-      if phase.backward:
+      if 'backward' in phase.waves:
         full = self._BackwardWave(j, full, consts)
       return j + 1, full.Fields(keys)
 
@@ -295,7 +295,7 @@ class GradientLoop:
     per_stage = place.SplitStages
     row = cell_lib.Row(self._backward_tables, j - self._waves.delay,
                        place)  # [S] per field
-    indices = per_stage(row.ring_slot)  # [S]: each stage's own
+    indices = per_stage(row.ring_index)  # [S]: each stage's own
     # Each entry [S, ...]: the input (and what the policy kept) of the call
     # each stage differentiates.
     entries = tf.nest.map_structure(lambda r, ring: r.Read(ring, indices),

@@ -10,8 +10,9 @@ differentiates, and that state's gradient):
 index pairs (s, index[s]). `ManualPerStageEntries`, partitioned, in a
 manual region: each device takes its own [N, ...] part of x and its own
 index, slices one entry, and the entries leave as [S, ...] split over the
-stages again; nothing crosses devices (a gather over the split stage dim is local only where
-the partitioner sees through its indices, which it does not always).
+stages again; nothing crosses devices (a gather over the split stage dim
+is local only where the partitioner sees through its indices, which it
+does not always).
 """
 
 import tensorflow as tf
