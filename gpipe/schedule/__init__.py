@@ -92,7 +92,7 @@ class StageWork:
   each field declares its tensor's dtype once, beside it, in its metadata
   (no TensorFlow here; FieldTables hands the names on). The loops read
   their work from those [T, S] tensors, a row per iteration, rather than
-  compute it in the graph (gpipe.pipeline.stage_step makes them).
+  compute it in the graph (gpipe.pipeline.iteration.Tables makes them).
   """
   microbatch: int = _Field('int32')  # clamped into [0, M) (a bubble's: any)
   repeat: int = _Field('int32')  # its circular repeat
