@@ -31,7 +31,6 @@ import tensorflow as tf
 
 from gpipe import nest
 from gpipe.pipeline import rotation
-from gpipe.pipeline import stage_ends
 from gpipe.pipeline import stage_runners
 from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
@@ -122,8 +121,9 @@ class MaskedStages:
     aux: float32 [S], each stage's aux losses summed (bubbles: 0).
     summaries: {name: (value * weight [S], weight [S])} (bubbles: 0).
     states: the per-stage state slots [S, ...]; a bubble's are kept.
-    losses: with a LastStageLoss (spec.loss), its sums per stage, each
-      [S], zero but where a stage ran the last layer; else empty.
+    losses: with a LastStageLoss (the 1f1b ScoringCell's), its sums per
+      stage, each [S], zero but where a stage ran the last layer; else
+      empty.
     aux_added: whether the body added aux losses (`aux` is zeros if not).
     stored: what the remat policy keeps for the backward wave (the 1f1b
       cell's, asked for), else None.
@@ -153,10 +153,6 @@ def RunStages(spec, stages, theta, row, stage_in, state_slots,
     var_values: the carried non-trainable values, [S, (R,) ...].
   """
   per_stage = spec.placement.SplitStages  # [S] vectors live with their stages
-  if spec.first_stage is not None:  # stage 0 makes its fresh inputs
-    stage_in = stage_ends.FirstStageInputs(
-        spec.first_stage, stage_in, row.reads, row.microbatch, spec.runner,
-        spec.placement)
   args = spec.args.Rebuild(stage_in)
   num_args = len(args)
   args += tuple(tf.nest.pack_sequence_as(spec.states, state_slots))
@@ -182,23 +178,7 @@ def RunStages(spec, stages, theta, row, stage_in, state_slots,
       },
       states=[per_stage(SelectStages(valid, new, old))
               for new, old in zip(tf.nest.flatten(state_outs), state_slots)],
-      losses=_LastStageSums(spec, row, outputs),
       aux_added=res.aux is not None)
-
-
-def _LastStageSums(spec, row, outputs):
-  """The LastStageLoss's sums per stage [S] (empty without one): scored
-  where a stage ran the last layer on a valid microbatch."""
-  if spec.loss is None:
-    return NestedMap()
-  sched = spec.schedule
-  is_last = (row.valid &
-             tf.equal(row.repeat, sched.circular_repeat - 1) &
-             tf.equal(tf.range(sched.num_stages), sched.num_stages - 1))
-  built = spec.args.Rebuild(outputs)
-  return stage_ends.StageSums(
-      spec.loss, built[0] if len(built) == 1 else built, is_last,
-      row.microbatch, spec.runner, spec.placement)
 
 
 def _RunRange(spec, stages, theta, row, args, var_values):

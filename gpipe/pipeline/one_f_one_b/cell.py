@@ -59,10 +59,8 @@ class StageCell:
     self._inputs = NestedMap(
         row=CellFields(self.tables),  # [T, S] per field
         states=[place.SplitStages(x, 1) for x in state_leaves])  # [T, S, ...]
-    policy = remat.For(spec.remat_policy)
-    if spec.loss is not None and spec.runner.manual_mesh is None:
-      policy = stage_ends.Unstored(policy)
-    self.graph, self.read_variables = self._Build(theta, policy)
+    self.graph, self.read_variables = self._Build(
+        theta, self._Policy(remat.For(spec.remat_policy)))
     if self.graph.stored and not spec.runner.stage_dim_inside:
       # Without a stage dim on every activation (the stages run one after
       # another, or in one stage-parallel call), a ring cannot keep each
@@ -85,20 +83,63 @@ class StageCell:
           keeps_new_state=False)
     return graph, watcher.watched_variables()
 
+  def _Policy(self, policy):
+    """What the cell stores for the backward wave: the remat policy's."""
+    return policy
+
   def _Fn(self, theta, state, inp):
-    spec = self.spec
-    done = iteration.RunStages(
-        spec, iteration.StageRange.All(spec.schedule.num_stages), theta,
-        inp.row.Transform(spec.placement.ReplicateBookkeeping), state.buffer,
-        inp.states, state.vars)
+    done = self._Work(
+        theta, inp.row.Transform(self.spec.placement.ReplicateBookkeeping),
+        state.buffer, inp.states, state.vars)
     self.aux_added = done.aux_added
     return (NestedMap(buffer=done.outputs, vars=done.vars),
             NestedMap(aux=done.aux, summaries=done.summaries,
                       states=done.states, loss=done.losses))
 
+  def _Work(self, theta, row, stage_in, state_slots, var_values):
+    """Every stage's call, bubbles masked (iteration.MaskedStages)."""
+    return iteration.RunStages(
+        self.spec, iteration.StageRange.All(self.spec.schedule.num_stages),
+        theta, row, stage_in, state_slots, var_values)
+
   def Bind(self, theta, captures, with_extras=True, with_stored=False):
     """The cell an iteration.Step runs, on these weights and captures."""
     return BoundCell(self, theta, captures, with_extras, with_stored)
+
+
+class ScoringCell(StageCell):
+  """A StageCell with FPropWithLoss's ends (gpipe.pipeline.stage_ends):
+  stage 0 makes its fresh inputs where there is a FirstStageInput, and the
+  last stage scores what it finishes with the LastStageLoss."""
+
+  def _Policy(self, policy):
+    # On one device what the ends compute has no stage dim for a ring to
+    # split by: the backward wave computes it again.
+    if self.spec.runner.manual_mesh is None:
+      return stage_ends.Unstored(policy)
+    return policy
+
+  def _Work(self, theta, row, stage_in, state_slots, var_values):
+    spec = self.spec
+    if spec.first_stage is not None:  # stage 0 makes its fresh inputs
+      stage_in = stage_ends.FirstStageInputs(
+          spec.first_stage, stage_in, row.reads, row.microbatch, spec.runner,
+          spec.placement)
+    done = super()._Work(theta, row, stage_in, state_slots, var_values)
+    return dataclasses.replace(done, losses=self._LastStageSums(row, done))
+
+  def _LastStageSums(self, row, done):
+    """The LastStageLoss's sums per stage, [S] each: scored where a stage
+    ran the last layer on a valid microbatch."""
+    spec = self.spec
+    sched = spec.schedule
+    is_last = (row.valid &
+               tf.equal(row.repeat, sched.circular_repeat - 1) &
+               tf.equal(tf.range(sched.num_stages), sched.num_stages - 1))
+    built = spec.args.Rebuild(done.outputs)
+    return stage_ends.StageSums(
+        spec.loss, built[0] if len(built) == 1 else built, is_last,
+        row.microbatch, spec.runner, spec.placement)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,21 +30,31 @@ def RunOneFOneB(spec, io_kind, theta, mb_leaves, state_leaves,
 
   Args: as gpipe.pipeline.pipeline_loop.RunReverse's.
   """
+  if spec.loss is not None:
+    return _Scored(spec, io_kind, theta, mb_leaves, state_leaves, var_values)
+  io = io_kind(spec)
+  native = io.ToNative(mb_leaves)
+  cell = cell_lib.StageCell(spec, theta, io.Filler(native), state_leaves,
+                            var_values)
+  result = _Pipelined(cell, io, theta, native, state_leaves, var_values)
+  return loop_spec.LoopResult(
+      outputs=io.Outputs(result.outputs),
+      states=[spec.placement.SplitStages(x, 1) for x in result.states],
+      aux_loss=result.aux, summaries=result.summaries, vars=result.vars)
+
+
+def _Scored(spec, io_kind, theta, mb_leaves, state_leaves, var_values):
+  """With a LastStageLoss: the ends' weights read for the loop
+  (stage_ends.ForTheLoop), the ScoringCell, the gradient loop alone."""
   loss, first_stage = stage_ends.ForTheLoop(
       (spec.loss, spec.first_stage), spec.runner, spec.placement,
       spec.schedule.num_stages)
   spec = dataclasses.replace(spec, loss=loss, first_stage=first_stage)
   io = io_kind(spec)
   native = io.ToNative(mb_leaves)
-  cell = cell_lib.StageCell(spec, theta, io.Filler(native), state_leaves,
-                            var_values)
-  if spec.loss is not None:
-    return _WithLoss(cell, io, theta, native, var_values)
-  result = _Pipelined(cell, io, theta, native, state_leaves, var_values)
-  return loop_spec.LoopResult(
-      outputs=io.Outputs(result.outputs),
-      states=[spec.placement.SplitStages(x, 1) for x in result.states],
-      aux_loss=result.aux, summaries=result.summaries, vars=result.vars)
+  cell = cell_lib.ScoringCell(spec, theta, io.Filler(native), state_leaves,
+                              var_values)
+  return _WithLoss(cell, io, theta, native, var_values)
 
 
 def _Pipelined(cell, io, theta, native, state_leaves, var_values):
