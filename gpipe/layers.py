@@ -27,8 +27,9 @@ gpipe.pipeline unless named; docs/how-it-works.md walks through it):
       one device       layer_by_layer: each layer on every microbatch
       the schedule     pipeline_loop: T iterations over the [S, mb, ...]
                        buffer, the gradient in reverse (gpipe.recurrent)
-                       one_f_one_b: the same, the gradient in forward
-                       order (backward_schedule='1f1b')
+                       one_f_one_b: a forward loop of its own over the
+                       same iteration, the gradient in forward order
+                       (backward_schedule='1f1b')
       each iteration   iteration.Step: read (loop_io), every stage once,
                        bubbles masked, rotate
     reassemble         gpipe.microbatch     [M, mb, ...] -> [B, ...]
@@ -255,9 +256,10 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
       kwargs_no_batch: passed to every stage unsliced (e.g. time_step).
       **kwargs: per-example tensors (leading batch dim), microbatched like
         args: each stage sees its own microbatch's slice. Their batch may
-        differ from the args' if num_microbatches divides it: row r goes to
-        microbatch r mod M, so a source tiled over the args' rows (row t
-        uses source row t mod source_batch) stays tiled in every
+        differ from the args' if num_microbatches divides it: example r
+        goes to microbatch r mod M, so a source tiled over the args'
+        examples (example t uses source example t mod source_batch) stays
+        tiled in every
         microbatch (see microbatch.CheckLeadingDims).
 
     Returns:
@@ -384,8 +386,9 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
     """
     if self._layer_by_layer.Runs(spec):
       try:
-        result = layer_by_layer.RunLayerByLayer(spec, theta, mb_leaves, state_leaves,
-                                    self._layer_by_layer.remat_policy)
+        result = layer_by_layer.RunLayerByLayer(
+            spec, theta, mb_leaves, state_leaves,
+            self._layer_by_layer.remat_policy)
         self._layer_by_layer.Ran()
         return result
       except vectorized_stages.CannotVectorize as e:

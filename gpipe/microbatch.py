@@ -91,7 +91,7 @@ def _Divisors(n):
 
 
 def ToMicrobatches(x: tf.Tensor, num_microbatches: int) -> tf.Tensor:
-  """[B, ...] -> [M, B/M, ...]; microbatch m holds rows m, m+M, m+2M, ...
+  """[B, ...] -> [M, B/M, ...]; microbatch m holds examples m, m+M, m+2M, ...
 
   The batch is reshaped to [B/M, M, ...] and transposed, rather than reshaped
   to [M, B/M, ...], so that a sharding of the batch dim carries over to the
@@ -121,18 +121,18 @@ def ToBatch(x: tf.Tensor) -> tf.Tensor:
 
 
 def PadStates(x, schedule: schedule_lib.Schedule):
-  """[M, S, ...] per-(microbatch, stage) states -> [T, S, ...] state slots.
+  """[M, S, ...] per-(microbatch, stage) states -> [T, S, ...] per-call states.
 
-  Slot [i, s] is the state stage s works with at iteration i: that of the
-  microbatch it processes then. Every repeat of a circular stage starts from
-  the same [m, s] entry. S=2, M=3, R=1 (cells: microbatch)::
+  Entry [i, s] is the state of call (i, s), stage s's at iteration i: that
+  of the microbatch it processes then. Every repeat of a circular stage
+  starts from the same [m, s] entry. S=2, M=3, R=1 (entries: microbatch)::
 
       iteration  0  1  2  3
       stage 0    0  1  2  .
       stage 1    .  0  1  2      ('.' = bubble: holds microbatch 0's
                                   state, read but never written)
 
-  S=2, M=2, R=2 (cells: microbatch/repeat; each repeat its own slot)::
+  S=2, M=2, R=2 (entries: microbatch/repeat; each repeat its own)::
 
       iteration    0    1    2    3    4
       stage 0    0/0  1/0  0/1  1/1    .
@@ -140,41 +140,42 @@ def PadStates(x, schedule: schedule_lib.Schedule):
   """
   if not nest.IsTensor(x):
     return x
-  index = np.asarray([[(m, s) for s, m in enumerate(row)]
-                      for row in schedule.StateMicrobatchPerCall()], np.int32)
+  index = np.asarray([[(m, s) for s, m in enumerate(per_stage)]
+                      for per_stage in schedule.StateMicrobatchPerCall()],
+                     np.int32)
   return tf.gather_nd(x, index)
 
 
 def UnpadStates(padded, schedule: schedule_lib.Schedule):
-  """[T, S, ...] state slots -> [M, L, ...]: each (microbatch, layer)'s state.
+  """[T, S, ...] per-call states -> [M, L, ...]: each (microbatch, layer)'s.
 
-  L = R * S logical layers, repeat-major; (m, l) is slot
+  L = R * S logical layers, repeat-major; (m, l) is entry
   [LayerIteration(m, l), l % S].
   """
   if not nest.IsTensor(padded):
     return padded
-  return tf.gather_nd(padded, _SlotOfEachCall(schedule))
+  return tf.gather_nd(padded, _IndexOfEachCall(schedule))
 
 
 def ReadStatesByLayer(padded, schedule: schedule_lib.Schedule):
-  """[T, S, ...] state slots -> [L, M, ...]: UnpadStates, layer-major."""
-  return tf.gather_nd(padded, _SlotOfEachCall(schedule).swapaxes(0, 1))
+  """[T, S, ...] per-call states -> [L, M, ...]: UnpadStates, layer-major."""
+  return tf.gather_nd(padded, _IndexOfEachCall(schedule).swapaxes(0, 1))
 
 
 def WriteStatesByLayer(padded, by_layer, schedule: schedule_lib.Schedule):
-  """[T, S, ...] state slots with each call's slot set to its new state.
+  """[T, S, ...] per-call states with each call's entry set to its new one.
 
   by_layer is [L, M, ...] (ReadStatesByLayer's layout): the new state of
-  each (layer, microbatch) call. Bubble slots keep what `padded` holds
+  each (layer, microbatch) call. Bubbles' entries keep what `padded` holds
   there, as the pipeline loop leaves them.
   """
   return tf.tensor_scatter_nd_update(
-      padded, _SlotOfEachCall(schedule).swapaxes(0, 1), by_layer)
+      padded, _IndexOfEachCall(schedule).swapaxes(0, 1), by_layer)
 
 
-def _SlotOfEachCall(schedule):
-  """[M, L, 2]: the (iteration, stage) slot of each (microbatch, layer)
-  call; every valid slot is exactly one call's."""
+def _IndexOfEachCall(schedule):
+  """[M, L, 2]: the (iteration, stage) index of each (microbatch, layer)
+  call; every valid call is exactly one (microbatch, layer)'s."""
   return np.asarray(
       [[(schedule.LayerIteration(m, l), l % schedule.num_stages)
         for l in range(schedule.num_layers)]
@@ -299,11 +300,12 @@ def CheckLeadingDims(args, kwargs, batch, num_microbatches, split):
   """The args must share the batch dim; per-example kwargs split evenly.
 
   A per-example kwarg may have a batch of its own (a source of 4 sequences
-  for 8 beam hypotheses): it is split into the same M microbatches, row r
-  to microbatch r mod M, as Lingvo's layer splits it. Inside microbatch m
-  an input row t (position t div M) and a kwarg row t mod Bk then keep
-  their relation when M divides Bk: the kwarg's rows tile the input's
-  (input row t uses kwarg row t mod Bk, Lingvo's FProp order
+  for 8 beam hypotheses): it is split into the same M microbatches,
+  example r to microbatch r mod M, as Lingvo's layer splits it. Inside
+  microbatch m an input example t (position t div M) and a kwarg example
+  t mod Bk then keep their relation when M divides Bk: the kwarg's
+  examples tile the input's (input example t uses kwarg example t mod Bk,
+  Lingvo's FProp order
   [multiplier, source_batch]). Already-microbatched inputs ([M, ...]) need
   every kwarg to be [M, ...] too.
   """
@@ -340,7 +342,7 @@ def _StaticDim0(x):
 
 
 def CheckPaddedStates(padded_states, sched):
-  """The states' tensor leaves, checked to be [T, S, ...] state slots."""
+  """The states' tensor leaves, checked to be [T, S, ...] per-call states."""
   leaves = tf.nest.flatten(padded_states)
   expected = [sched.num_iterations, sched.num_stages]
   for x in leaves:

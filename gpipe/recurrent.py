@@ -248,6 +248,9 @@ def _ForwardLoop(cell, theta, state0, inputs, captures, num_iterations,
   # A kept-nowhere iteration writes one extra entry, dropped after the loop.
   sizes = [num_iterations if k is None else k.num_kept + 1 for k in kept]
 
+  # Loop variables: t (int32 []); the state, each entry its state0 shape;
+  # TensorLists of `sizes` entries, each entry shaped like one kept state
+  # entry, one extra or one stored activation (specs).
   def Body(t, *loop_vars):
     state = tf.nest.pack_sequence_as(state0, loop_vars[:n_state])
     lists = loop_vars[n_state:]
@@ -302,6 +305,14 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
   unkept = [i for i, h in enumerate(flat_stacked) if h is None]
   sums = deferred_dots.WeightGradientSums(cell, flat_theta, num_iterations)
 
+  # Loop variables, t = T-1..0 (int32 []): d_state, the gradient of the
+  # state after iteration t, each like its differentiable state entry;
+  # theta_sums, the weights' gradients summed so far (deferred_dots: a
+  # weight's own shape, or its deferred dots' operands); acc_caps, the
+  # captures' gradients, each its capture's shape; input_lists, TensorLists
+  # of T entries shaped like one iteration's differentiable inputs
+  # (input_specs); after, the state entries the forward loop did not keep,
+  # carried down from `final`, each its state0 shape.
   def Body(t, *loop_vars):
     d_state, theta_sums, acc_caps, input_lists, after = _SplitAt(
         loop_vars, n_st, sums.size, n_cap, len(input_specs))
@@ -338,26 +349,35 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
     return ([t - 1] + new_d_state + new_theta_sums + new_acc_caps + new_lists +
             [before[i] for i in unkept])
 
-  last = num_iterations - 1
   input_specs = [tf.TensorSpec(flat_inputs[i].shape[1:], flat_inputs[i].dtype)
                  for i in diff['inputs']]
-  flat_d_final = tf.nest.flatten(d_final)
-  flat_final = tf.nest.flatten(final)
   results = while_loops.WhileLoop(
-      Body, [tf.constant(last, tf.int32)] + [
-          flat_d_final[i] +
-          _PastStateGradient(flat_d_states[i], last, flat_d_final[i])
-          for i in diff['state']
-      ] + sums.Initial(
-          lambda w: made_after.ZerosAfter(w, flat_d_final + flat_d_extras)) +
-      [tf.zeros_like(captures[i]) for i in diff['captures']] +
-      [tensor_lists.Reserve(s, num_iterations) for s in input_specs] +
-      [flat_final[i] for i in unkept], num_iterations)
+      Body, _BackwardStart(diff, num_iterations, d_final, flat_d_states,
+                           flat_d_extras, sums, captures, input_specs,
+                           [tf.nest.flatten(final)[i] for i in unkept]),
+      num_iterations)
   d_state, theta_sums, rest = _SplitAt(
       results[1:len(results) - len(unkept)], n_st, sums.size)
   sizes = [len(x) for x in (flat_theta, flat_state0, flat_inputs, captures)]
   return _BackwardResults(d_state + sums.Final(theta_sums) + rest, diff,
                           sizes, input_specs, num_iterations)
+
+
+def _BackwardStart(diff, num_iterations, d_final, flat_d_states,
+                   flat_d_extras, sums, captures, input_specs, unkept_final):
+  """The reverse loop's first loop variables (_BackwardLoop's Body says
+  what each is), at t = T - 1."""
+  last = num_iterations - 1
+  flat_d_final = tf.nest.flatten(d_final)
+  return ([tf.constant(last, tf.int32)] + [
+      flat_d_final[i] +
+      _PastStateGradient(flat_d_states[i], last, flat_d_final[i])
+      for i in diff['state']
+  ] + sums.Initial(
+      lambda w: made_after.ZerosAfter(w, flat_d_final + flat_d_extras)) +
+          [tf.zeros_like(captures[i]) for i in diff['captures']] +
+          [tensor_lists.Reserve(s, num_iterations) for s in input_specs] +
+          unkept_final)
 
 
 def _SliceInputs(inputs, t):

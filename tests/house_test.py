@@ -274,6 +274,37 @@ def test_no_two_top_level_functions_of_the_pipeline_share_a_name():
   assert not shared, shared
 
 
+def test_the_1f1b_loops_share_their_cell_and_nothing_else():
+  """The forward loop and the gradient loop each build on one_f_one_b.cell;
+  neither imports the other."""
+  package = 'gpipe.pipeline.one_f_one_b'
+  read = lambda m: _Imports((GPIPE / 'pipeline' / 'one_f_one_b' /
+                             f'{m}.py').read_text())
+  forward, gradient = read('forward_loop'), read('gradient_loop')
+  for imports, other in ((forward, 'gradient_loop'),
+                         (gradient, 'forward_loop')):
+    assert any(_Within(n, f'{package}.cell') for n in imports)
+    assert not any(_Within(n, f'{package}.{other}') for n in imports)
+
+
+def test_modules_open_with_their_entry_point():
+  """recurrent.py's first public definition is Recurrent, the iteration's
+  is Step, each loop's its loop."""
+  firsts = {'recurrent.py': 'Recurrent', 'pipeline/iteration.py': 'Step',
+            'pipeline/pipeline_loop.py': 'RunReverse',
+            'pipeline/one_f_one_b/pipelined.py': 'RunOneFOneB',
+            'pipeline/one_f_one_b/forward_loop.py': 'ForwardLoop',
+            'pipeline/one_f_one_b/gradient_loop.py': 'GradientLoop',
+            'pipeline/loop_io.py': 'LoopInputs',
+            'pipeline/loop_choices.py': 'Decide'}
+  for path, name in firsts.items():
+    tree = ast.parse((GPIPE / path).read_text())
+    public = [n.name for n in tree.body
+              if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and
+              not n.name.startswith('_')]
+    assert public[0] == name, (path, public[:3])
+
+
 def test_the_install_ships_every_package():
   """pyproject.toml lists every package (a non-editable install ships only
   those it lists)."""

@@ -80,8 +80,9 @@ class WeightGradientSums:
   """How a backward loop sums the weights' gradients over the iterations:
   accumulated as it goes, or, for those the cell defers (a
   cell_graph.CellGraph's DeferredDots), their dots' operands written entry
-  by entry (one per iteration) and contracted once after the loop. Its loop variables: the
-  accumulators, then the operands' lists."""
+  by entry (one per iteration) and contracted once after the loop. Its
+  loop variables: the accumulators (each its weight's shape), then the
+  operands' TensorLists (T entries, each one iteration's operand)."""
 
   def __init__(self, cell, flat_theta, num_iterations):
     self._deferred = cell.DeferredDots()

@@ -191,7 +191,7 @@ def _RunRange(spec, stages, theta, row, args, var_values):
       StagesAt(spec, stages.Narrow(row), stages.Narrow(args),
                stages.Narrow(var_values), stages.first))
   zeros = lambda x: None if x is None else tf.zeros_like(x[:1])
-  return stage_runners.StagesResult(
+  return stage_runners.RunnerResult(
       outputs=stages.Widen(res.outputs, args),
       aux=stages.WidenWith(res.aux, zeros(res.aux)),
       summaries=[(name, stages.WidenWith(v, zeros(v)),

@@ -166,7 +166,7 @@ def _DefineOneDevice(p):
       'On one device, run the first and last iterations (about S / 2 at '
       'each end, filling and draining the pipeline) on the half of the '
       'stages that holds their useful work '
-      '(`gpipe.schedule.Schedule.Phases`), so about half the bubble slots '
+      '(`gpipe.schedule.Schedule.Phases`), so about half the bubbles '
       'are not computed: faster steps where M is close to S and the body is '
       'compute-bound, under XLA, slower for small bodies in graph mode, and '
       'longer to trace and compile (three loops instead of one). None (the '

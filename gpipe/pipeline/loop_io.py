@@ -41,16 +41,6 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-def Constant(table):
-  return tf.constant(table, tf.int32)
-
-
-def IsStage(num_stages, stage, like):
-  """[S, 1, ...] bools broadcasting against `like`: True at `stage`."""
-  return tf.reshape(tf.equal(tf.range(num_stages), stage),
-                    [num_stages] + [1] * (like.shape.rank - 1))
-
-
 class LoopInputs(abc.ABC):
   """How a loop reads its inputs and writes their gradients: what the
   forward loops (gpipe.pipeline.iteration.Step) and the 1f1b
@@ -475,3 +465,13 @@ def LastStageOutputs(finished, place):
                          axis=1), Grad
 
   return LastSlot(finished)
+
+
+def Constant(table):
+  return tf.constant(table, tf.int32)
+
+
+def IsStage(num_stages, stage, like):
+  """[S, 1, ...] bools broadcasting against `like`: True at `stage`."""
+  return tf.reshape(tf.equal(tf.range(num_stages), stage),
+                    [num_stages] + [1] * (like.shape.rank - 1))

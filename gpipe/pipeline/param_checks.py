@@ -185,7 +185,7 @@ class CheckedParams:
 
   num_microbatches: from the batch size when one is given (what the layer
   will split it into), else the params' own (None if only microbatch_size
-  is set); microbatch_size: rows per microbatch, None when not known (no
+  is set); microbatch_size: examples per microbatch, None when not known (no
   batch size and only num_microbatches set, or neither param set: the
   inputs then come as [M, ...]). num_iterations and bubble_fraction are
   gpipe.schedule.Schedule's for (num_stages, num_microbatches,

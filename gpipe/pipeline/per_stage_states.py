@@ -3,10 +3,10 @@
 Incremental decoding keeps a state per stage and microbatch (a decoder's
 caches): `BodyFPropNoMicrobatching` makes every stage's on the whole
 batch, `MicrobatchStates` and `PadMicrobatches` lay them out for the
-pipeline's loop ([T, S, ...] slots, passed to FPropFn call after call),
-`UnpadStates` gives each layer's back. `BodyFProp` runs one iteration's
-stage calls for a caller that drives its own loop, as Lingvo's layer
-offers it. A mixin of gpipe.layers.PipelinedLayer: it reads the layer's
+pipeline's loop ([T, S, ...] per-call states, passed to FPropFn call
+after call), `UnpadStates` gives each layer's back. `BodyFProp` runs one
+iteration's stage calls for a caller that drives its own loop, as
+Lingvo's layer offers it. A mixin of gpipe.layers.PipelinedLayer: it reads the layer's
 layout, placement and loop spec.
 """
 
@@ -101,10 +101,11 @@ class PerStageStates:
                                   p.microbatch_size)
 
   def PadMicrobatches(self, x):
-    """[M, S, ...] per-(microbatch, stage) states -> [T, S, ...] state slots.
+    """[M, S, ...] per-(microbatch, stage) states -> [T, S, ...] per-call
+    states.
 
-    Slot [i, s] is the state stage s reads and writes at iteration i: that
-    of the microbatch it works on then (diagrams: microbatch.PadStates).
+    Entry [i, s] is the state of call (i, s), which stage s reads and
+    writes at iteration i: that of the microbatch it works on then (diagrams: microbatch.PadStates).
     The padded states are opaque to the caller: pass them to FPropFn call
     after call; UnpadStates gives each layer's state back.
     """
@@ -115,7 +116,7 @@ class PerStageStates:
     return nest.MapTensors(Pad, x)
 
   def UnpadStates(self, padded, num_microbatches=None):
-    """[T, S, ...] state slots -> [R * S, B, ...]: each layer's state.
+    """[T, S, ...] per-call states -> [R * S, B, ...]: each layer's state.
 
     The inverse of PadMicrobatches(MicrobatchStates(.)), per logical layer
     (repeat-major) and on the whole batch again.

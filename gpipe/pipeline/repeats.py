@@ -62,7 +62,7 @@ class Linear:
     once (gpipe.pipeline.vectorized_stages).
 
     Built for what runs it. Under XLA: a one-hot sum over R, which XLA fuses
-    with its neighbours. In graph mode: a gather of the S rows, whose
+    with its neighbours. In graph mode: a gather of the S entries, whose
     gradient is written as one select into [S, R, ...] (TensorFlow's own is
     a scatter into zeros); it reads R times less than the one-hot sum, and
     is faster in graph mode and slower under XLA:CPU
@@ -117,14 +117,14 @@ class Circular(Linear):
     return self._GatherFromSR(value, repeat_ids)
 
   def _GatherFromSR(self, value, repeat_ids):
-    """value[s, repeat_ids[s]] for every s, by a gather of S rows."""
+    """value[s, repeat_ids[s]] for every s, by a gather of S entries."""
     shape = value.shape.as_list()
     num_stages = shape[0]
 
     @tf.custom_gradient
     def Gather(value):
-      rows = tf.reshape(value, [num_stages * self.count] + shape[2:])
-      taken = tf.gather(rows, tf.range(num_stages) * self.count + repeat_ids)
+      flat = tf.reshape(value, [num_stages * self.count] + shape[2:])
+      taken = tf.gather(flat, tf.range(num_stages) * self.count + repeat_ids)
 
       def Grad(dy):
         hit = tf.equal(tf.range(self.count)[None, :], repeat_ids[:, None])

@@ -49,7 +49,7 @@ def AddAuxLoss(total, num_microbatches, accumulation):
 
 
 def AddIteration(result, num_stages):
-  """What one iteration's stages added (a stage_runners.StagesResult, as
+  """What one iteration's stages added (a stage_runners.RunnerResult, as
   BodyFProp runs it): the aux losses as one [S] loss, the summaries."""
   ctx = py_utils.AuxLossContext.Current()
   if result.aux is not None and ctx is not None:

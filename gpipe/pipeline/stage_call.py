@@ -4,9 +4,10 @@ Whether it runs one logical layer on the whole batch (unrolled), one stage
 of a loop iteration on one device, every device's own stage in a manual
 region, or all stages at once (a stage_parallel_body), the body method is
 called through `CallStage`. It gives the body its non-trainable variables
-(see gpipe.pipeline.non_trainable_vars), optionally an isolating `StageContext` (step
-seed, global step, aux losses and summaries of its own), checks that the outputs
-have the inputs' structure, and returns a `StageResult`. An exception raised
+(see gpipe.pipeline.non_trainable_vars), optionally an isolating
+`StageContext` (step seed, global step, aux losses and summaries of its
+own), checks that the outputs have the inputs' structure, and returns a
+`CallResult`. An exception raised
 by the body gets a note saying which call of which layer raised it.
 """
 
@@ -22,7 +23,7 @@ from lingvo.core import py_utils
 
 
 @dataclasses.dataclass(frozen=True)
-class StageResult:
+class CallResult:
   """What one call of the body produced.
 
   Attributes:
@@ -60,7 +61,7 @@ class Body:
 def CallStage(body: Body, fn_name: str, theta, args: Sequence[Any], kwargs,
               *, where: str, var_names: Sequence[str] = (),
               var_values: Sequence[tf.Tensor] = (),
-              context: Optional['StageContext'] = None) -> StageResult:
+              context: Optional['StageContext'] = None) -> CallResult:
   """Runs `body.layer.<fn_name>(theta, *args, **kwargs)` once.
 
   Args:
@@ -96,8 +97,8 @@ def CallStage(body: Body, fn_name: str, theta, args: Sequence[Any], kwargs,
     _CheckNoV1Summaries(body, fn_name, graph.get_operations()[num_ops:])
   outputs = CheckBodyOutputs(body, args, out)
   if context is None:
-    return StageResult(outputs, new_vars, [], [])
-  return StageResult(outputs, new_vars, list(context.aux_losses),
+    return CallResult(outputs, new_vars, [], [])
+  return CallResult(outputs, new_vars, list(context.aux_losses),
                      context.Summaries())
 
 

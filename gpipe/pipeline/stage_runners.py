@@ -16,7 +16,7 @@ of it (`StageRunner`'s attributes) and runs the stages (`Run`):
   * `Together` (a stage_parallel_body): one call on the [S, ...] tensors.
 
 Each calls the body once per call site through `stage_call.CallStage` and
-returns a `StagesResult`."""
+returns a `RunnerResult`."""
 
 import abc
 import dataclasses
@@ -58,8 +58,9 @@ class IterationStages:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class StagesResult:
-  """The stages' results, each with a leading [S] dim.
+class RunnerResult:
+  """What a StageRunner's run made: every stage's call, each result with a
+  leading [S] dim, bubbles not yet masked (iteration.RunStages masks them).
 
   Attributes:
     outputs: a tuple with the structure of IterationStages.args.
@@ -98,7 +99,7 @@ class StageRunner(abc.ABC):
   stage_dim_inside = False
 
   @abc.abstractmethod
-  def Run(self, spec, theta, it: 'IterationStages') -> 'StagesResult':
+  def Run(self, spec, theta, it: 'IterationStages') -> 'RunnerResult':
     """Every stage's body call on `it` (each tensor [S, ...])."""
 
 
@@ -152,7 +153,7 @@ def _Kwargs(spec, slice_fn):
   return kw
 
 
-def RunOneByOne(spec, theta, it: IterationStages) -> StagesResult:
+def RunOneByOne(spec, theta, it: IterationStages) -> RunnerResult:
   """The stages one after another, each on its slice; results stacked.
 
   The stage dim is unstacked once: the gradient of S unstacked pieces is
@@ -194,15 +195,15 @@ def RunOneByOne(spec, theta, it: IterationStages) -> StagesResult:
        tf.stack([w for _, _, w in entries]))
       for entries in zip(*[res.summaries for res in results])
   ]
-  return StagesResult(
+  return RunnerResult(
       outputs=nest.Stack([res.outputs for res in results]),
       aux=aux, summaries=summaries,
-      vars=[tf.stack(rows) for rows in zip(*new_vars)])
+      vars=[tf.stack(per_stage) for per_stage in zip(*new_vars)])
 
 
 
 def RunInManualRegion(spec, theta, it: IterationStages,
-                      mesh) -> StagesResult:
+                      mesh) -> RunnerResult:
   """The body once, in a manual region: each device its own stage.
 
   What enters needs no communication: every stage-dim tensor already lives
@@ -235,7 +236,7 @@ def RunInManualRegion(spec, theta, it: IterationStages,
     new_values = [spec.repeats.Put(v, repeat, n)
                   for v, n in zip(mine, res.new_vars)]
     aux = res.AuxLoss()
-  return StagesResult(
+  return RunnerResult(
       outputs=nest.MapTensors(from_manual, res.outputs),
       aux=None if aux is None else from_manual(aux),
       summaries=[(name, from_manual(v), from_manual(w))
@@ -243,7 +244,7 @@ def RunInManualRegion(spec, theta, it: IterationStages,
       vars=[from_manual(v) for v in new_values])
 
 
-def RunTogether(spec, theta, it: IterationStages) -> StagesResult:
+def RunTogether(spec, theta, it: IterationStages) -> RunnerResult:
   """A stage_parallel_body: one call computes all stages."""
   num_stages = spec.schedule.num_stages
   theta = tf.nest.map_structure(
@@ -255,7 +256,7 @@ def RunTogether(spec, theta, it: IterationStages) -> StagesResult:
       context=stage_call.StageContext(it.seeds[0], spec.global_step))
   summaries = [(name, PerStage(v, num_stages), PerStage(w, num_stages))
                for name, v, w in res.summaries]
-  return StagesResult(
+  return RunnerResult(
       outputs=res.outputs,
       aux=StageParallelAuxLoss(res.aux_losses, num_stages),
       summaries=summaries, vars=it.var_values)

@@ -129,8 +129,9 @@ class StreamedIo(loop_io.LoopIo):
     undo an iteration's changes to them): the streams, which the loop
     carries but keeps no history of; its gradient undoes each iteration's
     rotations instead (recurrent.Undo)."""
-    streams = NestedMap(reading=self.StartReading(native),
-                        writing=self.StartWriting(filler))
+    streams = NestedMap(
+        reading=self.StartReading(native),  # [K, S, mb, ...] per leaf
+        writing=self.StartWriting(filler))  # [K, S, mb, ...] per leaf
 
     def Undo(after, inputs):
       before = after.copy()
@@ -151,13 +152,14 @@ class StreamedIo(loop_io.LoopIo):
   # -- The forward loop.
 
   def StartReading(self, native):
+    """The input streams, [K, S, mb, ...] per leaf."""
     return list(native)
 
   def Read(self, native, reading, iteration):
     """(each stage's entry of the column stage 0 reads [S, ...], reading
     with that column rotated towards stage 0)."""
     del native
-    k = self._At(self._streams.ReadColumns(), iteration)
+    k = self._At(self._streams.ReadColumns(), iteration)  # int32 [], -1: none
     fresh, new = [], []
     for stream in reading:
       column = self._Column(stream, k)
@@ -169,7 +171,7 @@ class StreamedIo(loop_io.LoopIo):
   def UndoRead(self, reading, iteration):
     """The streams before Read at `iteration` (the reverse loop's
     gradient recovers them instead of storing them)."""
-    k = self._At(self._streams.ReadColumns(), iteration)
+    k = self._At(self._streams.ReadColumns(), iteration)  # int32 [], -1: none
     out = []
     for stream in reading:
       column = self._Column(stream, k)
@@ -178,6 +180,8 @@ class StreamedIo(loop_io.LoopIo):
     return out
 
   def StartWriting(self, like):
+    """Empty output streams, [K, S, mb, ...] per leaf of `like` [S, mb,
+    ...]."""
     return [self._PlaceStream(tf.zeros(
         [self._streams.num_columns] + x.shape.as_list(), x.dtype))
             for x in like]
@@ -222,6 +226,7 @@ class StreamedIo(loop_io.LoopIo):
     return tf.where(getattr(row, flag)[stage], row.microbatch[stage] % k, -1)
 
   def StartReadingGradients(self, d_native):
+    """The output gradients' streams, [K, S, mb, ...] per leaf."""
     return [self._PlaceStream(d) for d in d_native]
 
   def ReadGradient(self, reading, row):
@@ -237,6 +242,7 @@ class StreamedIo(loop_io.LoopIo):
     return d_out, new
 
   def StartWritingGradients(self, like):
+    """Empty input-gradient streams, [K, S, mb, ...] per leaf."""
     return self.StartWriting(like)
 
   def WriteGradient(self, writing, row, d_inputs):

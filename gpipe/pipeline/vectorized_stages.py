@@ -124,7 +124,7 @@ def VectorizedCalls(spec, per_call, shared, num_calls, where):
     where: which calls these are, for error notes.
 
   Returns:
-    A stage_runners.StagesResult, each entry [num_calls, ...].
+    A stage_runners.RunnerResult, each entry [num_calls, ...].
 
   Raises:
     CannotVectorize: the body cannot be vectorized (nothing is returned
@@ -166,7 +166,7 @@ def VectorizedCalls(spec, per_call, shared, num_calls, where):
   _CheckVectorizedOps(graph.get_operations()[num_ops:])
   for o, shape in zip(out['outputs'], traced['shapes']):
     o.set_shape(tf.TensorShape([num_calls]).concatenate(shape))
-  return stage_runners.StagesResult(
+  return stage_runners.RunnerResult(
       outputs=traced['outputs'](out['outputs']),
       aux=out['aux'] if traced['aux'] else None,
       summaries=list(zip(traced['names'], out['values'], out['weights'])),

@@ -39,7 +39,7 @@ def _FakeRun(spec, theta, it):
   num_stages = spec.schedule.num_stages
   layer = it.repeat_ids * num_stages + tf.range(num_stages)
   y = theta.w * x + tf.cast(layer + 1, x.dtype)[:, None, None]
-  return stage_runners.StagesResult(
+  return stage_runners.RunnerResult(
       outputs=(y,), aux=tf.cast(it.mb_ids, tf.float32),
       summaries=[('mb', tf.cast(it.mb_ids, tf.float32),
                   tf.ones([num_stages]))],

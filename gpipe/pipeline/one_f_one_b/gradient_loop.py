@@ -49,88 +49,6 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-@dataclasses.dataclass(frozen=True)
-class GradientCarry:
-  """What the gradient loop carries. A phase's loop carries the fields its
-  waves change (FORWARD_WAVE, BACKWARD_WAVE, FORWARD_SUMS) and reads the
-  others. Lists hold a tensor per leaf.
-
-  Attributes:
-    buffer: [S, mb, ...] per buffer leaf: the forward wave's buffer.
-    vars: [S, (R,) ...] per non-trainable variable: the forward wave's.
-    reading: the io's input state: [] (whole), [K, S, mb, ...] (streamed).
-    rings: NestedMap(buffer, vars, stored) of [S, ring_size, ...] rings
-      (gpipe.pipeline.one_f_one_b.rings; split further over
-      ring_split_mesh_dim where asked).
-    d_buffer: [S, mb, ...] per buffer leaf: each stage's input gradient of
-      the iteration before, handed one stage back.
-    d_reading: the output gradients the io reads: [M, S or 1, mb, ...]
-      (whole), [K, S, mb, ...] (streamed); [] with a LastStageLoss.
-    d_writing: the input gradients the io writes: TensorLists of M + 1
-      entries [S or 1, mb, ...] (whole), [K, S, mb, ...] (streamed), []
-      (made at stage 0).
-    d_theta: the differentiable weights' gradients, [S, (R,) ...] each.
-    d_captures: the differentiable captures' gradients, each its capture's
-      shape (16-bit floats summed in float32: _Accumulated).
-    d_states: [S, T, ...] per differentiable per-stage state leaf.
-    loss: with a LastStageLoss, its sums per stage, [S] per name.
-    summaries: with a LastStageLoss, {name: (value x weight [S], weight
-      [S])} summed over the iterations.
-  """
-  buffer: List[tf.Tensor]
-  vars: List[tf.Tensor]
-  reading: List[tf.Tensor]
-  rings: NestedMap
-  d_buffer: List[tf.Tensor]
-  d_reading: List[tf.Tensor]
-  d_writing: List[tf.Tensor]
-  d_theta: List[tf.Tensor]
-  d_captures: List[tf.Tensor]
-  d_states: List[tf.Tensor]
-  loss: Optional[NestedMap] = None
-  summaries: Optional[Dict[str, Tuple[tf.Tensor, tf.Tensor]]] = None
-
-  def Fields(self, names) -> NestedMap:
-    """The named fields, as a loop's carry."""
-    return NestedMap({n: getattr(self, n) for n in names})
-
-  def With(self, **changed) -> 'GradientCarry':
-    return dataclasses.replace(self, **changed)
-
-
-# What each wave changes of the carry (with a LastStageLoss: and what the
-# forward wave sums; no output gradient is read).
-FORWARD_WAVE = ('buffer', 'vars', 'reading', 'rings')
-BACKWARD_WAVE = ('d_buffer', 'd_reading', 'd_writing', 'd_theta',
-                 'd_captures', 'd_states')
-FORWARD_SUMS = ('loss', 'summaries')
-
-
-def _Mask(flags, like):
-  """[S] bools -> [S, 1, ...] against `like`."""
-  return tf.reshape(flags, [-1] + [1] * (like.shape.rank - 1))
-
-
-def _Accumulated(dtype):
-  """The dtype a captured tensor's gradient is summed in over the
-  iterations: float32 for a 16-bit float (a weight cast to bfloat16
-  before the loop, say: each iteration's gradient is bfloat16, their sum
-  is kept, and leaves the loop, in float32)."""
-  return tf.float32 if dtype in (tf.bfloat16, tf.float16) else dtype
-
-
-def _ByStage(x, place):
-  """[T, S, ...] -> [S, T, ...], stage dim split: entries a stage reads."""
-  perm = [1, 0] + list(range(2, x.shape.rank))
-  return place.SplitStages(tf.transpose(x, perm), 0)
-
-
-def _ByIteration(x, place):
-  """[S, T, ...] -> [T, S, ...], stage dim split."""
-  perm = [1, 0] + list(range(2, x.shape.rank))
-  return place.SplitStages(tf.transpose(x, perm), 1)
-
-
 class GradientLoop:
   """The gradient of one forward loop (forward_loop.ForwardLoop), or with
   a LastStageLoss the whole pass."""
@@ -381,3 +299,84 @@ class GradientLoop:
     return (d_theta + d_native + d_states + [None] * self._num_vars +
             list(carry.d_captures))
 
+
+@dataclasses.dataclass(frozen=True)
+class GradientCarry:
+  """What the gradient loop carries. A phase's loop carries the fields its
+  waves change (FORWARD_WAVE, BACKWARD_WAVE, FORWARD_SUMS) and reads the
+  others. Lists hold a tensor per leaf.
+
+  Attributes:
+    buffer: [S, mb, ...] per buffer leaf: the forward wave's buffer.
+    vars: [S, (R,) ...] per non-trainable variable: the forward wave's.
+    reading: the io's input state: [] (whole), [K, S, mb, ...] (streamed).
+    rings: NestedMap(buffer, vars, stored) of [S, ring_size, ...] rings
+      (gpipe.pipeline.one_f_one_b.rings; split further over
+      ring_split_mesh_dim where asked).
+    d_buffer: [S, mb, ...] per buffer leaf: each stage's input gradient of
+      the iteration before, handed one stage back.
+    d_reading: the output gradients the io reads: [M, S or 1, mb, ...]
+      (whole), [K, S, mb, ...] (streamed); [] with a LastStageLoss.
+    d_writing: the input gradients the io writes: TensorLists of M + 1
+      entries [S or 1, mb, ...] (whole), [K, S, mb, ...] (streamed), []
+      (made at stage 0).
+    d_theta: the differentiable weights' gradients, [S, (R,) ...] each.
+    d_captures: the differentiable captures' gradients, each its capture's
+      shape (16-bit floats summed in float32: _Accumulated).
+    d_states: [S, T, ...] per differentiable per-stage state leaf.
+    loss: with a LastStageLoss, its sums per stage, [S] per name.
+    summaries: with a LastStageLoss, {name: (value x weight [S], weight
+      [S])} summed over the iterations.
+  """
+  buffer: List[tf.Tensor]
+  vars: List[tf.Tensor]
+  reading: List[tf.Tensor]
+  rings: NestedMap
+  d_buffer: List[tf.Tensor]
+  d_reading: List[tf.Tensor]
+  d_writing: List[tf.Tensor]
+  d_theta: List[tf.Tensor]
+  d_captures: List[tf.Tensor]
+  d_states: List[tf.Tensor]
+  loss: Optional[NestedMap] = None
+  summaries: Optional[Dict[str, Tuple[tf.Tensor, tf.Tensor]]] = None
+
+  def Fields(self, names) -> NestedMap:
+    """The named fields, as a loop's carry."""
+    return NestedMap({n: getattr(self, n) for n in names})
+
+  def With(self, **changed) -> 'GradientCarry':
+    return dataclasses.replace(self, **changed)
+
+
+# What each wave changes of the carry (with a LastStageLoss: and what the
+# forward wave sums; no output gradient is read).
+FORWARD_WAVE = ('buffer', 'vars', 'reading', 'rings')
+BACKWARD_WAVE = ('d_buffer', 'd_reading', 'd_writing', 'd_theta',
+                 'd_captures', 'd_states')
+FORWARD_SUMS = ('loss', 'summaries')
+
+
+def _Mask(flags, like):
+  """[S] bools -> [S, 1, ...] against `like`."""
+  return tf.reshape(flags, [-1] + [1] * (like.shape.rank - 1))
+
+
+def _Accumulated(dtype):
+  """The dtype a captured tensor's gradient is summed in over the
+  iterations: float32 for a 16-bit float (a weight cast to bfloat16
+  before the loop, say: each iteration's gradient is bfloat16, their sum
+  is kept, and leaves the loop, in float32)."""
+  return tf.float32 if dtype in (tf.bfloat16, tf.float16) else dtype
+
+
+def _ByStage(x, place):
+  """[T, S, ...] -> [S, T, ...], stage dim split: entries a stage reads."""
+  perm = [1, 0] + list(range(2, x.shape.rank))
+  return place.SplitStages(tf.transpose(x, perm), 0)
+
+
+def _ByIteration(x, place):
+  """[S, T, ...] -> [T, S, ...], stage dim split."""
+  perm = [1, 0] + list(range(2, x.shape.rank))
+  return place.SplitStages(tf.transpose(x, perm), 1)
