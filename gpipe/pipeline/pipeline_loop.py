@@ -45,8 +45,10 @@ def RunReverse(spec: loop_spec.LoopSpec, io_kind, theta, mb_leaves,
   place = spec.placement
   sched = spec.schedule
   io = io_kind(spec)
+  # The inputs as the io keeps them: [M, mb, ...] per leaf on every device
+  # (WholeIo), or [K, S, mb, ...] streams (StreamedIo).
   native = io.ToNative(mb_leaves)
-  filler = io.Filler(native)
+  filler = io.Filler(native)  # the first buffer, [S, mb, ...] per leaf
   # Carried: the buffer, the body's non-trainable variables (see
   # gpipe.pipeline.non_trainable_vars) and with stream_io the streams.
   # Without, the microbatches are read inside the loop, one an iteration

@@ -33,7 +33,7 @@ def RunOneFOneB(spec, io_kind, theta, mb_leaves, state_leaves,
   if spec.loss is not None:
     return _Scored(spec, io_kind, theta, mb_leaves, state_leaves, var_values)
   io = io_kind(spec)
-  native = io.ToNative(mb_leaves)
+  native = io.ToNative(mb_leaves)  # [M, mb, ...] or [K, S, mb, ...] a leaf
   cell = cell_lib.StageCell(spec, theta, io.Filler(native), state_leaves,
                             var_values)
   result = _Pipelined(cell, io, theta, native, state_leaves, var_values)
@@ -51,7 +51,7 @@ def _Scored(spec, io_kind, theta, mb_leaves, state_leaves, var_values):
       spec.schedule.num_stages)
   spec = dataclasses.replace(spec, loss=loss, first_stage=first_stage)
   io = io_kind(spec)
-  native = io.ToNative(mb_leaves)
+  native = io.ToNative(mb_leaves)  # as for RunOneFOneB; made: [1, ...]
   cell = cell_lib.ScoringCell(spec, theta, io.Filler(native), state_leaves,
                               var_values)
   return _WithLoss(cell, io, theta, native, var_values)
