@@ -8,6 +8,7 @@ hand-written cases (no compile).
 """
 
 import dataclasses
+import types
 
 import pytest
 
@@ -15,12 +16,14 @@ from gpipe.plan import collectives
 from gpipe.plan import traffic_floor
 from gpipe import schedule as schedule_lib
 from gpipe.xla import hlo_text
+from gpipe.xla import spmd_worker
 
 # What XLA:CPU makes of bfloat16 collectives: an all-reduce widened by
 # all-reduce-promotion (its reduction renamed ..._promoted), a permute fed
 # by a fusion that converts a bfloat16 to float32, a tuple all-reduce of
 # one converted element and one float32 element, a float32 permute of a
-# genuine float32, and an all-gather of a converted bfloat16 broadcast.
+# genuine float32, and an all-gather of a converted bfloat16 broadcast;
+# each widened one narrowed back to bfloat16 (gpipe.xla.widening).
 _HLO = """
 %add.clone_promoted (a: f32[], b: f32[]) -> f32[] {
   %a = f32[] parameter(0)
@@ -53,11 +56,15 @@ ENTRY %main (x: bf16[2,8], y: f32[16], z: f32[4], w: bf16[4]) -> f32[16] {
   %w = bf16[4]{0} parameter(3)
   %wide2 = f32[2,4]{1,0} fusion(%w), kind=kLoop, calls=%fused_convert_broadcast
   %ag.1 = f32[2,16]{1,0} all-gather(%wide2), channel_id=5, replica_groups={{0,1,2,3}}, dimensions={1}
+  %ag.1.back = bf16[2,16]{1,0} convert(%ag.1)
   %widened = f32[16]{0} fusion(%x), kind=kLoop, calls=%fused_convert
   %ar.1 = f32[16]{0} all-reduce(%y), channel_id=1, replica_groups={{0,1,2,3}}, to_apply=%add.clone_promoted
   %cp.1 = f32[16]{0} collective-permute(%widened), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  %cp.1.back = bf16[16]{0} convert(%cp.1)
   %cvt = f32[2,8]{1,0} convert(%x)
   %ar.2 = (f32[2,8]{1,0}, f32[4]{0}) all-reduce(%cvt, %z), channel_id=3, replica_groups={{0,1},{2,3}}, to_apply=%region.1
+  %ar.2.0 = f32[2,8]{1,0} get-tuple-element(%ar.2), index=0
+  %ar.2.back = bf16[2,8]{1,0} convert(%ar.2.0)
   ROOT %cp.2 = f32[16]{0} collective-permute(%y), channel_id=4, source_target_pairs={{0,1},{1,0}}
 }
 """
@@ -100,6 +107,24 @@ def test_a_chip_sends_its_ring_share():
   alone = hlo_text.Collective('all-reduce', 'f32[8]', 'c', -1,
                               groups=((0,),))
   assert collectives.SentBytes(alone, 4) == 0
+
+
+def test_a_nested_loops_collective_counts_every_run():
+  """A collective that runs 4 times per iteration of a 3-trip loop (in a
+  loop nested in it) sends 12 times its bytes a step and counts 4 times
+  per iteration; one whose nested loop has no known trip count cannot be
+  counted, and says so."""
+  nested = hlo_text.Collective('all-reduce', 'f32[8]', 'inner', 0,
+                               groups=((0, 1, 2, 3),), runs=4)
+  compiled = types.SimpleNamespace(collectives=[nested], loops=['outer'],
+                                   num_devices=4)
+  sent = collectives.PerAxis(compiled, {'outer': 3}, (4,), ('stage',))
+  assert sent == {'stage': {'all-reduce': 3 * 4 * 1.5 * 32}}
+  assert collectives.CountAndWireBytes([nested], lambda c: c.kind) == {
+      'all-reduce': {'count': 4, 'bytes': 4 * 32}}
+  compiled.collectives = [dataclasses.replace(nested, runs=None)]
+  with pytest.raises(spmd_worker.UnknownTripCount, match='nested'):
+    collectives.PerAxis(compiled, {'outer': 3}, (4,), ('stage',))
 
 
 def test_floors_by_hand():
