@@ -93,11 +93,14 @@ class LargeLMTask(lm_task.PipelinedLMTask):
       # compute dtype (their gradients are summed in float32).
       # The positions (every stage's whole, not split by the model axis)
       # gathered whole first: made whole after the stacking, the gather
-      # would move a copy per stage.
+      # would move a copy per stage. Cast where they are split, then
+      # gathered: a cast marked only whole, XLA's SPMD partitioner gathers
+      # the float32 weight and casts it whole (twice the bytes).
       home = NestedMap(
           table=self._InComputeDtype(self._AtHome(theta.emb.wm)),
-          positions=sharding.Replicate(self._InComputeDtype(
-              self._OverStageDevices(theta.pos_emb.wm, 0))),
+          positions=sharding.Replicate(self._OverStageDevices(
+              self._InComputeDtype(self._OverStageDevices(
+                  theta.pos_emb.wm, 0)), 0)),
           bias=self._AtHome(theta.softmax_bias))
       loss = self._LastStageLoss(theta, home, input_batch)
       if self.params.input_dropout_prob:
