@@ -19,8 +19,11 @@ Then it checks the targets, and exits 1 if one fails:
     overlapped with anything), peak at most 90 % of 16 GiB, weights per
     chip at most 1.1 x total / N, FLOPs per chip at most 1.1 x the
     unpartitioned step's / N, bubble at most 0.1, every set of mesh axes
-    sending at most 1.25 x its floor, and at least 10.6 B (42 B)
-    parameters.
+    sending between 0.95 and 1.25 x its floor (less than 0.95 would be
+    the planner's error: a floor is a lower bound), and at least 10.6 B
+    (42 B) parameters. The model axis's floor without its recomputed
+    forward is printed beside (what the recomputation costs), not
+    checked.
 
 Every byte and FLOP figure is XLA's for the partitioned module compiled for
 CPU devices; the step, its parts and the MFU are the planner's roofline
@@ -43,7 +46,7 @@ MODELS = (
     ('lm.LargestOn32x16GiB', 32, 21.0e9, 42e9, ('16x1x2', '32x1x1')),
 )
 TARGETS = dict(mfu=0.5, peak=0.9, weights=1.1, flops=1.1, bubble=0.1,
-               floor=1.25)
+               least_floor=0.95, floor=1.25)
 
 
 def _Checked(plan, own_mesh):
@@ -81,8 +84,9 @@ def _Checks(plan, checked, num_devices, least_params):
   for axes, ratio in c['collective_sent_over_floor'].items():
     checks.append((f'{axes}: sent / floor',
                    float('inf') if ratio is None else ratio,
-                   TARGETS['floor'],
-                   ratio is not None and ratio <= TARGETS['floor']))
+                   f"{TARGETS['least_floor']}-{TARGETS['floor']}",
+                   ratio is not None and
+                   TARGETS['least_floor'] <= ratio <= TARGETS['floor']))
   return checks
 
 
@@ -124,18 +128,23 @@ def _StepParts(c):
 
 
 def _Axes(c, link_bandwidth):
-  """Per set of mesh axes: sent, its floor, the ratio, the seconds."""
-  rows = ['| mesh axes | sent per step | floor | sent / floor | seconds |',
-          '|---|---|---|---|---|']
+  """Per set of mesh axes: sent, its floor, the ratio, the floor without
+  the recomputed forward's part and the ratio to it, the seconds."""
+  rows = ['| mesh axes | sent per step | floor | sent / floor | '
+          'floor without recompute | sent / that | seconds |',
+          '|---|---|---|---|---|---|---|']
   floors = c['collective_floor_per_step']
+  without = c.get('collective_sent_over_floor_without_recompute', {})
+  shown = lambda b: '-' if b is None else f'{b / GIB:.3f} GiB'
+  ratio_shown = lambda r: 'no floor' if r is None else f'{r:.2f}'
   for axes, kinds in c['collective_bytes_sent_per_step'].items():
     sent = sum(kinds.values())
-    floor = floors.get(axes, {}).get('bytes')
-    ratio = c['collective_sent_over_floor'].get(axes)
+    floor = floors.get(axes, {})
     rows.append(
-        f'| {axes} | {sent / GIB:.3f} GiB | '
-        f"{'-' if floor is None else f'{floor / GIB:.3f} GiB'} | "
-        f"{'no floor' if ratio is None else f'{ratio:.2f}'} | "
+        f'| {axes} | {sent / GIB:.3f} GiB | {shown(floor.get("bytes"))} | '
+        f"{ratio_shown(c['collective_sent_over_floor'].get(axes))} | "
+        f'{shown(floor.get("bytes_without_recompute"))} | '
+        f'{ratio_shown(without.get(axes))} | '
         f'{sent / link_bandwidth:.3f} |')
   return rows
 

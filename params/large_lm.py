@@ -93,11 +93,14 @@ class LargeLMTask(lm_task.PipelinedLMTask):
       # compute dtype (their gradients are summed in float32).
       # The positions (every stage's whole, not split by the model axis)
       # gathered whole first: made whole after the stacking, the gather
-      # would move a copy per stage.
+      # would move a copy per stage. Cast where they are split, then
+      # gathered: a cast marked only whole, XLA's SPMD partitioner gathers
+      # the float32 weight and casts it whole (twice the bytes).
       home = NestedMap(
           table=self._InComputeDtype(self._AtHome(theta.emb.wm)),
-          positions=sharding.Replicate(self._InComputeDtype(
-              self._OverStageDevices(theta.pos_emb.wm, 0))),
+          positions=sharding.Replicate(self._OverStageDevices(
+              self._InComputeDtype(self._OverStageDevices(
+                  theta.pos_emb.wm, 0)), 0)),
           bias=self._AtHome(theta.softmax_bias))
       loss = self._LastStageLoss(theta, home, input_batch)
       if self.params.input_dropout_prob:
@@ -112,10 +115,17 @@ class LargeLMTask(lm_task.PipelinedLMTask):
 
   def TrafficShape(self, input_specs):
     """PipelinedLMTask's, for the ends made in the loop (training with
-    1f1b, no input dropout): the tied table gathered over the stage axis,
-    each chip its model-axis slice of the vocab (_AtHome); the positions
-    over every axis; per microbatch the embedding's rows and the loss's
-    input gradient reduced over the model axis."""
+    1f1b, no input dropout): per microbatch the embedding's rows and the
+    loss's input gradient reduced over the model axis; the tied table
+    (each chip its model-axis slice of the vocab, _AtHome) gathered over
+    the stage axis in the compute dtype, the positions over every axis
+    (cast first, so in the compute dtype too), the bias kept whole (its
+    gradient's all-reduce costs what a gather and a reduce-scatter do).
+    Each stage differentiates its own copy (stage_ends.ForTheLoop), the
+    model axis's devices the same one: their gradients are summed over
+    the stage axis alone, in float32 (the pipeline sums a 16-bit copy's
+    gradient over its iterations in float32, and the stage ends exchange
+    that sum)."""
     shape = super().TrafficShape(input_specs)
     sp = self.params.stack
     if sp.backward_schedule != '1f1b' or self.params.input_dropout_prob:
@@ -124,12 +134,17 @@ class LargeLMTask(lm_task.PipelinedLMTask):
         sp.num_stages,)
     roles = shape['axis_roles']
     model = mesh[roles['model']] if 'model' in roles else 1
-    vocab = self.emb.vars.wm.shape.num_elements() + self.params.vocab_size
+    stage, every = (roles['stage'],), tuple(range(len(mesh)))
+    gathered = shape['compute_bytes']  # _InComputeDtype before the gather
+    summed = max(gathered, tf.float32.size)
+    bias = tf.as_dtype(self.vars.softmax_bias.dtype).size
     return dict(
         shape, end_reductions=2 if model > 1 else 0,
-        tables=((vocab / model, (roles['stage'],)),
-                (self.pos_emb.vars.wm.shape.num_elements(),
-                 tuple(range(len(mesh))))))
+        tables=((self.emb.vars.wm.shape.num_elements() / model, stage,
+                 gathered, stage, summed),
+                (self.params.vocab_size / model, stage, bias, stage, bias),
+                (self.pos_emb.vars.wm.shape.num_elements(), every, gathered,
+                 stage, summed)))
 
   def _ScoresAtLastStage(self):
     """Whether the stack takes the loss at its last stage: in training,

@@ -164,7 +164,7 @@ class PipelinedLMTask(base_model.BaseTask):
     them. Its batch, the activations between stages, two model-axis
     reductions per block and forward pass (pod_blocks.SplitBlockOverMesh's
     Megatron-style split), and the vocab-sized tables split over every
-    device of the stack."""
+    device of the stack, in their own dtype."""
     p, sp = self.params, self.params.stack
     rows, length = input_specs.ids.shape.as_list()
     body = sp.single_stage_body
@@ -177,6 +177,11 @@ class PipelinedLMTask(base_model.BaseTask):
     tables = [self.emb.vars.wm, self.pos_emb.vars.wm]
     if 'softmax' in self.children:
       tables += self.softmax.vars.Flatten()
+    # Gathered as they are (_TableTheta: float32 weights), each chip's
+    # gradient of its own sequences summed over every device.
+    axes = (tuple(range(np.ndim(sp.device_mesh)))
+            if sp.pipeline_stage_mesh_dim is not None else
+            (0,) if sp.shard_stages_1d else ())
     return dict(
         rows=rows, row_elements=length * p.model_dim,
         activation_bytes=tf.as_dtype(p.stack_dtype).size,
@@ -186,10 +191,9 @@ class PipelinedLMTask(base_model.BaseTask):
         else None,
         compute_bytes=tf.as_dtype(compute or tf.float32).size,
         axis_roles=roles,
-        tables=((sum(v.shape.num_elements() for v in tables),
-                 tuple(range(np.ndim(sp.device_mesh)))
-                 if sp.pipeline_stage_mesh_dim is not None else
-                 (0,) if sp.shard_stages_1d else ()),))
+        tables=tuple((v.shape.num_elements(), axes,
+                      tf.as_dtype(v.dtype).size, axes,
+                      tf.as_dtype(v.dtype).size) for v in tables))
 
   def _TableTheta(self, layer_theta):
     """An embedding table: kept split by rows, looked up gathered.

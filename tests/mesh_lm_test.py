@@ -157,18 +157,22 @@ def test_each_axis_floor_by_hand(report):
   # and bias, over all 8 chips.
   table = 40 * DIM + 16 * DIM + DIM * 40 + 40
   floors = {f.axes: f.parts for f in report.traffic_floors}
-  assert floors == {
-      # Each of M x R stage calls sends its output and input gradient once.
-      'stage': {'activations and their gradients, stage to stage':
-                    2 * M * R * a},
-      # A block reduces 2 activations forward and 2 backward, and its
-      # recomputed forward the first (its last feeds only the output); 2
-      # model devices: a ring sends each once.
-      'model': {'the body\'s reductions': 5 * M * R * a},
-      'data': {'one gradient reduction': gradients},
-      'stage+data+model': {'tables gathered, their gradients scattered':
-                               7 / 8 * table * (4 + 4)},
-  }, floors
+  assert floors.keys() == {'stage', 'model', 'data', 'stage+data+model'}
+  # Each of M x R stage calls sends its output and input gradient once.
+  assert floors['stage'] == {
+      'activations and their gradients, stage to stage': 2 * M * R * a}
+  # A block reduces 2 activations forward and 2 backward, and its
+  # recomputed forward the first (its last feeds only the output); 2
+  # model devices: a ring sends each once.
+  assert floors['model'] == pytest.approx({
+      'the body\'s reductions': 4 * M * R * a,
+      'the recomputed forward\'s reductions': M * R * a})
+  assert floors['data'] == {'one gradient reduction': gradients}
+  # Gathered in float32 (their own dtype), each chip's gradient of its own
+  # sequences summed over all 8 into its eighth.
+  assert floors['stage+data+model'] == pytest.approx({
+      'tables gathered': 7 / 8 * table * 4,
+      'tables\' gradients summed': 7 * table / 8 * 4})
   # What is sent: the loops' per-iteration collectives times their trips,
   # by kind; the model axis's all all-reduces of 2 devices.
   sent = report.sent_per_axis

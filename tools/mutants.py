@@ -71,6 +71,35 @@ BUGS = (
         'else None',
         'scale = None',
         ('tests/plan/plan_step_test.py', '-k', 'planned_update')),
+    # -- What a step sends, against its floors. -----------------------------
+    Bug('plan-nested-loop-once',
+        'a collective in a nested loop counted once per outer iteration',
+        'gpipe/plan/collectives.py',
+        '    runs = Runs(c) * (1 if c.loop < 0 else',
+        '    runs = 1 * (1 if c.loop < 0 else',
+        ('tests/plan/collectives_test.py', '-k', 'nested')),
+    Bug('widened-without-narrowing',
+        'every float32 collective fed by a bfloat16 convert halved',
+        'gpipe/xla/widening.py',
+        "        self._Narrowed(computation, match.group('name'),\n"
+        '                       k if tuple_result else None)',
+        '        k >= 0',
+        ('tests/xla/hlo_text_test.py', '-k', 'narrows')),
+    Bug('floor-table-gradient-over-its-gather',
+        "a table's gradient floor on the axes it is gathered over",
+        'gpipe/plan/traffic_floor.py',
+        '  sums, axes = _Devices(summed, mesh_shape, names)',
+        '  sums, axes = _Devices(gathered, mesh_shape, names)',
+        ('tests/plan/collectives_test.py', '-k', 'gradient_is_summed')),
+    Bug('stage-ends-parts-strided',
+        "the ends' gradient exchanged in strided parts, not each device's "
+        'block',
+        'gpipe/pipeline/stage_ends.py',
+        '                         [num_stages, last // num_stages])\n'
+        '      parts = placement.SplitStages(parts, len(shape))',
+        '                         [last // num_stages, num_stages])\n'
+        '      parts = placement.SplitStages(parts, len(shape) + 1)',
+        ('tests/pipeline/stage_ends_test.py', '-k', 'exchange')),
     # -- Decoding from per-stage states. ------------------------------------
     Bug('decode-stage-0', "every stage gets stage 0's state",
         'gpipe/microbatch.py',

@@ -150,6 +150,13 @@ class CandidateReport:
     for c in self.Gathered():
       problems.append(f'{c.kind} of a weight or slot ({c.shape}, from '
                       f'{c.op_name or "?"})')
+    for axes, sent, floor in traffic_floor.UnderFloor(self.sent_per_axis,
+                                                      self.traffic_floors):
+      problems.append(
+          f'{axes} sends {sent / floor:.2f} x its floor ({sent:.4g} of '
+          f'{floor:.4g} bytes; under {traffic_floor.LEAST_RATIO} is the '
+          'planner\'s error: a floor part the step does not need, or a '
+          'collective not counted)')
     return problems
 
   def LoopSummaries(self):
@@ -211,10 +218,10 @@ class CandidateReport:
     [] where the model does not say (model_shape None)."""
     if self.model_shape is None:
       return []
+    # A weight's gradient is in the weight's own dtype: as many bytes.
     trainable = {param for _, param in self.step.aliases
                  if self.step.args[param].kind == train_step.WEIGHT}
-    gradient_bytes = self._ArgBytes(lambda i, a: i in trainable) * (
-        traffic_floor.GRADIENT_BYTES / 4)
+    gradient_bytes = self._ArgBytes(lambda i, a: i in trainable)
     return traffic_floor.Floors(self.model_shape, self.schedule, self._mesh,
                                 self.candidate.remat_policy, gradient_bytes)
 
@@ -317,6 +324,26 @@ class CandidateReport:
         collectives.Total(self.sent_per_axis), self.model_flops,
         self.compiled.num_devices)
 
+  def FloorsJson(self):
+    """The floors and sent / floor per set of mesh axes, as ToJson has
+    them: each floor with and without its recomputed part."""
+    ratios = traffic_floor.Ratios(self.sent_per_axis, self.traffic_floors)
+
+    def Over(floor_bytes):
+      return {axes: sent / floor_bytes(f) if f and floor_bytes(f) else None
+              for axes, (sent, f) in ratios.items()}
+
+    return {
+        'collective_floor_per_step': {
+            f.axes: {'bytes': f.bytes,
+                     'bytes_without_recompute': f.without_recompute,
+                     'parts': f.parts}
+            for f in self.traffic_floors},
+        'collective_sent_over_floor': Over(lambda f: f.bytes),
+        'collective_sent_over_floor_without_recompute':
+            Over(lambda f: f.without_recompute),
+    }
+
   def ToJson(self):
     n = self.compiled.num_devices
     return {
@@ -343,13 +370,7 @@ class CandidateReport:
         'loops': self.LoopSummaries(),
         'outside_loops_by_mesh_axes': self.outside_by_mesh_axes,
         'collective_bytes_sent_per_step': self.sent_per_axis,
-        'collective_floor_per_step': {
-            f.axes: {'bytes': f.bytes, 'parts': f.parts}
-            for f in self.traffic_floors},
-        'collective_sent_over_floor': {
-            axes: sent / floor if floor else None
-            for axes, (sent, floor) in traffic_floor.Ratios(
-                self.sent_per_axis, self.traffic_floors).items()},
+        **self.FloorsJson(),
         'predicted_step_seconds': self.prediction.step_seconds,
         'predicted': self.prediction.ToJson(),
         'largest_buffers': [{

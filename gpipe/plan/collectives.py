@@ -13,10 +13,13 @@ the group, X the result's bytes on one device):
     reduce-scatter       (n-1) X        X is one device's share
     all-to-all           (n-1)/n X
 
-A step's total is each loop's collectives times its trip count, plus those
+A step's total is each loop's collectives times its trip count (one in a
+loop nested in it times that loop's too: `Collective.runs`), plus those
 outside the loops; the collective's mesh axes are those its groups span
 (`Collective.MeshAxes`), named `AxisName`.
 """
+
+from gpipe.xla import spmd_worker
 
 
 def SentBytes(collective, num_devices):
@@ -61,7 +64,8 @@ def PerAxis(compiled, trips, mesh_shape, axis_names):
   """
   totals = {}
   for c in compiled.collectives:
-    runs = 1 if c.loop < 0 else trips.get(compiled.loops[c.loop], 1)
+    runs = Runs(c) * (1 if c.loop < 0 else
+                      trips.get(compiled.loops[c.loop], 1))
     axes = AxisName(c.MeshAxes(mesh_shape), axis_names)
     kinds = totals.setdefault(axes, {})
     kinds[c.kind] = (kinds.get(c.kind, 0.0) +
@@ -75,13 +79,30 @@ def Total(per_axis):
   return sum(b for kinds in per_axis.values() for b in kinds.values())
 
 
+def Runs(collective):
+  """How often `collective` runs per iteration of its loop (per step
+  outside the loops): Collective.runs.
+
+  Raises:
+    spmd_worker.UnknownTripCount: a loop nested in its loop that it runs
+      in has no trip count XLA knows.
+  """
+  if collective.runs is None:
+    raise spmd_worker.UnknownTripCount(
+        f'XLA did not find the trip count of a loop the {collective.kind} '
+        f'{collective.op_name or collective.shape!r} runs in, nested in '
+        'another: its bytes per step cannot be counted.')
+  return collective.runs
+
+
 def CountAndWireBytes(collectives, key):
-  """{key(c): {'count', 'bytes'}} over collectives (wire bytes), sorted by
-  key: what a loop's iteration runs, as the report lists it."""
+  """{key(c): {'count', 'bytes'}} over collectives (wire bytes, each run
+  counted: one in a nested loop as often as it runs), sorted by key: what
+  a loop's iteration runs, as the report lists it."""
   totals = {}
   for c in collectives:
     count, nbytes = totals.get(key(c), (0, 0))
-    totals[key(c)] = (count + 1, nbytes + c.wire_bytes)
+    totals[key(c)] = (count + Runs(c), nbytes + Runs(c) * c.wire_bytes)
   return {k: {'count': n, 'bytes': b} for k, (n, b) in sorted(totals.items())}
 
 

@@ -49,8 +49,12 @@ _NOTES = {
         'ring algorithm of its kind; see gpipe.plan.collectives',
     'collective_floor_per_step':
         'the least each set of mesh axes must carry, derived from the '
-        'model\'s shapes (gpipe.plan.traffic_floor); measured / floor is '
-        'collective_sent_over_floor',
+        'model\'s shapes and dtypes (gpipe.plan.traffic_floor), by part; '
+        'bytes_without_recompute leaves out the recomputed forward\'s part '
+        '(what the remat policy costs); measured / floor is '
+        f'collective_sent_over_floor (under {traffic_floor.LEAST_RATIO}: a '
+        'problem, the planner\'s error), measured / bytes_without_recompute '
+        'collective_sent_over_floor_without_recompute',
     'predicted.mfu': 'model_flops / (num_devices x peak x step_seconds)',
 }
 
@@ -315,13 +319,20 @@ def _Details(r):
 
 
 def _SentAndFloor(r):
-  """['model 1.2 GiB / floor 1.0 GiB = 1.20', 'stage 3 MiB (no floor)']."""
+  """['model 1.2 GiB / floor 1.0 GiB = 1.20 (without recomputation: floor
+  0.8 GiB, 1.50)', 'stage 3 MiB (no floor)']: the floor without the
+  recomputed forward's part where it has one."""
   items = []
   for axes, (sent, floor) in traffic_floor.Ratios(
       r.sent_per_axis, r.traffic_floors).items():
-    if floor:
-      items.append(f'{axes} {Bytes(sent)} / floor {Bytes(floor)} = '
-                   f'{sent / floor:.2f}')
+    if floor and floor.bytes:
+      item = (f'{axes} {Bytes(sent)} / floor {Bytes(floor.bytes)} = '
+              f'{sent / floor.bytes:.2f}')
+      if floor.without_recompute != floor.bytes:
+        item += (' (without recomputation: floor '
+                 f'{Bytes(floor.without_recompute)}, '
+                 f'{sent / floor.without_recompute:.2f})')
+      items.append(item)
     else:
       items.append(f'{axes} {Bytes(sent)} (no floor)')
   return items or ['nothing']

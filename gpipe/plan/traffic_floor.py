@@ -23,23 +23,46 @@ the elements of a row x their bytes):
             stores the dots. Plus e x M x
             ring(P) x A' for the pipeline's ends: an embedding lookup in a
             table split by vocab over the model axis reduces its rows, a
-            loss scoring with it reduces its input's gradient (e = 2).
-    data    ring(D) x the chip's gradients: one reduction a step.
+            loss scoring with it reduces its input's gradient (e = 2). The
+            recomputed forward's k' is a part of its own (RECOMPUTED): the
+            floor without it (Floor.without_recompute) is what the model
+            needs whatever it stores, and the gap what recomputing costs.
+    data    ring(D) x the chip's gradients (in the weights' own dtype):
+            one reduction a step.
     tables  a vocab-sized table a chip needs E elements of, kept split
-            over n more devices: gathered once in the compute dtype and
-            its float32 gradient reduce-scattered once, (n - 1) / n x E x
-            (bytes + 4), on the axes it is gathered over. (Moving the
-            tokens' activations to the table's slices instead costs
-            tokens x width against vocab x width; the table is the smaller
-            for the LMs here.)
+            over the n devices of the axes it is gathered over, gathered
+            once in the dtype the model gathers it in (b bytes):
+            (n - 1) / n x E x b on those axes; and its gradient, in the
+            dtype the model sums it in (g bytes), summed over the r
+            devices whose gradients differ (the axes it is summed over, of
+            those: the stages, each differentiating its own copy, but not
+            a model axis whose devices compute the same copy's gradient)
+            into each chip's E / n: (r - 1) x E / n x g on those axes (a
+            reduce-scatter where r = n). A weight kept whole over the
+            axes instead (a bias) costs as much: its gradient's all-reduce
+            is a reduce-scatter and a gather. (Moving the tokens'
+            activations to the table's slices instead costs tokens x width
+            against vocab x width; the table is the smaller for the LMs
+            here.)
 
-A collective the floor has no part for (e.g. a scalar's all-reduce over
-an axis with no floor) is still counted where it runs.
+The dtypes are the model's: what it casts a table to before gathering it,
+what its gradients are summed in (a floor in another dtype than the step's
+is no bound: a step sending bfloat16 where the floor counts float32 would
+seem to beat it). A step sending less than LEAST_RATIO of a floor is the
+planner's error (a floor part the step does not need, or a collective
+missed), which the report lists as a problem. A collective the floor has
+no part for (e.g. a scalar's all-reduce over an axis with no floor) is
+still counted where it runs.
 """
 
 import dataclasses
 
-GRADIENT_BYTES = 4  # float32 gradients
+# Sent / floor under this is the planner's error, not a step that beats
+# its floor (the report's problems; a ratio just under 1 is a floor's
+# rounding, e.g. a scalar's bytes left out).
+LEAST_RATIO = 0.95
+# The model floor's part of the recomputed forward (Floor.without_recompute).
+RECOMPUTED = 'the recomputed forward\'s reductions'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +81,10 @@ class ModelShape:
       compute dtype).
     axis_roles: {'stage' | 'data' | 'model': mesh axis}.
     tables: ((elements a chip gathers, the mesh axes it gathers them
-      over), ...) of its vocab-sized tables (embeddings, softmax).
+      over, bytes per element gathered, the mesh axes its gradient is
+      summed over (of those), bytes per element of its gradient), ...)
+      of its vocab-sized tables (embeddings, softmax), in the dtypes the
+      model gathers and sums them in.
     end_reductions: per microbatch, activations of its size the
       pipeline's ends reduce over the model axis (see the module).
     checkpoint_reductions: per stage-repeat call, reductions the body's
@@ -95,6 +121,11 @@ class Floor:
   def bytes(self):
     return sum(self.parts.values())
 
+  @property
+  def without_recompute(self):
+    """The floor were nothing recomputed: its parts but RECOMPUTED."""
+    return sum(b for what, b in self.parts.items() if what != RECOMPUTED)
+
 
 def Floors(shape, schedule, mesh_shape, remat_policy, gradient_bytes):
   """[Floor] per set of axes the model must use, see the module docstring.
@@ -118,32 +149,69 @@ def Floors(shape, schedule, mesh_shape, remat_policy, gradient_bytes):
         'activations and their gradients, stage to stage':
             2 * m * r * elements * shape.activation_bytes}))
   if size('model') > 1 and shape.model_reductions is not None:
-    k = shape.model_reductions
-    again = max(k - 1, 0)
-    if remat_policy in ('save_dots', 'save_all'):
-      again = 0
-    elif (remat_policy == 'save_checkpoints' and
-          shape.checkpoint_reductions is not None):
-      again = shape.checkpoint_reductions
     one = _Ring(size('model')) * elements * shape.compute_bytes
-    parts = {'the body\'s reductions': (2 * k + again) * m * r * one}
-    if shape.end_reductions:
-      parts['the ends\' reductions'] = shape.end_reductions * m * one
-    floors.append(Floor(names[roles['model']], parts))
+    floors.append(Floor(names[roles['model']],
+                        _ModelParts(shape, remat_policy, m, r, one)))
   if size('data') > 1:
     floors.append(Floor(names[roles['data']], {
         'one gradient reduction': _Ring(size('data')) * gradient_bytes}))
-  for table_elements, table_axes in shape.tables:
-    table_axes = sorted(a for a in table_axes if mesh_shape[a] > 1)
-    n = 1
-    for a in table_axes:
-      n *= mesh_shape[a]
-    if n > 1:
-      floors.append(Floor('+'.join(names[a] for a in table_axes), {
-          'tables gathered, their gradients scattered':
-              (n - 1) / n * table_elements *
-              (shape.compute_bytes + GRADIENT_BYTES)}))
+  for table in shape.tables:
+    floors += _TableFloors(table, mesh_shape, names)
   return _Merged(floors)
+
+
+def _ModelParts(shape, remat_policy, m, r, one):
+  """The model axis's floor by part; `one`: a reduction's bytes."""
+  k = shape.model_reductions
+  again = max(k - 1, 0)
+  if remat_policy in ('save_dots', 'save_all'):
+    again = 0
+  elif (remat_policy == 'save_checkpoints' and
+        shape.checkpoint_reductions is not None):
+    again = shape.checkpoint_reductions
+  parts = {'the body\'s reductions': 2 * k * m * r * one}
+  if again:
+    parts[RECOMPUTED] = again * m * r * one
+  if shape.end_reductions:
+    parts['the ends\' reductions'] = shape.end_reductions * m * one
+  return parts
+
+
+def _TableFloors(table, mesh_shape, names):
+  """A table's floors: its gather on the axes it is gathered over, its
+  gradient's sum on those it is summed over (see the module).
+
+  Raises:
+    ValueError: it is summed over an axis it is not gathered over (the
+      devices summing would not each end with a share of their own).
+  """
+  elements, gathered, nbytes, summed, gradient_bytes = table
+  if not set(summed) <= set(gathered):
+    raise ValueError(
+        f'A table of {elements} elements a chip is summed over mesh axes '
+        f'{tuple(summed)}, not all among those it is gathered over '
+        f'{tuple(gathered)}: a floor knows no such layout.')
+  floors = []
+  n, axes = _Devices(gathered, mesh_shape, names)
+  if n > 1:
+    floors.append(Floor(axes, {
+        'tables gathered': (n - 1) / n * elements * nbytes}))
+  sums, axes = _Devices(summed, mesh_shape, names)
+  if sums > 1:
+    floors.append(Floor(axes, {
+        'tables\' gradients summed':
+            (sums - 1) * elements / n * gradient_bytes}))
+  return floors
+
+
+def _Devices(axes, mesh_shape, names):
+  """(devices, name) of the mesh axes `axes` (those of one device left
+  out): how many devices they span, and the floor's name for them."""
+  axes = sorted(a for a in set(axes) if mesh_shape[a] > 1)
+  n = 1
+  for a in axes:
+    n *= mesh_shape[a]
+  return n, '+'.join(names[a] for a in axes)
 
 
 def _Merged(floors):
@@ -157,11 +225,19 @@ def _Merged(floors):
 
 
 def Ratios(per_axis, floors):
-  """{axes: (sent, floor or None)} over every axes name either has."""
+  """{axes: (sent, its Floor or None)} over every axes name either has."""
   sent = {axes: sum(kinds.values()) for axes, kinds in per_axis.items()}
-  floor = {f.axes: f.bytes for f in floors}
+  floor = {f.axes: f for f in floors}
   return {axes: (sent.get(axes, 0.0), floor.get(axes))
           for axes in sorted(set(sent) | set(floor))}
+
+
+def UnderFloor(per_axis, floors):
+  """[(axes, sent, floor bytes)] where the step sends less than
+  LEAST_RATIO of the floor: the planner's error (see the module)."""
+  return [(axes, sent, f.bytes)
+          for axes, (sent, f) in Ratios(per_axis, floors).items()
+          if f and f.bytes and sent < LEAST_RATIO * f.bytes]
 
 
 def ShapeOf(step, stage_axis):

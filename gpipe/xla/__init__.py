@@ -12,8 +12,10 @@ planner's measurements (needs jax and jaxlib: the spmd extra).
                       (and runs) it for N virtual devices
     worker_pool       one spmd_worker process per device count, kept for
                       the next module
-    hlo_text          reading the compiled module: loops, collectives,
-                      buffers, op names
+    hlo_text          reading the compiled module: loops, collectives
+                      (how often each runs), buffers, op names
+    widening          which collectives XLA:CPU widened from bfloat16 (a
+                      TPU sends them at half the bytes)
     spmd_worker       the subprocess that partitions and compiles with
                       jaxlib
 """

@@ -15,6 +15,7 @@ import re
 import numpy as np
 
 from gpipe.xla import spmd_worker
+from gpipe.xla import widening
 
 COLLECTIVE_KINDS = ('collective-permute', 'all-gather', 'all-reduce',
                     'all-to-all', 'reduce-scatter', 'collective-broadcast')
@@ -34,6 +35,10 @@ class Collective:
   # Per element of the result: widened by XLA:CPU from bfloat16 (see
   # `wire_bytes`); () for none.
   widened: tuple = ()
+  # How often it runs per iteration of its loop (outside the loops: per
+  # step): the product of the trip counts of the loops nested in that loop
+  # that it runs in (1 in none); None where XLA knows no trip count of one.
+  runs: int = 1
 
   @property
   def bytes(self):
@@ -44,11 +49,12 @@ class Collective:
   def wire_bytes(self):
     """Bytes of its result in the dtype XLA's SPMD partitioner gave it.
 
-    XLA:CPU moves no bfloat16: after partitioning, its passes widen a
-    bfloat16 all-reduce (all-reduce-promotion) and collective-permute
-    (float-normalization-bf16) to float32, converting on the way in and
-    out, which doubles the bytes a TPU, moving bfloat16 natively, would
-    send. A widened element (`WidenedElements`) counts at 16 bits here.
+    XLA:CPU moves no bfloat16: after partitioning, its passes widen
+    bfloat16 collectives to float32, converting on the way in and
+    narrowing back on the way out, which doubles the bytes a TPU, moving
+    bfloat16 natively, would send. A widened element
+    (gpipe.xla.widening) counts at 16 bits here; a float32 the program
+    itself sends, at 32.
     """
     return sum(size // 2 if widened else size for (_, size), widened in zip(
         _ElementBytes(self.shape),
@@ -108,13 +114,6 @@ WHILE_RE = re.compile(r'^\s*%?([\w.\-]+)\s*=.*\swhile\(%?([\w.\-]+)\)')
 # The body computation a while instruction names.
 WHILE_BODY_RE = re.compile(r'\bbody=%?([\w.\-]+)')
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
-# XLA:CPU's all-reduce-promotion names the widened reduction so.
-_PROMOTED_RE = re.compile(r'\bto_apply=%?[\w.\-]*_promoted\b')
-_DEF_RE = re.compile(
-    r'^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s'
-    r'(?P<op>[a-z][a-z0-9\-]*)\((?P<args>[^)]*)\)')
-# Ops that keep where a value's dtype came from (a broadcast copies it).
-_UNCHANGED_OPS = ('bitcast', 'copy', 'reshape', 'broadcast')
 
 
 def DeviceGroups(line):
@@ -340,17 +339,18 @@ def AnalyzeHlo(hlo_text):
   Returns:
     (collectives, loops): a list of Collective, and the body computation
     names of the module's outermost while loops; Collective.loop indexes
-    that list (-1: outside every loop). A nested loop counts as part of the
-    loop that contains it.
+    that list (-1: outside every loop). A nested loop is part of the loop
+    that contains it: its collectives' `runs` count its trips.
   """
   computations, entry = _ParseComputations(hlo_text)
-  definitions = _Definitions(computations)
-  _, loops = _Walk(computations, entry, into_loops=False)
-  owner = {}
+  module = widening.Module(computations)
+  reached, loops = _Walk(computations, entry, into_loops=False)
+  owner, runs = {}, _Runs(computations, entry, reached)
   for index, body in enumerate(loops):
     reached, _ = _Walk(computations, body, into_loops=True)
-    for name in reached:
-      owner.setdefault(name, index)
+    for name, count in _Runs(computations, body, reached).items():
+      if name not in owner:
+        owner[name], runs[name] = index, count
 
   collectives = []
   for name, lines in computations.items():
@@ -369,60 +369,42 @@ def AnalyzeHlo(hlo_text):
                        loop=owner.get(name, -1),
                        op_name=op_name.group(1) if op_name else '',
                        groups=DeviceGroups(line),
-                       widened=WidenedElements(definitions, name, line)))
+                       widened=module.WidenedElements(name, line),
+                       runs=runs.get(name, 1)))
   return collectives, loops
 
 
-def _Definitions(computations):
-  """{computation: {instruction name: (type, op, [operand names], line)}}."""
-  found = {}
-  for comp, lines in computations.items():
-    defs = found[comp] = {}
-    for line in lines:
-      match = _DEF_RE.match(line)
-      if match:
-        args = re.findall(r'%([\w.\-]+)', match.group('args'))
-        defs[match.group('name')] = (match.group('type'), match.group('op'),
-                                     args, line)
-        if line.lstrip().startswith('ROOT'):
-          defs[None] = defs[match.group('name')]
-  return found
+def _Runs(computations, root, reached):
+  """{computation: how often it runs per run of `root`}, over `reached`
+  (what a walk from root reaches): a while loop's body its trip count
+  times per run of the computation holding the loop, any other callee
+  once per call; None where a loop on the way has no known trip count."""
+  callers = {}
+  for name in reached:
+    for line in computations[name]:
+      body = WHILE_BODY_RE.search(line)
+      body = body.group(1) if body and ' while(' in line else None
+      for callee in _Callees(line):
+        if callee in reached and callee != root:
+          factor = _KnownTripCount(line) if callee == body else 1
+          callers.setdefault(callee, []).append((name, factor))
+  runs = {root: 1}
+
+  def Runs(name):
+    if name not in runs:
+      runs[name] = 0  # while it is being counted (HLO calls no cycles)
+      counts = [(Runs(caller), factor)
+                for caller, factor in callers.get(name, [])]
+      runs[name] = (None if any(r is None or f is None for r, f in counts)
+                    else sum(r * f for r, f in counts))
+    return runs[name]
+
+  return {name: Runs(name) for name in reached}
 
 
-def WidenedElements(definitions, computation, line):
-  """Per element of a collective's result: whether XLA:CPU widened it from
-  bfloat16 (Collective.wire_bytes): its reduction renamed `..._promoted`,
-  or its operand a float32 made by converting a bfloat16 (a convert, or a
-  fusion ending in one, through bitcasts, copies, reshapes and
-  broadcasts), as XLA:CPU's float normalization inserts."""
-  match = _DEF_RE.match(line)
-  if not match:
-    return ()
-  types = re.findall(r'[a-z]\w*\[[\d,]*\]', match.group('type'))
-  args = re.findall(r'%([\w.\-]+)', match.group('args'))
-  promoted = bool(_PROMOTED_RE.search(line))
-  return tuple(
-      t.startswith('f32') and (promoted or _FromBfloat16(
-          definitions, computation, arg))
-      for t, arg in zip(types, args))
-
-
-def _FromBfloat16(definitions, computation, name, depth=0):
-  """Whether value `name` is a bfloat16 converted to float32 (through
-  bitcasts, copies, reshapes and fusions ending so)."""
-  defs = definitions.get(computation, {})
-  if name not in defs or depth > 8:
-    return False
-  _, op, args, line = defs[name]
-  if op in _UNCHANGED_OPS and args:
-    return _FromBfloat16(definitions, computation, args[0], depth + 1)
-  if op == 'convert' and args:
-    source = defs.get(args[0])
-    return bool(source) and source[0].startswith('bf16')
-  if op == 'fusion':
-    callee = re.search(r'\bcalls=%?([\w.\-]+)', line)
-    root = callee and definitions.get(callee.group(1), {}).get(None)
-    if root:
-      root_name = _DEF_RE.match(root[3]).group('name')
-      return _FromBfloat16(definitions, callee.group(1), root_name, depth + 1)
-  return False
+def _KnownTripCount(while_line):
+  """The while loop's trip count, or None where XLA does not know it."""
+  try:
+    return spmd_worker.TripCount(while_line)
+  except spmd_worker.UnknownTripCount:
+    return None

@@ -22,6 +22,7 @@ import pytest
 
 import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
+from gpipe import sharding
 from gpipe.pipeline import stage_ends
 from gpipe.pipeline import one_f_one_b
 from lingvo.core import py_utils
@@ -344,6 +345,55 @@ def test_partitioned_step_equals_one_device():
   for i, (got, want) in enumerate(zip(run.outputs, one)):
     assert np.abs(want.numpy()).max() > 0, i
     close.AssertClose(got, want.numpy(), close.FLOAT32, f'output {i}')
+
+
+class _Recorded(sharding.OverStageDevices):
+  """S stage devices whose annotations are recorded, not made: what each
+  tensor is asked to be split on, on one device."""
+
+  def __init__(self, num_stages):
+    super().__init__(num_stages)
+    self.splits = []
+
+  def _SplitOne(self, x, stage_dim):
+    self.splits.append((x, stage_dim))
+    return x
+
+
+@pytest.mark.parametrize('shape', [(3, 8), (2, 3, 16)])
+def test_the_ends_gradient_exchange_sends_each_device_its_block(shape):
+  """The ends' weights copied per stage (stage_ends.ForTheLoop) get their
+  gradient back as each stage's parts exchanged over the S devices (an
+  all-to-all) and summed: device k must receive, from every stage, the
+  k-th block of the last dim (the block it keeps of the sum, split on
+  that dim) and nothing else, and end with its block of the sum. Read off
+  the annotations on one device (the tensor split for the exchange,
+  device k's share of it as the partitioner splits a dim: the k-th of S
+  even pieces); a kind and bytes of the collective are the same for parts
+  cut another way (strided), which this tells apart."""
+  num_stages = 4
+  placement = _Recorded(num_stages)
+  rng = np.random.RandomState(0)
+  value = tf.constant(rng.normal(size=shape).astype(np.float32))
+  dy = rng.normal(size=(num_stages,) + shape).astype(np.float32)
+  with tf.GradientTape() as tape:
+    tape.watch(value)
+    copies = stage_ends._StackedOverStages(value, placement, num_stages)  # pylint: disable=protected-access
+    loss = tf.reduce_sum(copies * dy)
+  grad = tape.gradient(loss, value).numpy()
+  (parts, dim), = [(x.numpy(), d) for x, d in placement.splits
+                   if x.shape.rank == len(shape) + 2]
+  kept, kept_dim = placement.splits[-1]
+  assert (tuple(kept.shape), kept_dim) == (shape, len(shape) - 1)
+  close.AssertClose(grad, dy.sum(0), close.FLOAT32, 'the summed gradient')
+  blocks = np.split(dy, num_stages, axis=-1)  # device k's, from each stage
+  ends = np.split(grad, num_stages, axis=-1)  # device k's of the sum
+  for k, received in enumerate(np.array_split(parts, num_stages, axis=dim)):
+    assert received.size == blocks[k].size, (k, received.shape)
+    np.testing.assert_array_equal(received.reshape(blocks[k].shape),
+                                  blocks[k], err_msg=f'device {k}')
+    close.AssertClose(received.reshape(blocks[k].shape).sum(0), ends[k],
+                      close.FLOAT32, f'device {k} ends with')
 
 
 def test_bad_losses_say_what_to_fix():
