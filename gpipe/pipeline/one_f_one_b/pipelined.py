@@ -61,7 +61,6 @@ def _Pipelined(cell, io, theta, native, state_leaves, var_values):
   """The forward loop as a custom gradient whose gradient is the 1f1b
   loop: a NestedMap(outputs, aux, summaries, states, vars)."""
   graph = cell.graph
-  diff_caps = graph.differentiable['captures']
   structure = (theta, native, state_leaves, var_values)
   Unflatten = _Unflattener(graph, structure)
   result_structure = []
@@ -86,15 +85,28 @@ def _Pipelined(cell, io, theta, native, state_leaves, var_values):
       with compiled_loops.Allowed(compiles):
         grads = gradient_loop.GradientLoop(
             cell, io, th, nat, states, var_vals, caps).Run(d)
-      if variables is None:
-        return grads
-      return grads, [None] * len(variables)
+      return _NoVariableGradients(grads, variables)
 
     return tf.nest.flatten(result), Grad
 
-  flat_args = [x for part in structure for x in tf.nest.flatten(part)]
-  flat_out = Pipelined(*flat_args, *[graph.captures[i] for i in diff_caps])
+  flat_out = Pipelined(*_FlatArguments(graph, structure))
   return tf.nest.pack_sequence_as(result_structure[0], flat_out)
+
+
+def _FlatArguments(graph, structure):
+  """A custom gradient's flat arguments: the parts of `structure`, then the
+  cell's differentiable captures (what _Unflattener takes apart)."""
+  return ([x for part in structure for x in tf.nest.flatten(part)] +
+          [graph.captures[i] for i in graph.differentiable['captures']])
+
+
+def _NoVariableGradients(grads, variables):
+  """A custom gradient's answer: the loops' gradients, and None for every
+  variable it read (the cell reads none that trains:
+  recurrent.CheckNoTrainableVariables)."""
+  if variables is None:
+    return grads
+  return grads, [None] * len(variables)
 
 
 def _Unflattener(graph, structure):
@@ -131,7 +143,6 @@ def _WithLoss(cell, io, theta, native, var_values):
         "backward_schedule='1f1b' differentiates the loss alone, and the "
         'body adds aux losses; use the reverse backward_schedule (or FProp '
         'and a loss of your own) for a body with aux losses.')
-  diff_caps = graph.differentiable['captures']
   structure = (theta, native, [], var_values)
   Unflatten = _Unflattener(graph, structure)
   values_structure = []
@@ -152,14 +163,11 @@ def _WithLoss(cell, io, theta, native, var_values):
       d_loss = dys[position]
       scaled = [None if g is None else g * tf.cast(d_loss, g.dtype)
                 for g in grads]
-      if variables is None:
-        return scaled
-      return scaled, [None] * len(variables)
+      return _NoVariableGradients(scaled, variables)
 
     return tf.nest.flatten(values), Grad
 
-  flat_args = [x for part in structure for x in tf.nest.flatten(part)]
-  flat_out = Scored(*flat_args, *[graph.captures[i] for i in diff_caps])
+  flat_out = Scored(*_FlatArguments(graph, structure))
   values = tf.nest.pack_sequence_as(values_structure[0], flat_out)
   place = cell.spec.placement
   return loop_spec.LoopResult(
