@@ -122,8 +122,14 @@ def _StepParts(c):
                      'memory_traffic_seconds'),
                     ('collectives (overlap nothing)', 'collective_seconds'),
                     ('step = max(compute, HBM) + collectives',
-                     'step_seconds')):
+                     'step_seconds'),
+                    ('of the collectives, hidden under compute beside '
+                     'them (overlapped)', 'hidden_collective_seconds'),
+                    ('overlapped step (not checked)',
+                     'step_seconds_overlapped')):
     rows.append(f'| {what} | {p[key]:.3f} |')
+  rows.append(f"| MFU, no overlap / overlapped | {100 * p['mfu']:.1f} % / "
+              f"{100 * p['mfu_overlapped']:.1f} % |")
   return rows
 
 

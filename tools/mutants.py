@@ -100,6 +100,20 @@ BUGS = (
         '                         [last // num_stages, num_stages])\n'
         '      parts = placement.SplitStages(parts, len(shape) + 1)',
         ('tests/pipeline/stage_ends_test.py', '-k', 'exchange')),
+    # -- What the compute beside a collective hides. ------------------------
+    Bug('overlap-hidden-by-what-feeds-it',
+        "a collective hidden by the compute that feeds it (its operands' "
+        'side of the graph not read)',
+        'gpipe/xla/dependencies.py',
+        '    tied = _Reach(name, operands) | _Reach(name, users) | {name}',
+        '    tied = _Reach(name, users) | {name}',
+        ('tests/plan/overlap_test.py', 'tests/xla/dependencies_test.py')),
+    Bug('overlap-work-shared-twice',
+        'two collectives each hidden in full behind the same dot',
+        'gpipe/plan/overlap.py',
+        "    Edge(('work', key), 'sink', t)",
+        "    Edge(('work', key), 'sink', t * len(key))",
+        ('tests/plan/overlap_test.py',)),
     # -- Decoding from per-stage states. ------------------------------------
     Bug('decode-stage-0', "every stage gets stage 0's state",
         'gpipe/microbatch.py',

@@ -41,6 +41,8 @@ The parts, from the top down (each imports only parts below it):
               Params on inputs of given shapes; candidates (M, R, policy)
   model_flops the model's work MFU counts (its forward pass compiled alone)
   loops       what the compiled module's while loops compute and hold
+  overlap     what the compute beside each collective can hide: the
+              overlapped step
   collectives what a chip sends over each mesh axis in a step
   traffic_floor  the least each mesh axis must carry, from the model's
               shapes

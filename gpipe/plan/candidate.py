@@ -26,6 +26,7 @@ from gpipe.model_step import train_step
 from gpipe.plan import collectives
 from gpipe.plan import loops
 from gpipe.plan import model_flops as model_flops_lib
+from gpipe.plan import overlap
 from gpipe.plan.report import Plan
 from gpipe.plan import roofline
 from gpipe.plan import targets
@@ -322,7 +323,8 @@ class CandidateReport:
         self.chip, self.flops_per_device, sum(self.loop_flops),
         self.schedule.bubble_fraction, self.step_bytes,
         collectives.Total(self.sent_per_axis), self.model_flops,
-        self.compiled.num_devices)
+        self.compiled.num_devices,
+        overlap.HiddenSeconds(self.compiled, self._trips, self.chip))
 
   def FloorsJson(self):
     """The floors and sent / floor per set of mesh axes, as ToJson has

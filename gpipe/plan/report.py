@@ -56,6 +56,12 @@ _NOTES = {
         'problem, the planner\'s error), measured / bytes_without_recompute '
         'collective_sent_over_floor_without_recompute',
     'predicted.mfu': 'model_flops / (num_devices x peak x step_seconds)',
+    'predicted.step_seconds_overlapped':
+        'step_seconds less hidden_collective_seconds, the collective time '
+        'the matrix work that neither feeds a collective nor waits for it '
+        '(in its computation) can hide (gpipe.plan.overlap); optimistic, '
+        'where step_seconds (what recommended uses) is pessimistic; '
+        'mfu_overlapped is its MFU',
 }
 
 
@@ -167,6 +173,8 @@ def _MainColumns(plan):
       (predicted, 'step', 8, lambda r, i: Seconds(r.prediction.step_seconds) +
        ('*' if i == rec else '')),
       (predicted, 'MFU', 7, lambda r, i: Percent(r.prediction.mfu)),
+      (predicted, 'MFU ovl', 7,
+       lambda r, i: Percent(r.prediction.mfu_overlapped)),
   ]
 
 
@@ -212,8 +220,10 @@ def _Tables(plan):
         'outputs + temp - what the outputs update in place; stored: what '
         'the forward pass stores for the backward pass (1f1b: the rings), '
         'part of temp; permute/it: sent by collective-permutes per forward '
-        'iteration; the predicted step\'s parts are in each candidate\'s '
-        'lines below)')
+        'iteration; step, MFU: no collective overlapped, what the pick '
+        'uses; MFU ovl: each collective overlapped by the compute that '
+        'neither feeds it nor waits for it; the predicted steps\' parts '
+        'are in each candidate\'s lines below)')
   return lines
 
 
@@ -308,6 +318,10 @@ def _Details(r):
       f'{Seconds(p.memory_seconds)}) + collectives '
       f'{Seconds(p.collective_seconds)}: {p.bound}-bound; MFU '
       f'{Percent(p.mfu)} (model FLOPs {p.model_flops:.3g})',
+      f'overlapped: step {Seconds(p.step_seconds_overlapped)}, MFU '
+      f'{Percent(p.mfu_overlapped)}: of the collectives '
+      f'{Seconds(p.hidden_collective_seconds)} hidden under compute that '
+      'neither feeds them nor waits for them (not what the pick uses)',
       'memory traffic (fused step, per device): '
       f'{Bytes(sum(traffic.values()))} = ' + ' + '.join(
           f'{k.replace("_", " ")} {Bytes(v)}' for k, v in traffic.items()),
@@ -364,8 +378,12 @@ def _Sources(plan):
       'max(compute, memory traffic) + collectives (compute and HBM traffic '
       'overlap, collectives overlap neither); MFU = model FLOPs (3 x the '
       'forward pass, the stacks unpipelined: no bubble, nothing '
-      'recomputed) / (N x peak x step). The recommendation follows the '
-      'predicted step.',
+      'recomputed) / (N x peak x step). Overlapped (MFU ovl): '
+      'the step less the collective time that the matrix work beside each '
+      'collective in its computation (neither feeding it nor waiting for '
+      'it, in the partitioned module\'s dependencies) can hide, each '
+      'second of work hiding one second of collective. The '
+      'recommendation follows the predicted step without overlap.',
       f'Fits: peak <= {Bytes(plan.hbm_bytes)} of HBM.',
   ]
   lines = [line for p in paragraphs for line in _Wrap(p)]

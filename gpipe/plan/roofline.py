@@ -19,7 +19,10 @@ kind and group size (gpipe.plan.collectives: an all-reduce over n devices
 sends 2 (n - 1) / n of its bytes, a collective-permute all of them), all
 over one link in one direction. Compute and HBM traffic overlap (a TPU
 streams operands while its matrix units run: the larger one sets the
-time); collectives are assumed not to overlap either (pessimistic);
+time); collectives are assumed not to overlap either (pessimistic: the
+step the planner's targets and its pick use). Beside it, the overlapped
+step takes off what the compute that neither feeds a collective nor waits
+for it can hide (gpipe.plan.overlap: optimistic);
 compute runs at peak (optimistic): the prediction ranks configurations, it
 does not promise a wall time. FLOPs come from XLA's CPU compile of the
 same module, counted for the model's own dtype, against the chip's bf16
@@ -140,6 +143,9 @@ class Prediction:
   model_flops: float  # the model's work, all devices: 3 x its forward pass
   num_devices: int
   peak_flops: float
+  # Of collective: what the compute beside each collective can hide
+  # (gpipe.plan.overlap); the overlapped step leaves it out.
+  hidden_collective_seconds: float = 0.0
 
   @property
   def model_seconds(self):
@@ -158,6 +164,13 @@ class Prediction:
             self.collective_seconds)
 
   @property
+  def step_seconds_overlapped(self):
+    """The step less the collectives' hidden time: never below
+    max(compute, memory traffic)."""
+    return max(self.compute_seconds, self.memory_seconds,
+               self.step_seconds - self.hidden_collective_seconds)
+
+  @property
   def bound(self):
     """Which of compute and memory traffic sets the step."""
     return ('compute' if self.compute_seconds >= self.memory_seconds else
@@ -168,6 +181,12 @@ class Prediction:
     """Model FLOPs / (devices x peak x predicted step)."""
     return self.model_flops / (self.num_devices * self.peak_flops *
                                self.step_seconds)
+
+  @property
+  def mfu_overlapped(self):
+    """MFU of the overlapped step."""
+    return self.model_flops / (self.num_devices * self.peak_flops *
+                               self.step_seconds_overlapped)
 
   def ToJson(self):
     return {
@@ -182,14 +201,19 @@ class Prediction:
         'bound': self.bound,
         'overlap': 'step = max(compute, memory traffic) + collectives: '
                    'compute and HBM traffic overlap, collectives overlap '
-                   'neither',
+                   'neither (what targets and the pick use); '
+                   'step_seconds_overlapped = step - hidden collective '
+                   'seconds (gpipe.plan.overlap)',
         'model_flops': self.model_flops,
         'mfu': self.mfu,
+        'hidden_collective_seconds': self.hidden_collective_seconds,
+        'step_seconds_overlapped': self.step_seconds_overlapped,
+        'mfu_overlapped': self.mfu_overlapped,
     }
 
 
 def Predict(chip, flops, loop_flops, bubble_fraction, step_bytes,
-            sent_bytes, model_flops, num_devices):
+            sent_bytes, model_flops, num_devices, hidden_seconds=0.0):
   """The step time on `chip` of one device's work, by part.
 
   Args:
@@ -203,6 +227,8 @@ def Predict(chip, flops, loop_flops, bubble_fraction, step_bytes,
     model_flops: the model's work, all devices (3 x its forward pass's
       FLOPs: gpipe.plan.model_flops.ForwardFlops).
     num_devices: devices the step runs on.
+    hidden_seconds: of the collectives' time, what the compute beside
+      them hides (gpipe.plan.overlap.HiddenSeconds): the overlapped step's.
   """
   collective = sent_bytes / chip.link_bandwidth
   traffic = step_bytes.Traffic()
@@ -214,4 +240,5 @@ def Predict(chip, flops, loop_flops, bubble_fraction, step_bytes,
       memory_traffic_bytes=traffic,
       model_flops=model_flops,
       num_devices=num_devices,
-      peak_flops=chip.peak_flops)
+      peak_flops=chip.peak_flops,
+      hidden_collective_seconds=hidden_seconds)

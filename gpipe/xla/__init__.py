@@ -12,6 +12,8 @@ planner's measurements (needs jax and jaxlib: the spmd extra).
                       (and runs) it for N virtual devices
     worker_pool       one spmd_worker process per device count, kept for
                       the next module
+    dependencies      what may run beside each collective (its
+                      computation's dependency graph), and its FLOPs
     hlo_text          reading the compiled module: loops, collectives
                       (how often each runs), buffers, op names
     widening          which collectives XLA:CPU widened from bfloat16 (a

@@ -39,6 +39,7 @@ class Collective:
   # step): the product of the trip counts of the loops nested in that loop
   # that it runs in (1 in none); None where XLA knows no trip count of one.
   runs: int = 1
+  name: str = ''  # its instruction's name in `computation`
 
   @property
   def bytes(self):
@@ -162,7 +163,7 @@ def _MeshAxesGroups(text):
   return tuple(tuple(int(d) for d in g) for g in ids.reshape(-1, size))
 
 
-def _ParseComputations(hlo_text):
+def ParseComputations(hlo_text):
   """{computation name: [instruction lines]}, and the entry's name."""
   computations, entry, current = {}, None, None
   for line in hlo_text.splitlines():
@@ -212,7 +213,9 @@ def TypeBytes(hlo_type):
   return sum(size for _, size in _ElementBytes(hlo_type))
 
 
-def _Callees(line):
+def Callees(line):
+  """The computations an instruction's HLO line calls: a loop's body and
+  condition, a fusion's, a reduction's, a conditional's branches."""
   names = _CALLEE_RE.findall(line)
   for group in _BRANCHES_RE.findall(line):
     names += [n.strip().lstrip('%') for n in group.split(',') if n.strip()]
@@ -237,7 +240,7 @@ def _Walk(computations, root, into_loops):
         loops.append(body.group(1))
         if not into_loops:
           continue
-      todo.extend(_Callees(line))
+      todo.extend(Callees(line))
   return reached, loops
 
 
@@ -315,7 +318,7 @@ def LargestBuffers(hlo_text, count=5):
   listed once, where it is made). A hint where the memory goes, not the
   live set at the peak.
   """
-  computations, _ = _ParseComputations(hlo_text)
+  computations, _ = ParseComputations(hlo_text)
   largest = {}
   for name, lines in computations.items():
     if name.startswith(('fused_', 'wrapped_')):
@@ -342,7 +345,7 @@ def AnalyzeHlo(hlo_text):
     that list (-1: outside every loop). A nested loop is part of the loop
     that contains it: its collectives' `runs` count its trips.
   """
-  computations, entry = _ParseComputations(hlo_text)
+  computations, entry = ParseComputations(hlo_text)
   module = widening.Module(computations)
   reached, loops = _Walk(computations, entry, into_loops=False)
   owner, runs = {}, _Runs(computations, entry, reached)
@@ -370,7 +373,8 @@ def AnalyzeHlo(hlo_text):
                        op_name=op_name.group(1) if op_name else '',
                        groups=DeviceGroups(line),
                        widened=module.WidenedElements(name, line),
-                       runs=runs.get(name, 1)))
+                       runs=runs.get(name, 1),
+                       name=_INSTRUCTION_NAME_RE.match(line).group(1)))
   return collectives, loops
 
 
@@ -384,9 +388,9 @@ def _Runs(computations, root, reached):
     for line in computations[name]:
       body = WHILE_BODY_RE.search(line)
       body = body.group(1) if body and ' while(' in line else None
-      for callee in _Callees(line):
+      for callee in Callees(line):
         if callee in reached and callee != root:
-          factor = _KnownTripCount(line) if callee == body else 1
+          factor = KnownTripCount(line) if callee == body else 1
           callers.setdefault(callee, []).append((name, factor))
   runs = {root: 1}
 
@@ -402,7 +406,7 @@ def _Runs(computations, root, reached):
   return {name: Runs(name) for name in reached}
 
 
-def _KnownTripCount(while_line):
+def KnownTripCount(while_line):
   """The while loop's trip count, or None where XLA does not know it."""
   try:
     return spmd_worker.TripCount(while_line)

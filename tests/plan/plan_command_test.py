@@ -127,9 +127,11 @@ def test_plan_command_json(capsys, tmp_path):
   predicted = candidate['predicted']
   for key in ('compute_seconds', 'bubble_seconds', 'memory_traffic_seconds',
               'memory_traffic_bytes', 'collective_seconds', 'model_flops',
-              'mfu', 'overlap'):
+              'mfu', 'overlap', 'hidden_collective_seconds',
+              'step_seconds_overlapped', 'mfu_overlapped'):
     assert key in predicted, key
   assert predicted['step_seconds'] == candidate['predicted_step_seconds']
+  assert predicted['step_seconds_overlapped'] <= predicted['step_seconds']
   for key in ('xla_cpu_unfused_bytes_accessed_per_device',
               'stored_activation_bytes', 'loop_flops_per_device'):
     assert key in candidate and key in report['measured_by_xla'], key

@@ -286,6 +286,12 @@ def test_predicted_parts_against_arithmetic(reports):
     assert 1 <= p.model_flops / matmuls < 1.25, p.model_flops / matmuls
     assert p.mfu == pytest.approx(
         p.model_flops / (NUM_STAGES * v5e.peak_flops * p.step_seconds))
+    # Overlapped: at most the collectives hidden, never below the larger
+    # of compute and memory traffic.
+    assert 0 <= p.hidden_collective_seconds <= p.collective_seconds * 1.001
+    assert p.step_seconds_overlapped == pytest.approx(max(
+        p.compute_seconds, p.memory_seconds,
+        p.step_seconds - p.hidden_collective_seconds))
 
 
 def test_recommends_the_fastest_fitting_candidate(linear_plan):

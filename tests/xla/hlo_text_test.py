@@ -91,6 +91,9 @@ def test_a_nested_loop_counts_its_trips():
       ('reduce-scatter', 'unknown_body'): (0, None),
       ('all-reduce', 'main'): (-1, 1),
   }
+  # Each named as its instruction (what gpipe.xla.dependencies reads).
+  assert [c.name for c in collectives if c.computation == 'outer_body'] == [
+      'cp']
 
 
 # bfloat16 collectives as XLA:CPU leaves them (widened: converted in and
