@@ -34,6 +34,7 @@ class Collective:
   # Per element of the result: widened by XLA:CPU from bfloat16 (see
   # `wire_bytes`); () for none.
   widened: tuple = ()
+  name: str = ''  # the instruction's name in its computation
 
   @property
   def bytes(self):
@@ -369,7 +370,8 @@ def AnalyzeHlo(hlo_text):
                        loop=owner.get(name, -1),
                        op_name=op_name.group(1) if op_name else '',
                        groups=DeviceGroups(line),
-                       widened=WidenedElements(definitions, name, line)))
+                       widened=WidenedElements(definitions, name, line),
+                       name=_DEF_RE.match(line).group('name')))
   return collectives, loops
 
 
@@ -426,3 +428,60 @@ def _FromBfloat16(definitions, computation, name, depth=0):
       root_name = _DEF_RE.match(root[3]).group('name')
       return _FromBfloat16(definitions, callee.group(1), root_name, depth + 1)
   return False
+
+
+def ScatteredElements(hlo_text):
+  """{(computation, all-reduce name): per element of its result, the shape
+  every reader slices of it, or None where it is read whole}.
+
+  XLA's SPMD partitioner spells a reduce-scatter (partial sums made split)
+  as an all-reduce each device reads only its part of: a dynamic-slice of
+  1/n of it at an offset made from its partition id. XLA's TPU and GPU
+  compilers rewrite such a pair into one reduce-scatter
+  (ReduceScatterCreator); XLA:CPU keeps it, the slice fused into its
+  readers. An element counts as sliced when every read of it (through
+  get-tuple-element, into fusions) is a dynamic-slice of one shape.
+  """
+  computations, _ = _ParseComputations(hlo_text)
+  definitions = _Definitions(computations)
+  readers = {}
+  for comp, defs in definitions.items():
+    for name, (_, _, args, _) in defs.items():
+      for i, arg in enumerate(args if name is not None else ()):
+        readers.setdefault((comp, arg), []).append((name, i))
+
+  def Sliced(comp, name):
+    """The one shape all reads of value `name` slice, or None."""
+    shapes = set()
+    for user, operand in readers.get((comp, name), ()):
+      _, op, _, line = definitions[comp][user]
+      if op == 'dynamic-slice' and operand == 0:
+        shapes.add(re.search(r'dynamic_slice_sizes=\{([\d,]*)\}', line)
+                   .group(1))
+      elif op == 'fusion':
+        callee = re.search(r'\bcalls=%?([\w.\-]+)', line).group(1)
+        param = next(n for n, d in definitions[callee].items() if n and
+                     re.search(rf'parameter\({operand}\)', d[3]))
+        shapes.add(Sliced(callee, param))
+      else:
+        return None
+    return shapes.pop() if len(shapes) == 1 else None
+
+  found = {}
+  for comp, defs in definitions.items():
+    for name, (hlo_type, op, _, _) in defs.items():
+      if name is None or op != 'all-reduce':
+        continue
+      if not hlo_type.startswith('('):
+        found[(comp, name)] = (Sliced(comp, name),)
+        continue
+      elements = [None] * len(ShapesOf(hlo_type))
+      for user, _ in readers.get((comp, name), ()):
+        user_line = defs[user][3]
+        index = re.search(r'\bindex=(\d+)', user_line)
+        if defs[user][1] == 'get-tuple-element' and index:
+          elements[int(index.group(1))] = Sliced(comp, user)
+      found[(comp, name)] = tuple(elements)
+  return {key: tuple(None if s is None else tuple(
+      int(d) for d in s.split(',') if d) for s in value)
+          for key, value in found.items()}
