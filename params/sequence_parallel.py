@@ -24,7 +24,7 @@ propagation decides either. XLA's SPMD partitioner spells the scatter as an
 all-reduce that each device slices to its part of the sequence; XLA's TPU
 and GPU compilers turn that pair into one reduce-scatter
 (ReduceScatterCreator), XLA:CPU keeps the pair
-(gpipe.xla.hlo_text.ScatteredReductions reads them as reduce-scatters).
+(gpipe.xla.hlo_text.ScatteredElements finds the pairs).
 
 The sequence is split only where it divides by the model axis: one
 position at a time (decoding) keeps the whole layout and its all-reduce.
