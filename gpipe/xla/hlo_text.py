@@ -440,7 +440,8 @@ def ScatteredElements(hlo_text):
   compilers rewrite such a pair into one reduce-scatter
   (ReduceScatterCreator); XLA:CPU keeps it, the slice fused into its
   readers. An element counts as sliced when every read of it (through
-  get-tuple-element, into fusions) is a dynamic-slice of one shape.
+  get-tuple-element, converts, into fusions and out of them) is a
+  dynamic-slice of one shape.
   """
   computations, _ = _ParseComputations(hlo_text)
   definitions = _Definitions(computations)
@@ -450,19 +451,25 @@ def ScatteredElements(hlo_text):
       for i, arg in enumerate(args if name is not None else ()):
         readers.setdefault((comp, arg), []).append((name, i))
 
-  def Sliced(comp, name):
-    """The one shape all reads of value `name` slice, or None."""
+  def Sliced(comp, name, fusion=None):
+    """The one shape all reads of value `name` slice, or None; through
+    converts and copies (XLA:CPU reduces bfloat16 in float32), and out of
+    `fusion` (comp's caller, (computation, instruction)) at comp's root."""
     shapes = set()
+    if fusion and definitions[comp].get(None) is definitions[comp][name]:
+      shapes.add(Sliced(*fusion))
     for user, operand in readers.get((comp, name), ()):
       _, op, _, line = definitions[comp][user]
       if op == 'dynamic-slice' and operand == 0:
         shapes.add(re.search(r'dynamic_slice_sizes=\{([\d,]*)\}', line)
                    .group(1))
+      elif op in ('convert', 'copy'):
+        shapes.add(Sliced(comp, user, fusion))
       elif op == 'fusion':
         callee = re.search(r'\bcalls=%?([\w.\-]+)', line).group(1)
         param = next(n for n, d in definitions[callee].items() if n and
                      re.search(rf'parameter\({operand}\)', d[3]))
-        shapes.add(Sliced(callee, param))
+        shapes.add(Sliced(callee, param, (comp, user)))
       else:
         return None
     return shapes.pop() if len(shapes) == 1 else None
