@@ -118,7 +118,7 @@ class EinsumProjection(layers.ProjectionLayer):
 
   Lingvo's uses an einsum on TPU only; elsewhere a broadcasting matmul,
   whose weight gradient is a [b, d, out] product summed afterwards. An
-  einsum's contracts batch and time at once.
+  einsum's weight gradient contracts batch and time at once.
   """
 
   def _ApplyProjectionKernel(self, w, b, inputs, mix_kernel=None):
