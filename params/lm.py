@@ -332,6 +332,7 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
   BATCH_SIZE = 32
   FPROP_DTYPE = tf.bfloat16
   RING_SPLIT_MESH_DIM = None  # the rings' entries whole on each chip
+  SEQUENCE_PARALLEL = False  # (LargestOn8x16GiBSequenceParallel: True)
 
   def Task(self):
     return CopyLMParams(
@@ -344,7 +345,7 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
         max_steps=100000, max_seq_len=2 * self.COPY_LENGTH, batch_major=True,
         fprop_dtype=self.FPROP_DTYPE, stack_dtype=self.FPROP_DTYPE,
         optimizer_tpl=self.Optimizer(), mesh=self.MESH, remat_blocks=True,
-        fused_qkv=True,
+        fused_qkv=True, sequence_parallel=self.SEQUENCE_PARALLEL,
         stack_options=dict(backward_schedule='1f1b', stream_io=True,
                            remat_policy='save_checkpoints',
                            ring_split_mesh_dim=self.RING_SPLIT_MESH_DIM),
@@ -392,3 +393,23 @@ class LargestMeshSmall(LargestOn8x16GiB):
   VOCAB_SIZE = 40
   COPY_LENGTH = 8
   FPROP_DTYPE = tf.float32
+
+
+@model_registry.RegisterSingleTaskModel
+class LargestOn8x16GiBSequenceParallel(LargestOn8x16GiB):
+  """LargestOn8x16GiB with sequence-parallel blocks
+  (params/sequence_parallel.py): between its matmuls each block's residual
+  stream is split along the sequence over the model axis, each all-reduce
+  a reduce-scatter and an all-gather. docs/flagships.md plans the two side
+  by side."""
+  SEQUENCE_PARALLEL = True
+
+
+@model_registry.RegisterSingleTaskModel
+class LargestMeshSmallSequenceParallel(LargestMeshSmall):
+  """LargestMeshSmall with sequence-parallel blocks, to check on a CPU
+  (tests/sequence_parallel_test.py partitions its step on 8 virtual
+  devices). Its rings are whole: the stage inputs they store arrive split
+  along the sequence over the model axis already."""
+  SEQUENCE_PARALLEL = True
+  RING_SPLIT_MESH_DIM = None

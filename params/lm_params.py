@@ -11,6 +11,7 @@ from lingvo.core import schedule
 from params import lm_blocks
 from params import lm_task
 from params import pod_blocks
+from params import sequence_parallel as sequence_parallel_lib
 
 
 def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
@@ -20,7 +21,7 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
                  fprop_dtype=None, input_dropout_prob=None,
                  stack_dtype=tf.float32, optimizer_tpl=None, mesh=None,
                  remat_blocks=False, stack_options=None, task_cls=None,
-                 fused_qkv=False, rotary=False):
+                 fused_qkv=False, rotary=False, sequence_parallel=False):
   """Task params of the pipelined copy LM (without input params).
 
   Args:
@@ -42,22 +43,18 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
       with one weight (pod_blocks.PodBlockParams).
     rotary: the batch-major blocks' attention rotates queries and keys by
       their position (pod_blocks.PodBlockParams).
+    sequence_parallel: on the mesh's model axis, the blocks' residual
+      stream is split along the sequence, their all-reduces a
+      reduce-scatter and an all-gather each
+      (params/sequence_parallel.py).
     stack_options: more PipelinedLayer params for the stack (e.g.
       backward_schedule, stream_io).
     task_cls: the task class; None: PipelinedLMTask.
     (The others name what they set.)
   """
-  if model_dim % num_heads:
-    raise ValueError(f'CopyLMParams: model_dim={model_dim} is not divisible '
-                     f'by num_heads={num_heads}; pick a divisor.')
-  for arg, value in (('fprop_dtype', fprop_dtype), ('rotary', rotary)):
-    if value not in (None, False) and not batch_major:
-      raise ValueError(f'CopyLMParams: {arg} is for the batch-major body; '
-                       'set batch_major=True.')
-  if mesh is not None and (not batch_major or shard_stages_1d):
-    raise ValueError('CopyLMParams: a mesh is for the batch-major body and '
-                     'replaces shard_stages_1d; set batch_major=True, '
-                     'shard_stages_1d=False.')
+  _CheckOptions(model_dim, num_heads, batch_major, mesh, shard_stages_1d,
+                fprop_dtype=fprop_dtype, rotary=rotary,
+                sequence_parallel=sequence_parallel)
   if batch_major:
     block = pod_blocks.PodBlockParams(model_dim, num_heads, hidden_dim,
                                       dropout_prob, fprop_dtype, fused_qkv,
@@ -66,6 +63,8 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
       block = pod_blocks.SplitBlockOverMesh(block)
     stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype,
                                       remat_blocks)
+    if sequence_parallel:
+      stage = sequence_parallel_lib.SequenceParallel(stage)
   else:
     stage = lm_blocks.StageBlocks.Params().Set(
         num_blocks=blocks_per_stage, block_tpl=lm_blocks.CausalBlockParams(
@@ -93,6 +92,26 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
   tp.clip_gradient_norm_to_value = 1.0
   tp.grad_norm_tracker = None
   return p
+
+
+def _CheckOptions(model_dim, num_heads, batch_major, mesh, shard_stages_1d,
+                  **batch_major_options):
+  """Raises a one-line ValueError for CopyLMParams' options that do not go
+  together."""
+  if model_dim % num_heads:
+    raise ValueError(f'CopyLMParams: model_dim={model_dim} is not divisible '
+                     f'by num_heads={num_heads}; pick a divisor.')
+  for arg, value in batch_major_options.items():
+    if value not in (None, False) and not batch_major:
+      raise ValueError(f'CopyLMParams: {arg} is for the batch-major body; '
+                       'set batch_major=True.')
+  if mesh is not None and (not batch_major or shard_stages_1d):
+    raise ValueError('CopyLMParams: a mesh is for the batch-major body and '
+                     'replaces shard_stages_1d; set batch_major=True, '
+                     'shard_stages_1d=False.')
+  if batch_major_options.get('sequence_parallel') and mesh is None:
+    raise ValueError('CopyLMParams: sequence_parallel splits the sequence '
+                     'over a mesh\'s model axis; give a mesh.')
 
 
 def HeldOut(train_p, data_seed, num_batches):

@@ -235,8 +235,10 @@ def RecomputedInBackward(fn, weights, x):
 
 def _OneAfter(t):
   """A float32 1 made once t exists (gpipe.loops.made_after), from t's
-  first element alone."""
-  return made_after.OneAfter(tf.reshape(t, [-1])[:1])
+  first element alone, sliced before any reshape: flattening a t split
+  along a later dim (params/sequence_parallel.py) would gather it whole."""
+  rank = t.shape.rank
+  return made_after.OneAfter(tf.slice(t, [0] * rank, [1] * rank))
 
 
 def _SwapBatchAndTime(cache):

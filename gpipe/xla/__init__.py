@@ -14,6 +14,8 @@ planner's measurements (needs jax and jaxlib: the spmd extra).
                       the next module
     dependencies      what may run beside each collective (its
                       computation's dependency graph), and its FLOPs
+    reduce_scatters   which all-reduces are reduce-scatters (each device
+                      reads only its part), as a TPU's compiler makes them
     hlo_text          reading the compiled module: loops, collectives
                       (how often each runs), buffers, op names
     widening          which collectives XLA:CPU widened from bfloat16 (a
