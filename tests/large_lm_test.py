@@ -360,7 +360,9 @@ def test_the_largest_benchmark_checks_the_models_own_mesh(capsys):
         predicted=dict(mfu=mfu, compute_seconds=1, model_compute_seconds=1,
                        bubble_seconds=0, other_compute_seconds=0,
                        memory_traffic_seconds=1, collective_seconds=1,
-                       step_seconds=10 / mfu),
+                       step_seconds=10 / mfu, hidden_collective_seconds=0,
+                       step_seconds_overlapped=10 / mfu,
+                       mfu_overlapped=mfu),
         collective_bytes_sent_per_step={'model': {'all-reduce': gib}},
         collective_floor_per_step={'model': {'bytes': gib}},
         collective_sent_over_floor={'model': 1.0})
