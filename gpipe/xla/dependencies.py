@@ -25,10 +25,9 @@ import re
 import numpy as np
 
 from gpipe.xla import hlo_text
+from gpipe.xla import widening
 
-_DEF_RE = re.compile(
-    r'^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s'
-    r'(?P<op>[a-z][a-z0-9\-]*)\(')
+_DEF_RE = re.compile(widening.INSTRUCTION_HEAD)
 _CONTROL_RE = re.compile(r'control-predecessors=\{([^}]*)\}')
 _CONTRACTING_RE = re.compile(r'\blhs_contracting_dims=\{([\d,]*)\}')
 _KERNEL_LABELS_RE = re.compile(r'\bdim_labels=[^_\s]*_([^-\s]*)->')

@@ -19,9 +19,11 @@ copies, reshapes and broadcasts. Plain text parsing, as gpipe.xla.hlo_text.
 
 import re
 
-DEF_RE = re.compile(
-    r'^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.*?)\s'
-    r'(?P<op>[a-z][a-z0-9\-]*)\((?P<args>[^)]*)\)')
+# An instruction's line up to its operands' opening parenthesis: its name,
+# type and op (the operands may hold parentheses of their own).
+INSTRUCTION_HEAD = (r'^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*'
+                    r'(?P<type>.*?)\s(?P<op>[a-z][a-z0-9\-]*)\(')
+DEF_RE = re.compile(INSTRUCTION_HEAD + r'(?P<args>[^)]*)\)')
 # XLA:CPU's all-reduce-promotion names the widened reduction so.
 _PROMOTED_RE = re.compile(r'\bto_apply=%?[\w.\-]*_promoted\b')
 _CALLS_RE = re.compile(r'\bcalls=%?([\w.\-]+)')
