@@ -135,9 +135,7 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
                            self.params.name)
 
   def Schedule(self, num_microbatches):
-    p = self.params
-    return schedule_lib.Schedule(p.num_stages, num_microbatches,
-                                 p.circular_repeat)
+    return schedule_lib.Schedule.ForLayer(self.params, num_microbatches)
 
   def layer_theta(self, theta, repeat_idx, stage_idx):
     """The weights of logical layer repeat_idx * num_stages + stage_idx.

@@ -269,8 +269,7 @@ def SplitInputs(args, kwargs, params, replicate_loop_dim):
                                                                  kwargs)
   args = nest.MapTensors(replicate_loop_dim, args)
   return SplitResult(
-      schedule=schedule_lib.Schedule(params.num_stages, num_mb,
-                                     params.circular_repeat),
+      schedule=schedule_lib.Schedule.ForLayer(params, num_mb),
       split=split, args=nest.TensorLeaves(args), kwargs=kwargs)
 
 

@@ -51,16 +51,29 @@ def _HasMainBlock(path):
           "if __name__ == '__main__':" in path.read_text())
 
 
-def _Imports(source):
-  """Every module path the source imports, anywhere in it."""
+def _Imports(source, package=''):
+  """Every module path the source imports, anywhere in it (relative ones
+  resolved against `package`, the dotted package the source is in)."""
   found = set()
   for node in ast.walk(ast.parse(source)):
     if isinstance(node, ast.Import):
       found.update(alias.name for alias in node.names)
-    elif isinstance(node, ast.ImportFrom) and node.module:
-      found.add(node.module)
-      found.update(f'{node.module}.{alias.name}' for alias in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      module = node.module
+      if node.level:
+        parts = package.split('.')
+        base = '.'.join(parts[:len(parts) - node.level + 1])
+        module = f'{base}.{module}' if module else base
+      found.add(module)
+      found.update(f'{module}.{alias.name}' for alias in node.names)
   return found
+
+
+def _ImportsOf(path):
+  """_Imports of a module file, relative imports resolved."""
+  dotted = _Dotted(path)
+  package = dotted if path.name == '__init__.py' else dotted.rpartition('.')[0]
+  return _Imports(path.read_text(), package)
 
 
 def test_at_most_12_modules_at_the_top_of_gpipe():
@@ -85,7 +98,7 @@ def test_library_code_imports_no_app_and_no_model_zoo():
   for path in _Modules('gpipe'):
     if _HasMainBlock(path):
       continue
-    for name in sorted(_Imports(path.read_text())):
+    for name in sorted(_ImportsOf(path)):
       if name in apps or name == 'params' or name.startswith('params.'):
         wrong.append(f'{_Dotted(path)} imports {name}')
   assert not wrong, wrong
@@ -100,7 +113,7 @@ def test_the_model_zoo_imports_no_command():
   assert 'gpipe.plan' in commands and 'gpipe.demo' in commands
   wrong = [f'{_Dotted(path)} imports {name}'
            for path in _Modules('params')
-           for name in sorted(_Imports(path.read_text()))
+           for name in sorted(_ImportsOf(path))
            if any(_Within(name, c) for c in commands)]
   assert not wrong, wrong
 
@@ -202,7 +215,7 @@ def test_no_module_imports_one_the_map_places_above_it():
   """The walk down never goes back up: the commands stand on the layer,
   the layer on the ground floor (the schedule's arithmetic, nest,
   microbatch, sharding, quiet), which imports nothing of gpipe above it."""
-  imports = {_Dotted(p): _Imports(p.read_text()) for p in _Modules('gpipe')}
+  imports = {_Dotted(p): _ImportsOf(p) for p in _Modules('gpipe')}
   wrong = _UpwardImports(imports, _Maps())
   assert not wrong, wrong
 

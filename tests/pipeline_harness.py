@@ -69,6 +69,7 @@ class Case:
   compile_loops: str = 'never'
   backward_schedule: str = 'reverse'  # or '1f1b'
   stream_io: bool = False  # inputs and outputs split over the stages
+  delayed_sends: bool = False  # each hand-off one iteration later
   seed: int = 0
 
   @property
@@ -108,6 +109,7 @@ class Case:
         compile_loops=self.compile_loops,
         backward_schedule=self.backward_schedule,
         stream_io=self.stream_io,
+        delayed_sends=self.delayed_sends,
         random_seed=1234 + self.seed,
         **body)
 

@@ -153,8 +153,7 @@ def StackSchedule(cfg):
   sp = cfg.task.stack
   num_microbatches, _ = microbatch.ResolveNumMicrobatches(
       cfg.input.batch_size, sp.num_microbatches, sp.microbatch_size)
-  return schedule_lib.Schedule(sp.num_stages, num_microbatches,
-                               sp.circular_repeat)
+  return schedule_lib.Schedule.ForLayer(sp, num_microbatches)
 
 
 def ScheduleImage(cfg):

@@ -15,9 +15,13 @@ one feeds it to the microbatch's next repeat)::
     3 run         cell.Run -> RunStages: every stage's call, a bubble's
                   output its input (MaskBubbles)
     outputs       [ y0'| y1'| y2']
-    4 rotate      rotation.RotateStages: slot s <- stage s - 1
+    4 hand on     handoff.Next (rotation): slot s <- stage s - 1
     5 write       io.Write: the last stage's output, where it finishes one
     buffer        [ y2'| y0'| y1']   carried out
+
+With delayed sends the buffer carries the outputs one iteration longer:
+step 4 rotates the previous iteration's outputs, beside step 3's calls,
+and keeps this iteration's in flight (rotation.DelayedHandoff).
 
 The row (what each stage does at iteration i: its microbatch, repeat, step
 seed, whether it is a bubble, whether it reads) is gpipe.schedule's, as
@@ -30,7 +34,6 @@ from typing import Dict, List, Optional, Tuple
 import tensorflow as tf
 
 from gpipe import nest
-from gpipe.pipeline import rotation
 from gpipe.pipeline import stage_runners
 from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
@@ -38,19 +41,22 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-def Step(cell, io, iteration, row, native, buffer, var_values, reading,
-         writing=None, state_slots=()) -> 'IterationResult':
-  """One iteration over the buffer: read, stage inputs, run, rotate, write.
+def Step(cell, io, handoff, iteration, row, native, buffer, var_values,
+         reading, writing=None, state_slots=()) -> 'IterationResult':
+  """One iteration over the buffer: read, stage inputs, run, hand on, write.
 
   Args:
     cell: runs the stages' work: a DirectCell, or the 1f1b loops' traced
       one (gpipe.pipeline.one_f_one_b.cell); its Run gives MaskedStages.
     io: the loop's inputs and outputs (gpipe.pipeline.loop_io: a
       LoopInputs; to write, a LoopIo).
+    handoff: how the outputs reach the next stages (rotation.HandoffFor
+      the schedule), which also says what `buffer` holds.
     iteration: int32 [], i, replicated.
     row: the schedule's row i (Tables), [S] per field, replicated.
     native: the loop's inputs as io.ToNative made them.
-    buffer: [S, mb, ...] per leaf, the last iteration's outputs rotated.
+    buffer: the handoff's carry: [S, mb, ...] per leaf, the last
+      iteration's outputs rotated (delayed: and then those in flight).
     var_values: [S, (R,) ...] per carried non-trainable variable.
     reading: io's input state ([] where it has none).
     writing: io's output state, or None: nothing is written.
@@ -60,13 +66,12 @@ def Step(cell, io, iteration, row, native, buffer, var_values, reading,
   fresh, reading = io.Read(native, reading, iteration)  # stage 0's, per leaf
   stage_in = [place.SplitStages(io.StageInputs(row.reads,
                                                place.SplitStages(b), f))
-              for b, f in zip(buffer, fresh)]  # [S, mb, ...] per leaf
+              for b, f in zip(handoff.Ready(buffer), fresh)]  # [S, mb, ...]
   done = cell.Run(stage_in, var_values, row, state_slots)
-  rotated = [place.SplitStages(rotation.RotateStages(
-      o, split=place.splits_stage_dim)) for o in done.outputs]  # [S, mb, ...]
+  buffer = handoff.Next(buffer, done.outputs)  # [S, mb, ...] per leaf
   if writing is not None:  # the last stage's output, where it finishes one
     writing = io.Write(writing, iteration, done.outputs)
-  return IterationResult(stage_in=stage_in, done=done, buffer=rotated,
+  return IterationResult(stage_in=stage_in, done=done, buffer=buffer,
                          reading=reading, writing=writing)
 
 
@@ -77,7 +82,8 @@ class IterationResult:
   Attributes:
     stage_in: [S, mb, ...] what each stage ran on.
     done: what the stages did (MaskedStages).
-    buffer: [S, mb, ...] the next iteration's buffer: done.outputs rotated.
+    buffer: the next iteration's buffer (the handoff's carry):
+      done.outputs rotated, or (delayed) the last ones rotated and these.
     reading: the io's input state after this iteration's read.
     writing: the io's output state after this iteration's write (None
       where nothing is written).

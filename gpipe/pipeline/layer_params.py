@@ -116,6 +116,17 @@ def _DefineMemory(p):
       'with `\'recompute\'`); `remat_policy` says what a ring entry keeps of '
       'the body. See [docs/memory.md](docs/memory.md).')
   p.Define(
+      'delayed_sends', False,
+      'Hand each stage\'s output on one iteration after it is made '
+      '(`gpipe.pipeline.rotation.DelayedHandoff`), so that the stage dim\'s '
+      'collective-permute runs beside the next iteration\'s compute instead '
+      'of between two iterations\' calls; each microbatch then takes two '
+      'iterations a stage: 2(S - 1) bubble iterations instead of S - 1, '
+      'circular segments of 2S microbatches, one more buffer in flight. '
+      'Pays where the permute is long beside a call (see '
+      '[docs/planning.md](docs/planning.md)); the outputs and gradients are '
+      'the same. `python -m gpipe.schedule --delayed_sends` draws it.')
+  p.Define(
       'stream_io', False,
       'Split the microbatched inputs, the outputs and their gradients over '
       'the stages (Praxis\'s name; `gpipe.pipeline.loop_io`): each stage\'s '

@@ -225,8 +225,8 @@ def Checked(p, batch_size=None):
     num_microbatches, split = microbatch.ResolveNumMicrobatches(
         batch_size, p.num_microbatches, p.microbatch_size)
     size = batch_size // num_microbatches if split else None
-  schedule = None if num_microbatches is None else schedule_lib.Schedule(
-      p.num_stages, num_microbatches, p.circular_repeat)
+  schedule = (None if num_microbatches is None else
+              schedule_lib.Schedule.ForLayer(p, num_microbatches))
   return CheckedParams(
       num_stages=int(p.num_stages),
       circular_repeat=int(p.circular_repeat),

@@ -21,6 +21,7 @@ import tensorflow as tf
 
 from gpipe.pipeline import loop_spec
 from gpipe.pipeline import iteration
+from gpipe.pipeline import rotation
 from gpipe import recurrent
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
@@ -60,8 +61,9 @@ def RunReverse(spec: loop_spec.LoopSpec, io_kind, theta, mb_leaves,
   # no history of the buffer: the backward loop reads it, nothing else
   # does, so no [T, S, ...] gradient of it is ever made.
   microbatches, streams, undo = io.ReverseLoopParts(native, filler)
+  handoff = rotation.HandoffFor(sched, place)
   state = NestedMap(
-      buffer=filler,  # [S, mb, ...] per leaf
+      buffer=handoff.Start(filler),  # [S, mb, ...] per leaf (delayed: 2)
       vars=[place.SplitStages(tf.stop_gradient(v))
             for v in var_values],  # [S, (R,) ...] per variable
       reading=streams.reading,  # with stream_io: [K, S, mb, ...] per leaf
@@ -77,8 +79,8 @@ def RunReverse(spec: loop_spec.LoopSpec, io_kind, theta, mb_leaves,
       states=[place.SplitStages(x, 1) for x in state_leaves])  # [T, S, ...]
   pieces = []
   for phase in _Phases(spec):
-    state, extras = _PhaseLoop(spec, io, undo, phase, loop_theta, state,
-                               _PhaseInputs(inputs, phase))
+    state, extras = _PhaseLoop(spec, io, handoff, undo, phase, loop_theta,
+                               state, _PhaseInputs(inputs, phase))
     pieces.append(extras)
   summaries = {name: tuple(_Concat([e.summaries[name] for e in pieces]))
                for name in pieces[0].summaries}
@@ -116,7 +118,7 @@ def _Concat(pieces):
   return [tf.concat(parts, 0) for parts in zip(*pieces)]
 
 
-def _PhaseLoop(spec, io, undo, phase, loop_theta, state0, inputs):
+def _PhaseLoop(spec, io, handoff, undo, phase, loop_theta, state0, inputs):
   """The phase's iterations as one loop: (final state, extras).
 
   Microbatches finish in order (Schedule.OutputIteration grows with the
@@ -137,7 +139,7 @@ def _PhaseLoop(spec, io, undo, phase, loop_theta, state0, inputs):
                          microbatches=loop_theta.microbatches)
   _, final, extras = recurrent.Recurrent(
       loop_theta, state0, inputs,
-      lambda th, st, inp: _Iteration(spec, io, phase, th, st, inp),
+      lambda th, st, inp: _Iteration(spec, io, handoff, phase, th, st, inp),
       remat_policy=spec.remat_policy,
       manual_boundary=sharding.ManualBoundary.For(spec.runner.manual_mesh),
       kept_extras={'outputs': kept},
@@ -160,7 +162,8 @@ def _PhaseLoop(spec, io, undo, phase, loop_theta, state0, inputs):
   return final, extras
 
 
-def _Iteration(spec: loop_spec.LoopSpec, io, phase, loop_theta, state, inp):
+def _Iteration(spec: loop_spec.LoopSpec, io, handoff, phase, loop_theta,
+               state, inp):
   """One loop iteration (gpipe.pipeline.iteration.Step): the phase's
   stages run on their slots, the others pass their input on."""
   place = spec.placement
@@ -168,13 +171,14 @@ def _Iteration(spec: loop_spec.LoopSpec, io, phase, loop_theta, state, inp):
       spec, iteration.StageRange.Of(phase, spec.schedule.num_stages),
       loop_theta.weights)
   stepped = iteration.Step(
-      cell, io, place.ReplicateBookkeeping(inp.iteration),  # i, int32 []
+      cell, io, handoff,
+      place.ReplicateBookkeeping(inp.iteration),  # i, int32 []
       inp.row.Transform(place.ReplicateBookkeeping),  # [S] per field
       loop_theta.microbatches, state.buffer, state.vars, state.reading,
       writing=state.writing, state_slots=inp.states)
   done = stepped.done
   new_state = NestedMap(
-      buffer=stepped.buffer,  # [S, mb, ...] per leaf
+      buffer=stepped.buffer,  # the handoff's carry
       vars=done.vars,  # [S, (R,) ...] per variable
       reading=stepped.reading, writing=stepped.writing)  # the io's
   extras = NestedMap(

@@ -63,3 +63,63 @@ def _GatherRotate(x, shift):
     return tf.gather(x, order), lambda dy: tf.gather(dy, back)
 
   return Rotate(x)
+
+
+def HandoffFor(schedule, place, shift=1):
+  """The hand-off of the schedule's hop: each stage's output to the stage
+  `shift` on (-1: the 1f1b backward wave's gradients, one stage back)."""
+  kind = DelayedHandoff if schedule.delayed_sends else ImmediateHandoff
+  return kind(place, shift)
+
+
+class ImmediateHandoff:
+  """Hop 1: what the stages made in iteration i, rotated after their calls,
+  is what they take in iteration i + 1. The loop carries [S, ...] per
+  buffer leaf: the next iteration's stage inputs.
+
+      carried  [ y2 | y0 | y1 ]   = rotate(outputs of i)
+  """
+
+  def __init__(self, place, shift=1):
+    self._place = place
+    self._shift = shift
+
+  def Rotate(self, x):
+    """[S, ...] -> RotateStages by the hand-off's shift, on its devices."""
+    return self._place.SplitStages(
+        RotateStages(x, self._shift, self._place.splits_stage_dim))
+
+  def Start(self, first):
+    """The carry before iteration 0, from the first stage inputs [S, ...]."""
+    return list(first)
+
+  def Ready(self, carried):
+    """What the stages take this iteration, [S, ...] per buffer leaf."""
+    return list(carried)
+
+  def Next(self, carried, outputs):
+    """The carry after an iteration whose stages made `outputs`."""
+    del carried
+    return [self.Rotate(o) for o in outputs]
+
+
+class DelayedHandoff(ImmediateHandoff):
+  """Hop 2 (delayed sends): what the stages made in iteration i is rotated
+  during iteration i + 1, which neither makes nor takes it, and taken in
+  i + 2; so the rotation's permute runs beside i + 1's calls. The loop
+  carries twice [S, ...] per buffer leaf: the ready ones, then the ones
+  in flight (gpipe.schedule: its hop, the picture)::
+
+      iteration i    take ready_i        rotate in_flight_i -> ready_i+1
+                     make y_i  ------->  in_flight_i+1
+  """
+
+  def Start(self, first):
+    return list(first) + list(first)
+
+  def Ready(self, carried):
+    return list(carried[:len(carried) // 2])
+
+  def Next(self, carried, outputs):
+    in_flight = carried[len(carried) // 2:]
+    return [self.Rotate(x) for x in in_flight] + list(outputs)

@@ -354,6 +354,7 @@ class CandidateReport:
         'remat_policy': self.candidate.remat_policy,
         'backward_schedule': self.backward_schedule,
         'stream_io': self.stream_io,
+        'delayed_sends': self.schedule.delayed_sends,
         'iterations': self.schedule.num_iterations,
         'bubble_fraction': self.schedule.bubble_fraction,
         'per_device_bytes': self.per_device_bytes,
@@ -398,10 +399,7 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
     log(f'Compiling {candidate.Describe()} for {num_devices} devices...')
   pipelined = train_step.FindPipelinedLayers(step.root)
   stack_p = pipelined[0][1].params
-  sched = schedule_lib.Schedule(
-      num_stages=stack_p.num_stages,
-      num_microbatches=candidate.num_microbatches,
-      circular_repeat=candidate.circular_repeat)
+  sched = schedule_lib.Schedule.ForLayer(stack_p, candidate.num_microbatches)
 
   def Partitioned(*args):
     with sharding.SpmdPartitioning():

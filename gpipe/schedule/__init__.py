@@ -6,8 +6,9 @@ tensors (the layer uses these inside its loop), because it only uses `+ - * //
 %`, comparisons and `&`. Nothing here builds a graph.
 
 Notation: S = num_stages, M = num_microbatches, R = circular_repeat, T = number
-of loop iterations. At iteration `i`, stage `s` works on the microbatch that
-entered the pipeline `i - s` iterations earlier.
+of loop iterations, h = hop, the iterations a microbatch takes from one stage
+to the next (1; 2 with delayed sends). At iteration `i`, stage `s` works on
+the microbatch that entered the pipeline `i - h s` iterations earlier.
 
 Words, each with one meaning: a call is one stage's run of the body in one
 iteration, the (iteration, stage) pair (a bubble: a call on no microbatch);
@@ -37,11 +38,25 @@ T = R * ceil(M / S) * S + S - 1. S=2, M=3, R=2 (entries are microbatch/repeat)::
 The rotating buffer needs no storage beyond [S, ...]: a microbatch leaving the
 last stage at repeat r is exactly what stage 0 needs next, at repeat r + 1.
 
+Delayed sends (h = 2): what the stages make at iteration i is handed on
+during iteration i + 1, beside that iteration's calls, and run at i + 2, so
+the hand-off no longer sits between two iterations' calls. Everything above
+holds with S replaced by h S where it counts iterations (segments of 2 S,
+T = R ceil(M / 2S) 2S + 2(S - 1) circular). S=3, M=2::
+
+    iteration   0  1  2  3  4  5
+    stage 0     0  1  .  .  .  .
+    stage 1     .  .  0  1  .  .
+    stage 2     .  .  .  .  0  1
+
 Besides this module, the package holds
 
-    text     the schedule as text; the `python -m gpipe.schedule` command
-    plot     the schedule drawn (the command's --out)
-    streams  where stream_io keeps each microbatch (Streams)
+    text         the schedule as text; the `python -m gpipe.schedule`
+                 command
+    plot         the schedule drawn (the command's --out)
+    streams      where stream_io keeps each microbatch (Streams)
+    one_f_one_b  the 1f1b gradient loop's arithmetic (OneFOneB)
+    work         what a stage does in an iteration (StageWork), as tables
 
 none of which loads TensorFlow:
 
@@ -51,7 +66,15 @@ none of which loads TensorFlow:
 
 import dataclasses
 import numbers
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import List, Sequence, Set, Tuple
+
+from .one_f_one_b import BackwardWork
+from .one_f_one_b import GradientPhase
+from .one_f_one_b import GradientWork
+from .one_f_one_b import OneFOneB
+from .one_f_one_b import WAVES
+from .work import FieldTables
+from .work import StageWork
 
 __all__ = [
     'Schedule',
@@ -79,37 +102,6 @@ def IsInteger(value):
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _Field(dtype):
-  """A work's field whose [T, S] tensor has dtype `dtype` (a name)."""
-  return dataclasses.field(metadata={'dtype': dtype})
-
-
-@dataclasses.dataclass(frozen=True)
-class StageWork:
-  """What one stage does in one iteration, its call (Schedule.WorkAt).
-
-  Typed, not a dict: a misspelt field fails where the work is made, and
-  each field declares its tensor's dtype once, beside it, in its metadata
-  (no TensorFlow here; FieldTables hands the names on). The loops read
-  their work from those [T, S] tensors, a row per iteration, rather than
-  compute it in the graph (gpipe.pipeline.iteration.Tables makes them).
-  """
-  microbatch: int = _Field('int32')  # clamped into [0, M) (a bubble's: any)
-  repeat: int = _Field('int32')  # its circular repeat
-  seed_offset: int = _Field('int64')  # StepSeedOffset: grows with L M
-  valid: bool = _Field('bool')  # False on a bubble
-  reads: bool = _Field('bool')  # takes a fresh microbatch (stage 0 only)
-
-
-def FieldTables(
-    rows: Sequence[Sequence[StageWork]]) -> Dict[str, Tuple[str, List[list]]]:
-  """{field: (dtype name, [T][S] values)} of rows of one kind of work (T
-  rows of S works): each field's table, for a tf.constant of that dtype."""
-  return {f.name: (f.metadata['dtype'],
-                   [[getattr(work, f.name) for work in row] for row in rows])
-          for f in dataclasses.fields(rows[0][0])}
-
-
 @dataclasses.dataclass(frozen=True)
 class Phase:
   """Iterations [begin, end) of the loop, computing stages
@@ -128,10 +120,13 @@ class Schedule:
     num_stages: S, the number of pipeline stages (>= 1).
     num_microbatches: M, the number of microbatches (>= 1).
     circular_repeat: R, how many times each microbatch visits every stage.
+    delayed_sends: whether a stage's output is handed on one iteration
+      after it is made (hop 2), beside the next iteration's calls.
   """
   num_stages: int
   num_microbatches: int
   circular_repeat: int = 1
+  delayed_sends: bool = False
 
   def __post_init__(self):
     for name in ('num_stages', 'num_microbatches', 'circular_repeat'):
@@ -140,10 +135,32 @@ class Schedule:
         raise ValueError(f'{name} must be an integer >= 1, got {value!r}.')
       # NumPy integers are accepted and stored as plain ints.
       object.__setattr__(self, name, int(value))
+    if not isinstance(self.delayed_sends, bool):
+      raise ValueError('delayed_sends must be True or False, got '
+                       f'{self.delayed_sends!r}.')
+
+  @classmethod
+  def ForLayer(cls, params, num_microbatches):
+    """The schedule of a PipelinedLayer's params for that many
+    microbatches (its num_stages, circular_repeat and delayed_sends)."""
+    return cls(params.num_stages, num_microbatches, params.circular_repeat,
+               params.delayed_sends)
 
   @property
   def circular(self):
     return self.circular_repeat > 1
+
+  @property
+  def hop(self):
+    """h: iterations from a microbatch's call on one stage to its call on
+    the next (2 with delayed sends: one to compute, one to hand on)."""
+    return 2 if self.delayed_sends else 1
+
+  @property
+  def segment(self):
+    """Microbatches that enter together and cycle the stages as a group
+    (circular): h S, the iterations one trip round the stages takes."""
+    return self.hop * self.num_stages
 
   @property
   def num_layers(self):
@@ -152,16 +169,16 @@ class Schedule:
 
   @property
   def num_padded_microbatches(self):
-    """M rounded up to whole segments of S (circular), or M (linear)."""
+    """M rounded up to whole segments of h S (circular), or M (linear)."""
     if not self.circular:
       return self.num_microbatches
-    return _CeilDiv(self.num_microbatches, self.num_stages) * self.num_stages
+    return _CeilDiv(self.num_microbatches, self.segment) * self.segment
 
   @property
   def num_iterations(self):
     """T: loop iterations, bubbles included."""
     return (self.circular_repeat * self.num_padded_microbatches +
-            self.num_stages - 1)
+            self.hop * (self.num_stages - 1))
 
   @property
   def bubble_fraction(self):
@@ -173,7 +190,7 @@ class Schedule:
 
   def Offset(self, iteration, stage):
     """Iterations since this stage's microbatch entered stage 0 (may be < 0)."""
-    return iteration - stage
+    return iteration - self.hop * stage
 
   def MicrobatchId(self, iteration, stage):
     """Microbatch processed by `stage` at `iteration` (meaningful if valid).
@@ -183,7 +200,7 @@ class Schedule:
     t = self.Offset(iteration, stage)
     if not self.circular:
       return t
-    s, r = self.num_stages, self.circular_repeat
+    s, r = self.segment, self.circular_repeat
     return (t // (r * s)) * s + t % s
 
   def RepeatId(self, iteration, stage):
@@ -194,7 +211,7 @@ class Schedule:
     t = self.Offset(iteration, stage)
     if not self.circular:
       return t * 0
-    return (t // self.num_stages) % self.circular_repeat
+    return (t // self.segment) % self.circular_repeat
 
   def LayerId(self, iteration, stage):
     """Logical layer index repeat * S + stage."""
@@ -211,12 +228,13 @@ class Schedule:
   def StageZeroReadsInput(self, iteration):
     """True where stage 0 takes a fresh microbatch instead of the buffer.
 
-    Linear: always (the buffer shifts in zeros). Circular: in the first S
-    iterations of each R * S block; otherwise it takes the last stage's output.
+    Linear: always (the buffer shifts in zeros). Circular: in the first h S
+    iterations of each R h S block; otherwise it takes the last stage's
+    output.
     """
     if not self.circular:
       return iteration >= 0
-    return iteration % (self.circular_repeat * self.num_stages) < self.num_stages
+    return iteration % (self.circular_repeat * self.segment) < self.segment
 
   def StepSeedOffset(self, layer, microbatch):
     """Offset of the random stream of (logical layer, microbatch).
@@ -285,22 +303,21 @@ class Schedule:
     """Iteration at which stage 0 reads `microbatch` (repeat 0)."""
     if not self.circular:
       return microbatch
-    s, r = self.num_stages, self.circular_repeat
+    s, r = self.segment, self.circular_repeat
     return (microbatch // s) * r * s + microbatch % s
 
   def OutputIteration(self, microbatch):
     """Iteration at which the last stage finishes `microbatch` (last repeat)."""
-    return (self.InputIteration(microbatch) +
-            (self.circular_repeat - 1) * self.num_stages + self.num_stages - 1)
+    return self.LayerIteration(microbatch, self.num_layers - 1)
 
   def LayerIteration(self, microbatch, layer):
     """Iteration at which logical layer `layer` processes `microbatch`.
 
     Layer l = r * S + s runs on stage s: repeat r of a microbatch reaches
-    stage 0 r * S iterations after the microbatch first did, and stage s
-    s iterations after that.
+    stage 0 r h S iterations after the microbatch first did, and stage s
+    h s iterations after that.
     """
-    return self.InputIteration(microbatch) + layer
+    return self.InputIteration(microbatch) + self.hop * layer
 
   # -- Static index tables (Python lists) for padding and extraction.
 
@@ -342,155 +359,3 @@ def ComputedCalls(phases: Sequence['Phase']) -> Set[Tuple[int, int]]:
   """The calls ((iteration, stage) pairs) the phases compute, as a set."""
   return {(i, s) for p in phases for i in range(p.begin, p.end)
           for s in range(p.first_stage, p.first_stage + p.num_stages)}
-
-
-WAVES = ('forward', 'backward')
-
-
-@dataclasses.dataclass(frozen=True)
-class BackwardWork(StageWork):
-  """What one stage's backward wave does in one iteration of the 1f1b
-  gradient loop (OneFOneB.BackwardRows): the StageWork of the forward call
-  it differentiates (valid False on a bubble), and where to find that
-  call's input and which gradients are the layer's."""
-  iteration: int = _Field('int32')  # the call's forward iteration (bubble: 0)
-  ring_index: int = _Field('int32')  # where the forward wave put its input
-  last_layer: bool = _Field('bool')  # its output gradient is the layer's
-  first_layer: bool = _Field('bool')  # its input gradient is the layer's
-
-
-@dataclasses.dataclass(frozen=True)
-class GradientWork:
-  """What one stage does in iteration j of the 1f1b gradient loop
-  (OneFOneB.Rows): each wave's work, None where that wave does not run in
-  j (a wave that runs may still hand the stage a bubble). Which waves an
-  iteration runs is read off these, so the phases follow from the table
-  rather than from flags of their own (OneFOneB.Phases)."""
-  forward: Optional[StageWork]
-  backward: Optional[BackwardWork]
-
-  @property
-  def waves(self) -> Tuple[str, ...]:
-    """The names of the waves that run, in WAVES order."""
-    return tuple(w for w in WAVES if getattr(self, w) is not None)
-
-
-@dataclasses.dataclass(frozen=True)
-class GradientPhase:
-  """Iterations [begin, end) of the 1f1b gradient loop, which all run the
-  same waves (names from WAVES; OneFOneB.Phases)."""
-  begin: int
-  end: int
-  waves: Tuple[str, ...]
-
-
-class OneFOneB:
-  """The arithmetic of the 1f1b gradient loop (gpipe.pipeline.one_f_one_b).
-
-  The forward pass keeps nothing per iteration. Its gradient is one loop in
-  forward order whose iteration j runs two waves over the S stages:
-
-    forward wave   iteration j of the forward schedule again (j < T); each
-                   stage pushes its input into its ring of `ring_size`;
-    backward wave  each stage the backward of one layer call whose output
-                   gradient has come back: stage s at backward step
-                   k = j - delay takes the forward call (k, S - 1 - s)
-                   mirrored, i.e. its microbatch at repeat
-                   R - 1 - RepeatId(k, S - 1 - s).
-
-  With delay = R S - 1 the last layer's backward runs in the iteration that
-  recomputes its forward, and every gradient reaches the layer before it
-  one iteration later, one stage back (the last stage takes stage 0's, the
-  previous repeat). S=3, M=4 (entries: forward wave's microbatch, backward
-  wave's)::
-
-      j            0   1   2   3   4   5   6   7
-      stage 0    0,. 1,. 2,. 3,. .,0 .,1 .,2 .,3
-      stage 1    .,. 0,. 1,. 2,0 3,1 .,2 .,3 .,.
-      stage 2    .,. .,. 0,0 1,1 2,2 3,3 .,. .,.
-
-  A stage input waits in the ring from its forward to its backward: at most
-  2 R S - 1 iterations (layer 0), whatever M is.
-  """
-
-  def __init__(self, schedule: 'Schedule'):
-    self.schedule = schedule
-
-  @property
-  def delay(self):
-    """Iterations from the forward wave's to the backward wave's start."""
-    return self.schedule.num_layers - 1
-
-  @property
-  def ring_size(self):
-    """Stage inputs each stage keeps: the longest wait plus one."""
-    return 2 * self.schedule.num_layers - 1
-
-  @property
-  def num_iterations(self):
-    """Iterations of the gradient loop: T + delay."""
-    return self.schedule.num_iterations + self.delay
-
-  def WorkAt(self, j, stage):
-    """What `stage` does in iteration j, a GradientWork: the forward wave
-    runs iteration j of the forward loop (j < T), the backward wave
-    backward step k = j - delay (0 <= k < T)."""
-    t, k = self.schedule.num_iterations, j - self.delay
-    return GradientWork(
-        forward=self.schedule.WorkAt(j, stage) if j < t else None,
-        backward=self.BackwardWorkAt(k, stage) if 0 <= k < t else None)
-
-  def Rows(self) -> List[Tuple[GradientWork, ...]]:
-    """The gradient loop's table: a row of S GradientWork per iteration."""
-    return [tuple(self.WorkAt(j, s) for s in range(self.schedule.num_stages))
-            for j in range(self.num_iterations)]
-
-  def Phases(self):
-    """The loop's phases: each run of iterations whose rows run the same
-    waves (forward wave only, both, backward only), from Rows.
-
-    Each is a loop of its own, so that no iteration computes a wave that no
-    stage needs (T > delay always: M >= 1 microbatch, padded to S when
-    circular).
-    """
-    phases = []
-    for j, row in enumerate(self.Rows()):
-      waves = tuple(w for w in WAVES if any(w in work.waves for work in row))
-      if phases and phases[-1].waves == waves:
-        phases[-1] = dataclasses.replace(phases[-1], end=j + 1)
-      else:
-        phases.append(GradientPhase(j, j + 1, waves))
-    return phases
-
-  def BackwardIteration(self, k, stage):
-    """The forward iteration whose call of `stage` the backward wave runs
-    at backward step k (iteration k + delay), or None on a bubble."""
-    sched = self.schedule
-    mirror = sched.num_stages - 1 - stage
-    if not sched.IsValid(k, mirror):
-      return None
-    repeat = sched.circular_repeat - 1 - sched.RepeatId(k, mirror)
-    layer = repeat * sched.num_stages + stage
-    return sched.LayerIteration(sched.MicrobatchId(k, mirror), layer)
-
-  def BackwardWorkAt(self, k, stage):
-    """What `stage`'s backward wave does at backward step k: BackwardWork."""
-    sched = self.schedule
-    iteration = self.BackwardIteration(k, stage)
-    valid = iteration is not None
-    iteration = iteration if valid else 0
-    work = sched.WorkAt(iteration, stage)
-    layer = sched.LayerId(iteration, stage)
-    return BackwardWork(
-        **dict(vars(work), valid=valid and work.valid), iteration=iteration,
-        ring_index=iteration % self.ring_size,
-        last_layer=valid and layer == sched.num_layers - 1,
-        first_layer=valid and layer == 0)
-
-  def BackwardRows(self) -> List[Tuple[BackwardWork, ...]]:
-    """The backward wave's table: a row of S BackwardWork per backward
-    step k, 0 <= k < T."""
-    return [tuple(self.BackwardWorkAt(k, s)
-                  for s in range(self.schedule.num_stages))
-            for k in range(self.schedule.num_iterations)]
-

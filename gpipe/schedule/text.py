@@ -1,8 +1,8 @@
 """The schedule as text, and the `python -m gpipe.schedule` command.
 
     python -m gpipe.schedule --num_stages 4 --num_microbatches 8 \\
-        --circular_repeat 2 [--skip_bubbles] [--backward_schedule 1f1b] \\
-        [--out schedule.png]
+        --circular_repeat 2 [--delayed_sends] [--skip_bubbles] \\
+        [--backward_schedule 1f1b] [--out schedule.png]
 
 prints the schedule's summary and its table (gpipe.schedule has the
 arithmetic; gpipe.schedule.plot draws it). Loads no TensorFlow.
@@ -67,9 +67,10 @@ def RenderGradientLoop(schedule):
 def Summary(schedule):
   """Iterations, bubble fraction and useful work per stage, as text."""
   useful = schedule.num_microbatches * schedule.circular_repeat
+  delayed = ', delayed sends' if schedule.delayed_sends else ''
   lines = [
       f'{schedule.num_stages} stages x {schedule.circular_repeat} '
-      f'repeat(s), {schedule.num_microbatches} microbatches: '
+      f'repeat(s), {schedule.num_microbatches} microbatches{delayed}: '
       f'{schedule.num_iterations} iterations, bubble fraction '
       f'{schedule.bubble_fraction:.3f}'
   ]
@@ -126,6 +127,10 @@ def _Parser():
   parser.add_argument('--circular_repeat', type=int, default=1,
                       help='R: times each microbatch passes through the '
                       'stages')
+  parser.add_argument('--delayed_sends', action='store_true',
+                      help="hand each stage's output on one iteration "
+                      'after it is made, beside the next calls (two '
+                      'iterations a stage)')
   parser.add_argument('--skip_bubbles', action='store_true',
                       help='show what a layer with skip_bubbles=True runs '
                       'on one device: the bubbles it does not compute '
@@ -159,7 +164,7 @@ def main(argv=None):
                                                   parser.prog))
   try:
     schedule = schedule_lib.Schedule(args.num_stages, args.num_microbatches,
-                                     args.circular_repeat)
+                                     args.circular_repeat, args.delayed_sends)
   except ValueError as e:
     message = str(e)
     for name in ('num_stages', 'num_microbatches', 'circular_repeat'):

@@ -19,16 +19,17 @@ Schedule = schedule.Schedule
 _Simulate = schedule_reference.Simulate
 
 
-_PHASE_SWEEP = [(s, m, r) for s in range(1, 7) for m in (1, 2, 3, 5, 8, 13)
-                for r in (1, 2, 3)]
+_PHASE_SWEEP = [(s, m, r, d) for s in range(1, 7)
+                for m in (1, 2, 3, 5, 8, 13) for r in (1, 2, 3)
+                for d in (False, True)]  # d: delayed sends
 
 
-def _PhasesTileTheLoopAndHoldEveryUsefulCall(s, m, r):
+def _PhasesTileTheLoopAndHoldEveryUsefulCall(s, m, r, d=False):
   """Phases: consecutive runs covering [0, T); each computes a range of
   ceil(S/2) or S stages holding every valid call of its iterations; at
   most three, the narrow ones first and last."""
-  sched = Schedule(s, m, r)
-  table = _Simulate(s, m, r).table
+  sched = Schedule(s, m, r, d)
+  table = _Simulate(s, m, r, d).table
   phases = sched.Phases()
   assert 1 <= len(phases) <= 3
   assert phases[0].begin == 0 and phases[-1].end == sched.num_iterations
@@ -58,6 +59,9 @@ def test_phases_hand_worked():
                                         P(7, 9, 1, 1)]
   assert Schedule(1, 5).Phases() == [P(0, 5, 0, 1)]
   assert Schedule(3, 1).Phases() == [P(0, 2, 0, 2), P(2, 3, 1, 2)]
+  # Delayed sends, S=3, M=2 (the schedule's docstring): stages 0 and 1
+  # hold all the work of iterations 0-3, stages 1 and 2 that of 4-5.
+  assert Schedule(3, 2, 1, True).Phases() == [P(0, 4, 0, 2), P(4, 6, 1, 2)]
 
 
 # -- The 1f1b gradient loop (OneFOneB) and stream_io's columns (Streams). -----
@@ -69,26 +73,28 @@ stage 1    .,. 0,. 1,. 2,0 3,1 .,2 .,3 .,.
 stage 2    .,. .,. 0,0 1,1 2,2 3,3 .,. .,."""
 
 
-def _ExpectedBackward(s, m, r):
+def _ExpectedBackward(s, m, r, d=False):
   """{(microbatch, layer): gradient-loop iteration} from the rule the
   OneFOneB docstring states, over the simulator's forward calls: the last
   layer's backward in the iteration that runs its forward, each earlier
-  layer's one iteration after the layer above it."""
-  done = _Simulate(s, m, r).calls
+  layer's h iterations after the layer above it (h = 2 with delayed
+  sends, else 1)."""
+  done = _Simulate(s, m, r, d).calls
   num_layers = s * r
-  return {(mb, l): done[(mb, num_layers - 1)][0] + (num_layers - 1 - l)
+  hop = 2 if d else 1
+  return {(mb, l): done[(mb, num_layers - 1)][0] + hop * (num_layers - 1 - l)
           for (mb, l) in done}
 
 
-def _BackwardWaveRunsEveryCallOnceByTheRule(s, m, r):
+def _BackwardWaveRunsEveryCallOnceByTheRule(s, m, r, d=False):
   """Every real (microbatch, layer) call is differentiated exactly once, at
   the stage that ran it, at the iteration the rule gives, reading the
   input its forward wrote at the same forward iteration; its input waits
   in the ring fewer than ring_size iterations; bubbles read nothing."""
-  sched = Schedule(s, m, r)
+  sched = Schedule(s, m, r, d)
   waves = schedule.OneFOneB(sched)
-  done = _Simulate(s, m, r).calls
-  expected = _ExpectedBackward(s, m, r)
+  done = _Simulate(s, m, r, d).calls
+  expected = _ExpectedBackward(s, m, r, d)
   rows = waves.BackwardRows()
   assert len(rows) == sched.num_iterations
   seen = {}
@@ -111,14 +117,14 @@ def _BackwardWaveRunsEveryCallOnceByTheRule(s, m, r):
       assert work.first_layer == (layer == 0)
       assert work.seed_offset == sched.StepSeedOffset(layer, mb)
   assert seen == expected
-  assert waves.ring_size == 2 * s * r - 1
+  assert waves.ring_size == 2 * (2 if d else 1) * (s * r - 1) + 1
 
 
-def _GradientPhasesHoldBothWaves(s, m, r):
+def _GradientPhasesHoldBothWaves(s, m, r, d=False):
   """The phases tile the gradient loop; the forward wave runs exactly in
   [0, T), the backward wave in [delay, delay + T), in every stage of the
   rows, whose waves are their phase's."""
-  sched = Schedule(s, m, r)
+  sched = Schedule(s, m, r, d)
   waves = schedule.OneFOneB(sched)
   phases = waves.Phases()
   assert phases[0].begin == 0 and phases[-1].end == waves.num_iterations
@@ -134,7 +140,8 @@ def _GradientPhasesHoldBothWaves(s, m, r):
               for j in range(p.begin, p.end)}
   assert forward == set(range(sched.num_iterations))
   assert backward == set(range(waves.delay, waves.num_iterations))
-  assert waves.num_iterations == sched.num_iterations + s * r - 1
+  assert waves.num_iterations == (sched.num_iterations +
+                                  (2 if d else 1) * (s * r - 1))
 
 
 def test_one_f_one_b_docstring_diagram():
@@ -154,7 +161,7 @@ def _Rotate(column):
   return column[1:] + column[:1]
 
 
-def _StreamsDeliverInOrderAndEndHome(s, m, r):
+def _StreamsDeliverInOrderAndEndHome(s, m, r, d=False):
   """Simulated with Python lists, by the rules gpipe.schedule.streams
   documents: stage 0 reads a column's entry at stage 0, then the column
   rotates; the last stage's output goes to a column's last entry after the
@@ -162,7 +169,7 @@ def _StreamsDeliverInOrderAndEndHome(s, m, r):
   input gradients are written at stage 0, then the column rotates. Reads
   come in microbatch order; written streams, after FixupShifts more
   rotations, hold microbatch s K + k at [s][k]."""
-  sched = Schedule(s, m, r)
+  sched = Schedule(s, m, r, d)
   streams = streams_lib.Streams(sched)
   k_columns = streams.num_columns
   assert (streams.padded_microbatches == s * k_columns >= m >
@@ -223,14 +230,14 @@ def _StreamsDeliverInOrderAndEndHome(s, m, r):
   assert Home(d_in) == expected
 
 
-@pytest.mark.parametrize('s,m,r', _PHASE_SWEEP)
-def test_the_loops_follow_their_rules(s, m, r):
+@pytest.mark.parametrize('s,m,r,d', _PHASE_SWEEP)
+def test_the_loops_follow_their_rules(s, m, r, d):
   """The forward phases, the 1f1b gradient loop and stream_io's columns on
   one (S, M, R): one test per row, not one per row and check."""
-  _PhasesTileTheLoopAndHoldEveryUsefulCall(s, m, r)
-  _BackwardWaveRunsEveryCallOnceByTheRule(s, m, r)
-  _GradientPhasesHoldBothWaves(s, m, r)
-  _StreamsDeliverInOrderAndEndHome(s, m, r)
+  _PhasesTileTheLoopAndHoldEveryUsefulCall(s, m, r, d)
+  _BackwardWaveRunsEveryCallOnceByTheRule(s, m, r, d)
+  _GradientPhasesHoldBothWaves(s, m, r, d)
+  _StreamsDeliverInOrderAndEndHome(s, m, r, d)
 
 
 if __name__ == '__main__':

@@ -1,7 +1,8 @@
 """The independent reference of gpipe.schedule's tests: an event simulator.
 
 gpipe/schedule/__init__.py is loaded straight from its file under a private
-module name (`schedule` here), and so is gpipe/schedule/streams.py
+module name (`schedule` here; its own modules one_f_one_b and work load
+with it, as that package's), and so is gpipe/schedule/streams.py
 (`streams`): `import gpipe` would run gpipe/__init__.py,
 which imports TensorFlow, and the schedule arithmetic must neither need nor
 build a graph (TF_LOADED_BEFORE and TF_LOADED_AFTER say whether TensorFlow
@@ -11,12 +12,15 @@ The reference is `Simulate`, which pushes microbatches through a rotating
 buffer of S stages one iteration at a time, using only the rules stated in the
 schedule's docstring:
 
-  * a microbatch enters stage 0 and moves one stage per iteration;
-  * after stage S - 1 it goes back to stage 0 on the next iteration for its
+  * a microbatch enters stage 0 and moves one stage per iteration (with
+    delayed sends: what a stage made waits one iteration in flight, then
+    moves on: one stage per two iterations);
+  * after stage S - 1 it goes back to stage 0 the same way for its
     next repeat, until it has run all R * S logical layers (R == 1: it leaves);
-  * stage 0 reads fresh input only in the first S iterations of every R * S
-    block (R == 1: every iteration), taking microbatches in order;
-  * circular (R > 1): the last segment of S is padded with phantom
+  * stage 0 reads fresh input only in the first h S iterations of every
+    R h S block (h = 2 with delayed sends, else 1; R == 1: every
+    iteration), taking microbatches in order;
+  * circular (R > 1): the last segment of h S is padded with phantom
     microbatches, whose calls do no useful work (bubbles).
 
 Nothing in the simulator uses the closed-form formulas of
@@ -33,15 +37,20 @@ SCHEDULE_PATH = (pathlib.Path(__file__).resolve().parents[2] / 'gpipe' /
 STREAMS_PATH = SCHEDULE_PATH.with_name('streams.py')
 
 
-def _Load(name, path):
-  spec = importlib.util.spec_from_file_location(name, path)
+def _Load(name, path, package=False):
+  """The module at `path` under `name`; as a package (its own modules
+  importable relative to it) with `package`."""
+  spec = importlib.util.spec_from_file_location(
+      name, path,
+      submodule_search_locations=[str(path.parent)] if package else None)
   module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module
   spec.loader.exec_module(module)
   return module
 
 
 TF_LOADED_BEFORE = 'tensorflow' in sys.modules
-schedule = _Load('_gpipe_schedule_under_test', SCHEDULE_PATH)
+schedule = _Load('_gpipe_schedule_under_test', SCHEDULE_PATH, package=True)
 streams = _Load('_gpipe_schedule_streams_under_test', STREAMS_PATH)
 TF_LOADED_AFTER = 'tensorflow' in sys.modules
 
@@ -75,33 +84,38 @@ class SimResult:
 
 
 @functools.lru_cache(maxsize=None)
-def Simulate(num_stages, num_microbatches, circular_repeat):
+def Simulate(num_stages, num_microbatches, circular_repeat,
+             delayed_sends=False):
   """Runs the pipeline iteration by iteration and checks its consistency."""
   s, m, r = num_stages, num_microbatches, circular_repeat
+  hop = 2 if delayed_sends else 1
   num_layers = s * r
   num_fed = m
-  if r > 1:  # Pad the last segment of S with phantom microbatches (id >= M).
-    while num_fed % s:
+  if r > 1:  # Pad the last segment of h S with phantom microbatches (>= M).
+    while num_fed % (hop * s):
       num_fed += 1
   feed = list(range(num_fed))
   buffer = [None] * s  # buffer[stage] = (microbatch, layer) just processed.
+  in_flight = [None] * s  # With delayed sends: what the stages made before.
   done = {}  # (microbatch, layer) -> (iteration, stage).
   table, input_index, reads_input = [], [], []
   iteration = 0
   limit = 10 * (num_fed * r + s) + 10
   while True:
     assert iteration < limit, 'simulator did not terminate'
+    # What moves on now: made last iteration, or (delayed) the one before.
+    moving = in_flight if delayed_sends else buffer
     new = [None] * s
-    for stage in range(1, s):  # Shift the buffer by one stage.
-      if buffer[stage - 1] is not None:
-        mb, layer = buffer[stage - 1]
+    for stage in range(1, s):  # Shift by one stage.
+      if moving[stage - 1] is not None:
+        mb, layer = moving[stage - 1]
         new[stage] = (mb, layer + 1)
     returning = None  # What the last stage hands back to stage 0.
-    if buffer[s - 1] is not None:
-      mb, layer = buffer[s - 1]
+    if moving[s - 1] is not None:
+      mb, layer = moving[s - 1]
       if layer + 1 < num_layers:
         returning = (mb, layer + 1)
-    fresh = iteration % (r * s) < s
+    fresh = iteration % (r * hop * s) < hop * s
     if fresh:
       # Stage 0 must never overwrite a microbatch that still needs repeats.
       assert returning is None, (
@@ -110,7 +124,10 @@ def Simulate(num_stages, num_microbatches, circular_repeat):
         new[0] = (feed.pop(0), 0)
     else:
       new[0] = returning
-    if not feed and all(x is None for x in new):
+    # Delayed: what the stages just made is still on its way.
+    on_the_way = [x for x in (buffer if delayed_sends else [])
+                  if x is not None and x[1] + 1 < num_layers]
+    if not feed and not on_the_way and all(x is None for x in new):
       break
     row = []
     for stage, item in enumerate(new):
@@ -129,15 +146,15 @@ def Simulate(num_stages, num_microbatches, circular_repeat):
       input_index.append(new[0][0])
     else:
       input_index.append(m)
-    buffer = new
+    in_flight, buffer = buffer, new
     iteration += 1
 
-  # Every real (microbatch, layer) ran exactly once, layers in order on
-  # consecutive iterations.
+  # Every real (microbatch, layer) ran exactly once, layers in order, h
+  # iterations apart.
   assert set(done) == {(mb, l) for mb in range(m) for l in range(num_layers)}
   for mb in range(m):
     for l in range(1, num_layers):
-      assert done[(mb, l)][0] == done[(mb, l - 1)][0] + 1, (mb, l)
+      assert done[(mb, l)][0] == done[(mb, l - 1)][0] + hop, (mb, l)
   # No stage ever holds two things: each row has S entries, and every
   # call (iteration, stage) was claimed at most once.
   calls = list(done.values())

@@ -3,21 +3,19 @@
 The reference is schedule_reference.py's simulator, which pushes
 microbatches through a rotating buffer of S stages one iteration at a time
 by the rules the schedule's docstring states (nothing in it uses the
-schedule's closed forms). Checked here: the module is TF free; the
-simulator reproduces the hand-worked examples; Schedule's table, per-call,
-per-stage and per-microbatch functions against the simulator over a sweep
-of S, M and R, on ints, NumPy grids and values that reject anything a
+schedule's closed forms). Checked here: the simulator reproduces the
+hand-worked examples; Schedule's table, per-call, per-stage and
+per-microbatch functions against the simulator over a sweep of S, M, R
+and delayed sends, on ints, NumPy grids and values that reject anything a
 tensor would not do; the closed forms the docstring states; its diagrams;
 parameter validation. The forward loop's phases, the 1f1b gradient loop
-and stream_io's columns are in schedule_loops_test.py.
+and stream_io's columns are in schedule_loops_test.py; that the module
+loads without TensorFlow in schedule_imports_test.py.
 """
 
-import ast
 import itertools
 import math
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -31,9 +29,10 @@ schedule = schedule_reference.schedule
 Schedule = schedule.Schedule
 _Simulate = schedule_reference.Simulate
 
-_SWEEP = list(
-    itertools.product(range(1, 6), range(1, 13), range(1, 4)))  # S, M, R.
-_SWEEP_IDS = [f'S{s}-M{m}-R{r}' for s, m, r in _SWEEP]
+_SWEEP = list(itertools.product(range(1, 6), range(1, 13), range(1, 4),
+                                (False, True)))  # S, M, R, delayed sends.
+_SWEEP_IDS = [f'S{s}-M{m}-R{r}' + ('-delayed' if d else '')
+              for s, m, r, d in _SWEEP]
 
 # The two diagrams in gpipe/schedule/__init__.py's module docstring.
 _LINEAR_DOC_DIAGRAM = """\
@@ -46,6 +45,21 @@ _CIRCULAR_DOC_DIAGRAM = """\
 iteration     0    1    2    3    4    5    6    7    8
 stage 0     0/0  1/0  0/1  1/1  2/0    .  2/1    .    .
 stage 1       .  0/0  1/0  0/1  1/1  2/0    .  2/1    ."""
+
+# The delayed sends' diagram there (S=3, M=2, linear: two iterations a hop).
+_DELAYED_DOC_DIAGRAM = """\
+iteration   0  1  2  3  4  5
+stage 0     0  1  .  .  .  .
+stage 1     .  .  0  1  .  .
+stage 2     .  .  .  .  0  1"""
+
+# Worked by hand: S=2, M=3, R=2 delayed. Segments of 2 S = 4 (one here, a
+# phantom fourth microbatch padding it), each microbatch back at stage 0
+# four iterations after it left it.
+_CIRCULAR_DELAYED_DIAGRAM = """\
+iteration     0    1    2    3    4    5    6    7    8    9
+stage 0     0/0  1/0  2/0    .  0/1  1/1  2/1    .    .    .
+stage 1       .    .  0/0  1/0  2/0    .  0/1  1/1  2/1    ."""
 
 
 class _StrictInt:
@@ -167,59 +181,6 @@ def _Words(text):
   return [line.split() for line in text.strip().splitlines()]
 
 
-# -- The module is TF free. ---------------------------------------------------
-
-
-def test_loading_schedule_does_not_import_tensorflow():
-  if not schedule_reference.TF_LOADED_BEFORE:
-    assert not schedule_reference.TF_LOADED_AFTER
-  code = (
-      'import importlib.util, sys\n'
-      'def Load(name, path):\n'
-      '  spec = importlib.util.spec_from_file_location(name, path)\n'
-      '  mod = importlib.util.module_from_spec(spec)\n'
-      '  spec.loader.exec_module(mod)\n'
-      '  return mod\n'
-      f'mod = Load("s", {str(schedule_reference.SCHEDULE_PATH)!r})\n'
-      f'streams = Load("t", {str(schedule_reference.STREAMS_PATH)!r})\n'
-      'mod.FieldTables(mod.OneFOneB(mod.Schedule(3, 5, 2)).BackwardRows())\n'
-      'streams.Streams(mod.Schedule(3, 5, 2)).WriteColumns()\n'
-      'assert "tensorflow" not in sys.modules, "tensorflow imported"\n'
-      'assert "gpipe" not in sys.modules, "gpipe package imported"\n')
-  # -S: no site-packages, whose start-up .pth imports gpipe (tools/install.py):
-  # the schedule loads with the standard library alone.
-  result = subprocess.run([sys.executable, '-S', '-c', code],
-                          capture_output=True, text=True, check=False)
-  assert result.returncode == 0, result.stderr
-
-
-def test_schedule_imports_only_the_standard_library_at_module_level():
-  # The arithmetic must be importable (and testable) without TF or NumPy; the
-  # only non-standard import is the plotting helper, loaded lazily inside the
-  # command when --out is given.
-  tree = ast.parse(schedule_reference.SCHEDULE_PATH.read_text())
-  top_level = set()
-  for node in tree.body:
-    if isinstance(node, ast.Import):
-      top_level.update(alias.name.split('.')[0] for alias in node.names)
-    elif isinstance(node, ast.ImportFrom):
-      top_level.add(node.module.split('.')[0])
-  assert top_level, 'expected at least the dataclasses import'
-  assert top_level <= set(sys.stdlib_module_names), (
-      top_level - set(sys.stdlib_module_names))
-  nested = set()
-  for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and node not in tree.body:
-      nested.add(node.module)
-    elif isinstance(node, ast.Import) and node not in tree.body:
-      nested.update(alias.name for alias in node.names)
-  assert nested <= {'gpipe'}, nested
-  # Streams reads the schedule it is given: it imports nothing at all.
-  tree = ast.parse(schedule_reference.STREAMS_PATH.read_text())
-  assert not [node for node in ast.walk(tree)
-              if isinstance(node, (ast.Import, ast.ImportFrom))]
-
-
 # -- The simulator itself. ----------------------------------------------------
 
 
@@ -227,14 +188,17 @@ def test_simulator_reproduces_hand_worked_examples():
   # Independent of schedule.py: parsed from the hard-coded documented diagrams.
   assert _Simulate(3, 4, 1).table == _ParseDiagram(_LINEAR_DOC_DIAGRAM)
   assert _Simulate(2, 3, 2).table == _ParseDiagram(_CIRCULAR_DOC_DIAGRAM)
+  assert _Simulate(3, 2, 1, True).table == _ParseDiagram(_DELAYED_DOC_DIAGRAM)
+  assert _Simulate(2, 3, 2, True).table == _ParseDiagram(
+      _CIRCULAR_DELAYED_DIAGRAM)
 
 
 # -- Sweep against the simulator. ---------------------------------------------
 
 
-def _TableAndShapeMatchSimulator(s, m, r):
-  sched = Schedule(s, m, r)
-  sim = _Simulate(s, m, r)
+def _TableAndShapeMatchSimulator(s, m, r, d=False):
+  sched = Schedule(s, m, r, d)
+  sim = _Simulate(s, m, r, d)
   assert sched.num_iterations == sim.num_iterations
   assert sched.Table() == sim.table
   assert sched.num_stages == s
@@ -247,10 +211,10 @@ def _TableAndShapeMatchSimulator(s, m, r):
   assert 0.0 <= sched.bubble_fraction < 1.0
 
 
-def _PerCallFunctionsMatchSimulator(s, m, r):
-  sched = Schedule(s, m, r)
-  sim = _Simulate(s, m, r)
-  margin = 2 * s * r + 1
+def _PerCallFunctionsMatchSimulator(s, m, r, d=False):
+  sched = Schedule(s, m, r, d)
+  sim = _Simulate(s, m, r, d)
+  margin = 4 * s * r + 1
   for i in range(-margin, sim.num_iterations + margin):
     for stage in range(s):
       cell = sim.table[i] if 0 <= i < sim.num_iterations else [None] * s
@@ -263,7 +227,7 @@ def _PerCallFunctionsMatchSimulator(s, m, r):
       if cell is None:
         continue
       mb, rep = cell
-      assert sched.Offset(i, stage) == i - stage
+      assert sched.Offset(i, stage) == i - (2 if d else 1) * stage
       assert sched.MicrobatchId(i, stage) == mb, (i, stage)
       assert sched.RepeatId(i, stage) == rep, (i, stage)
       assert sched.LayerId(i, stage) == rep * s + stage, (i, stage)
@@ -272,12 +236,12 @@ def _PerCallFunctionsMatchSimulator(s, m, r):
         assert type(value) is int  # pylint: disable=unidiomatic-typecheck
 
 
-def _FieldTablesMatchSimulator(s, m, r):
+def _FieldTablesMatchSimulator(s, m, r, d=False):
   """The [T][S] tables the loop reads, against the simulator: on valid
   calls the cell's microbatch and repeat; on bubbles a microbatch in range;
   stage 0 reads where the simulator says, no other stage ever."""
-  sched = Schedule(s, m, r)
-  sim = _Simulate(s, m, r)
+  sched = Schedule(s, m, r, d)
+  sim = _Simulate(s, m, r, d)
   tables = schedule.FieldTables(sched.Rows())
   assert {name: dtype for name, (dtype, _) in tables.items()} == {
       'microbatch': 'int32', 'repeat': 'int32', 'seed_offset': 'int64',
@@ -302,9 +266,9 @@ def _FieldTablesMatchSimulator(s, m, r):
           (layer * m + mb) * schedule.STEP_SEEDS_PER_CALL), (i, stage)
 
 
-def _PerMicrobatchFunctionsMatchSimulator(s, m, r):
-  sched = Schedule(s, m, r)
-  sim = _Simulate(s, m, r)
+def _PerMicrobatchFunctionsMatchSimulator(s, m, r, d=False):
+  sched = Schedule(s, m, r, d)
+  sim = _Simulate(s, m, r, d)
   for mb in range(m):
     assert sched.InputIteration(mb) == sim.input_iteration[mb], mb
     assert sched.OutputIteration(mb) == sim.output_iteration[mb], mb
@@ -322,9 +286,9 @@ def _PerMicrobatchFunctionsMatchSimulator(s, m, r):
   assert sched.OutputIndexPerIteration() == finishes
 
 
-def _NumpyGridsMatchInts(s, m, r):
-  sched = Schedule(s, m, r)
-  margin = 2 * s * r + 1
+def _NumpyGridsMatchInts(s, m, r, d=False):
+  sched = Schedule(s, m, r, d)
+  margin = 4 * s * r + 1
   it, st = _Grid(sched, margin)
   mb_grid = np.arange(-margin, m + margin)
   for dtype in (np.int64, np.int32):
@@ -352,17 +316,17 @@ def _NumpyGridsMatchInts(s, m, r):
         sched.OutputIteration(mbs),
         [sched.OutputIteration(int(x)) for x in mbs])
     # Valid cells of the grid agree with the simulator.
-    sim = _Simulate(s, m, r)
+    sim = _Simulate(s, m, r, d)
     valid = per_call['IsValid']
     assert int(valid.sum()) == sim.useful_calls
 
 
-def _LayerIterationAndStateCallsMatchTheSimulator(s, m, r):
+def _LayerIterationAndStateCallsMatchTheSimulator(s, m, r, d=False):
   # Per-stage decoding states live in the entry of the call (iteration,
   # stage) that runs them: LayerIteration finds every (microbatch, layer)'s
   # call, and StateMicrobatchPerCall names the microbatch of every call.
-  sched = Schedule(s, m, r)
-  sim = _Simulate(s, m, r)
+  sched = Schedule(s, m, r, d)
+  sim = _Simulate(s, m, r, d)
   for (mb, layer), (iteration, stage) in sim.calls.items():
     assert sched.LayerIteration(mb, layer) == iteration, (mb, layer)
     assert layer % s == stage
@@ -374,11 +338,13 @@ def _LayerIterationAndStateCallsMatchTheSimulator(s, m, r):
       assert per_call[i][stage] == (0 if cell is None else cell[0]), (i, stage)
 
 
-@pytest.mark.parametrize('s,m,r', [(1, 1, 1), (3, 4, 1), (2, 3, 2), (4, 9, 3),
-                                   (5, 12, 2)])
-def test_only_tensor_ops_are_used(s, m, r):
+@pytest.mark.parametrize('s,m,r,d', [(1, 1, 1, False), (3, 4, 1, False),
+                                     (2, 3, 2, False), (4, 9, 3, False),
+                                     (5, 12, 2, False), (3, 4, 1, True),
+                                     (3, 7, 2, True)])
+def test_only_tensor_ops_are_used(s, m, r, d):
   """Runs every per-call function on values that reject non-tensor ops."""
-  sched = Schedule(s, m, r)
+  sched = Schedule(s, m, r, d)
   it, st = _Grid(sched, margin=3)
   i, k = _StrictInt(it), _StrictInt(st)
   for name in ('Offset', 'MicrobatchId', 'RepeatId', 'LayerId', 'IsValid'):
@@ -398,21 +364,24 @@ def test_only_tensor_ops_are_used(s, m, r):
 # -- Closed forms stated in the docstring. ------------------------------------
 
 
-def _LinearNumIterationsFormula(s, m):
-  sched = Schedule(s, m)
+def _LinearNumIterationsFormula(s, m, d=False):
+  sched = Schedule(s, m, delayed_sends=d)
+  h = 2 if d else 1
   assert sched.circular_repeat == 1
   assert not sched.circular
-  assert sched.num_iterations == m + s - 1
+  assert sched.num_iterations == m + h * (s - 1)
   assert sched.num_padded_microbatches == m
-  assert sched.bubble_fraction == pytest.approx((s - 1) / (m + s - 1))
-  assert Schedule(s, m, 1) == sched
+  assert sched.bubble_fraction == pytest.approx(1 - m / (m + h * (s - 1)))
+  assert Schedule(s, m, 1, d) == sched
 
 
-def _CircularNumIterationsFormula(s, m, r):
-  sched = Schedule(s, m, r)
+def _CircularNumIterationsFormula(s, m, r, d=False):
+  sched = Schedule(s, m, r, d)
+  h = 2 if d else 1
   assert sched.circular
-  assert sched.num_padded_microbatches == math.ceil(m / s) * s
-  assert sched.num_iterations == r * math.ceil(m / s) * s + s - 1
+  assert sched.num_padded_microbatches == math.ceil(m / (h * s)) * h * s
+  assert sched.num_iterations == (r * math.ceil(m / (h * s)) * h * s +
+                                  h * (s - 1))
 
 
 # -- Documented diagrams. -----------------------------------------------------
@@ -422,7 +391,8 @@ def test_docstring_holds_the_hard_coded_diagrams():
   blocks = _DocDiagrams()
   assert [_Words(b) for b in blocks] == [
       _Words(_LINEAR_DOC_DIAGRAM),
-      _Words(_CIRCULAR_DOC_DIAGRAM)
+      _Words(_CIRCULAR_DOC_DIAGRAM),
+      _Words(_DELAYED_DOC_DIAGRAM),
   ]
 
 
@@ -436,34 +406,40 @@ def test_render_circular_doc_example_cells():
   assert _ParseDiagram(rendered) == _Simulate(2, 3, 2).table
 
 
+def test_render_delayed_examples():
+  assert schedule_text.Render(Schedule(3, 2, 1, True)) == _DELAYED_DOC_DIAGRAM
+  assert schedule_text.Render(Schedule(2, 3, 2, True)) == (
+      _CIRCULAR_DELAYED_DIAGRAM)
+
+
 def test_render_circular_doc_example_exact_layout():
   assert schedule_text.Render(Schedule(2, 3, 2)) == _CIRCULAR_DOC_DIAGRAM
 
 
-def _RenderCellsMatchSimulator(s, m, r):
-  rendered = schedule_text.Render(Schedule(s, m, r))
+def _RenderCellsMatchSimulator(s, m, r, d=False):
+  rendered = schedule_text.Render(Schedule(s, m, r, d))
   lines = rendered.splitlines()
   assert len(lines) == s + 1
   assert len({len(line) for line in lines}) == 1  # Columns line up.
-  assert _ParseDiagram(rendered) == _Simulate(s, m, r).table
+  assert _ParseDiagram(rendered) == _Simulate(s, m, r, d).table
 
 
-@pytest.mark.parametrize('s,m,r', _SWEEP, ids=_SWEEP_IDS)
-def test_schedule_matches_the_simulator(s, m, r):
+@pytest.mark.parametrize('s,m,r,d', _SWEEP, ids=_SWEEP_IDS)
+def test_schedule_matches_the_simulator(s, m, r, d):
   """Every check of the sweep against the simulator, and the closed form
   of T the docstring states, on one (S, M, R): one test per row, not one
   per row and check (the checks are microseconds; a test item is not)."""
-  _TableAndShapeMatchSimulator(s, m, r)
-  _PerCallFunctionsMatchSimulator(s, m, r)
-  _FieldTablesMatchSimulator(s, m, r)
-  _PerMicrobatchFunctionsMatchSimulator(s, m, r)
-  _NumpyGridsMatchInts(s, m, r)
-  _LayerIterationAndStateCallsMatchTheSimulator(s, m, r)
-  _RenderCellsMatchSimulator(s, m, r)
+  _TableAndShapeMatchSimulator(s, m, r, d)
+  _PerCallFunctionsMatchSimulator(s, m, r, d)
+  _FieldTablesMatchSimulator(s, m, r, d)
+  _PerMicrobatchFunctionsMatchSimulator(s, m, r, d)
+  _NumpyGridsMatchInts(s, m, r, d)
+  _LayerIterationAndStateCallsMatchTheSimulator(s, m, r, d)
+  _RenderCellsMatchSimulator(s, m, r, d)
   if r == 1:
-    _LinearNumIterationsFormula(s, m)
+    _LinearNumIterationsFormula(s, m, d)
   else:
-    _CircularNumIterationsFormula(s, m, r)
+    _CircularNumIterationsFormula(s, m, r, d)
 
 
 # -- Parameter validation. ----------------------------------------------------
@@ -481,10 +457,18 @@ def test_invalid_params_raise_value_error_naming_param(name, bad):
   assert repr(bad) in str(info.value)
 
 
+@pytest.mark.parametrize('bad', [0, 1, None, 'True'], ids=repr)
+def test_delayed_sends_must_be_a_bool(bad):
+  with pytest.raises(ValueError, match='delayed_sends') as info:
+    Schedule(2, 3, 2, bad)
+  assert repr(bad) in str(info.value)
+
+
 def test_positional_args_and_default_repeat():
   sched = Schedule(4, 6)
-  assert (sched.num_stages, sched.num_microbatches,
-          sched.circular_repeat) == (4, 6, 1)
+  assert (sched.num_stages, sched.num_microbatches, sched.circular_repeat,
+          sched.delayed_sends, sched.hop) == (4, 6, 1, False, 1)
+  assert Schedule(4, 6, 1, True).hop == 2
   with pytest.raises(ValueError, match='num_stages'):
     Schedule(0, 6)
   with pytest.raises(ValueError, match='num_microbatches'):

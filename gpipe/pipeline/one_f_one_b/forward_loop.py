@@ -15,6 +15,7 @@ from gpipe.loops import tensor_lists
 from gpipe.loops import while_loops
 from gpipe.pipeline.one_f_one_b import cell as cell_lib
 from gpipe.pipeline import iteration
+from gpipe.pipeline import rotation
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -47,8 +48,9 @@ def ForwardLoop(cell, io, theta, native, state_leaves, var_values, captures):
   filler = cell.state0.buffer
   extras_spec = cell.graph.extras_spec
   bound = cell.Bind(theta, captures)
+  handoff = rotation.HandoffFor(spec.schedule, place)
   carry = NestedMap(
-      buffer=filler,  # [S, mb, ...] per leaf
+      buffer=handoff.Start(filler),  # [S, mb, ...] per leaf (delayed: 2)
       vars=[place.SplitStages(v) for v in var_values],  # [S, (R,) ...]
       reading=io.StartReading(native),  # the io's ([] unless streamed)
       writing=io.StartWriting(filler),  # the io's
@@ -63,7 +65,7 @@ def ForwardLoop(cell, io, theta, native, state_leaves, var_values, captures):
 
   def Body(i, carry):
     stepped = iteration.Step(
-        bound, io, i, cell_lib.Row(cell.tables, i, place), native,
+        bound, io, handoff, i, cell_lib.Row(cell.tables, i, place), native,
         carry.buffer, carry.vars, carry.reading, writing=carry.writing,
         state_slots=[x[i] for x in states])
     done = stepped.done

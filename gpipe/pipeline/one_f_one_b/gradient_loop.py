@@ -61,6 +61,11 @@ class GradientLoop:
     self._io = io
     self._place = cell.spec.placement
     self._waves = schedule_lib.OneFOneB(cell.spec.schedule)
+    # The forward wave's hand-off, and the backward wave's: each stage's
+    # input gradient to the stage before it, with the same hop.
+    self._handoff = rotation.HandoffFor(cell.spec.schedule, self._place)
+    self._handoff_back = rotation.HandoffFor(cell.spec.schedule, self._place,
+                                             shift=-1)
     self._backward_tables = iteration.Tables(self._waves.BackwardRows())
     self._theta = theta
     self._native = native
@@ -131,10 +136,11 @@ class GradientLoop:
     filler = self._cell.state0.buffer
     after = [] if d.aux is None else [d.aux]
     return GradientCarry(
-        buffer=filler, vars=self._var_values,
+        buffer=self._handoff.Start(filler), vars=self._var_values,
         reading=self._io.StartReading(self._native),
         rings=tf.nest.map_structure(lambda r: r.Empty(), self._rings),
-        d_buffer=[tf.zeros_like(x) for x in filler],
+        d_buffer=self._handoff_back.Start(
+            [tf.zeros_like(x) for x in filler]),
         d_reading=([] if d.outputs is None else
                    self._io.StartReadingGradients(d.outputs)),
         d_writing=self._io.StartWritingGradients(filler),
@@ -183,7 +189,7 @@ class GradientLoop:
     stepped = iteration.Step(
         self._cell.Bind(self._theta, self._captures,
                         with_extras=self._loss is not None, with_stored=True),
-        self._io, j, cell_lib.Row(self._cell.tables, j, self._place),
+        self._io, self._handoff, j, cell_lib.Row(self._cell.tables, j, self._place),
         self._native, carry.buffer, carry.vars, carry.reading,
         state_slots=[x[j] for x in self._states])
     done = stepped.done
@@ -195,7 +201,7 @@ class GradientLoop:
         rings=tf.nest.map_structure(
             lambda r, ring, e: r.Write(ring, index, e),
             self._rings, carry.rings, entries),
-        buffer=stepped.buffer,  # [S, mb, ...] per leaf
+        buffer=stepped.buffer,  # the hand-off's carry
         vars=done.vars,  # [S, (R,) ...] per variable
         reading=stepped.reading)
     if self._loss is not None:
@@ -225,19 +231,18 @@ class GradientLoop:
     last = per_stage(row.last_layer)  # [S] bools
     # dy [S, mb, ...] per leaf: the layer's output gradient where a stage's
     # call is the last layer's, else the one the next stage handed back.
-    dy = [per_stage(tf.where(_Mask(last, o), o,
-                             rotation.RotateStages(
-                                 b, -1, place.splits_stage_dim)))
-          for o, b in zip(d_out, carry.d_buffer)]
+    dy = [per_stage(tf.where(_Mask(last, o), o, b)) for o, b in
+          zip(d_out, self._handoff_back.Ready(carry.d_buffer))]
     at = per_stage(row.iteration)  # [S]: the forward iteration of the call
     grads = self._Differentiate(row, at, entries, dy, consts)
     first = per_stage(row.first_layer)  # [S] bools
     return carry.With(
         d_reading=d_reading,
         d_writing=self._io.WriteGradient(carry.d_writing, row, grads.d_x),
-        # [S, mb, ...] per leaf, handed one stage back next iteration.
-        d_buffer=[per_stage(tf.where(_Mask(first, x), tf.zeros_like(x), x))
-                  for x in grads.d_x],
+        # [S, mb, ...] per leaf, handed one stage back.
+        d_buffer=self._handoff_back.Next(carry.d_buffer, [
+            per_stage(tf.where(_Mask(first, x), tf.zeros_like(x), x))
+            for x in grads.d_x]),
         d_theta=[a + g for a, g in zip(carry.d_theta, grads.theta)],
         d_captures=[a + tf.cast(g, a.dtype)
                     for a, g in zip(carry.d_captures, grads.captures)],
@@ -307,14 +312,17 @@ class GradientCarry:
   others. Lists hold a tensor per leaf.
 
   Attributes:
-    buffer: [S, mb, ...] per buffer leaf: the forward wave's buffer.
+    buffer: the forward wave's buffer, the hand-off's carry: [S, mb, ...]
+      per buffer leaf (delayed sends: twice).
     vars: [S, (R,) ...] per non-trainable variable: the forward wave's.
     reading: the io's input state: [] (whole), [K, S, mb, ...] (streamed).
     rings: NestedMap(buffer, vars, stored) of [S, ring_size, ...] rings
       (gpipe.pipeline.one_f_one_b.rings; split further over
       ring_split_mesh_dim where asked).
-    d_buffer: [S, mb, ...] per buffer leaf: each stage's input gradient of
-      the iteration before, handed one stage back.
+    d_buffer: the backward hand-off's carry, [S, mb, ...] per buffer leaf:
+      each stage's input gradient of the iteration before, handed one
+      stage back (delayed sends: of the one before that, and those in
+      flight).
     d_reading: the output gradients the io reads: [M, S or 1, mb, ...]
       (whole), [K, S, mb, ...] (streamed); [] with a LastStageLoss.
     d_writing: the input gradients the io writes: TensorLists of M + 1
