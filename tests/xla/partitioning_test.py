@@ -32,6 +32,7 @@ import tensorflow as tf
 from gpipe import check_partitioning
 from gpipe import layers
 from gpipe import sharding
+from gpipe.xla import dependencies
 from gpipe.xla import hlo_text
 from gpipe.xla import partitioned_step
 from gpipe.xla import partitioning
@@ -55,6 +56,7 @@ class Case:
   num_microbatches: int = 8
   remat_policy: str = 'recompute'
   rows: int = 0  # rows per microbatch; 0: 3, or 6 on the mesh
+  delayed_sends: bool = False  # each hand-off one iteration later
 
 
   @property
@@ -90,6 +92,7 @@ class Case:
         per_stage_vars=self.per_stage_vars,
         single_stage_body=body,
         remat_policy=self.remat_policy,
+        delayed_sends=self.delayed_sends,
         random_seed=7)
     if self.mesh:
       p.Set(pipeline_stage_mesh_dim=0, device_mesh=self.device_mesh)
@@ -121,6 +124,8 @@ def _CaseId(case):
     parts.append(case.remat_policy)
   if case.rows:
     parts.append(f'rows{case.rows}')
+  if case.delayed_sends:
+    parts.append('delayed_sends')
   return '-'.join(parts)
 
 
@@ -154,6 +159,10 @@ CASES = [
     # across the manual region's boundary.
     Case(num_stages=2, circular_repeat=2, rows=2),
     Case(num_stages=2, rows=1),
+    # Delayed sends: the rotation's permute of the outputs before, beside
+    # the stages' calls (test_delayed_sends_permute_beside_the_calls).
+    Case(num_stages=4, circular_repeat=2, delayed_sends=True),
+    Case(num_stages=4, mesh=True, body='dense', delayed_sends=True),
 ]
 
 
@@ -219,8 +228,9 @@ def test_summary_labels_each_loop_by_its_role_and_iterations(checked):
   for a loop's computation only with verbose (--verbose)."""
   case, report = checked
   s, m, r = case.num_stages, case.num_microbatches, case.circular_repeat
-  # T: M + S - 1, or with R > 1 R whole segments of S microbatches.
-  t = m + s - 1 if r == 1 else r * -(-m // s) * s + s - 1
+  h = 2 if case.delayed_sends else 1  # iterations a hop from stage to stage
+  # T: M + h (S - 1), or with R > 1 R whole segments of h S microbatches.
+  t = (m if r == 1 else r * -(-m // (h * s)) * h * s) + h * (s - 1)
   assert report.LoopLabels() == [f'forward ({t} iterations)',
                                  f'backward ({t} iterations)']
   summary = report.Summary()
@@ -232,6 +242,28 @@ def test_summary_labels_each_loop_by_its_role_and_iterations(checked):
   for i, body in enumerate(report.run.loops):
     assert body not in summary, summary
     assert f'  loop {i}, ' in verbose and f'; XLA body {body}), ' in verbose
+
+
+def test_delayed_sends_permute_beside_the_calls(checked):
+  """In the forward loop's body, every dot of the stages' calls runs
+  beside each permute (neither feeds it nor waits for it) with delayed
+  sends; without, the dots that make what it sends feed it: what lets the
+  hand-off hide."""
+  case, report = checked
+  run = report.run
+  module = dependencies.Module(run.hlo)
+  permutes = [c for c in run.collectives
+              if c.loop == 0 and c.kind == 'collective-permute']
+  assert len(permutes) == case.num_buffer_tensors, permutes
+  fed = {}  # permute: the dots that feed it or wait for it
+  for c in permutes:
+    work = module.Work(c.computation)
+    assert work, f'no dot in {c.computation}'
+    fed[c.name] = set(work) - module.Beside(c.computation, c.name)
+  if case.delayed_sends:
+    assert not any(fed.values()), fed
+  else:  # a leaf a body passes on undotted is sent beside the dots
+    assert any(fed.values()), fed
 
 
 def test_no_weight_is_gathered(checked):
