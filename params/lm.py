@@ -333,6 +333,7 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
   FPROP_DTYPE = tf.bfloat16
   RING_SPLIT_MESH_DIM = None  # the rings' entries whole on each chip
   SEQUENCE_PARALLEL = False  # (LargestOn8x16GiBSequenceParallel: True)
+  DELAYED_SENDS = False  # (LargestOn8x16GiBDelayedSends: True)
 
   def Task(self):
     return CopyLMParams(
@@ -348,7 +349,8 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
         fused_qkv=True, sequence_parallel=self.SEQUENCE_PARALLEL,
         stack_options=dict(backward_schedule='1f1b', stream_io=True,
                            remat_policy='save_checkpoints',
-                           ring_split_mesh_dim=self.RING_SPLIT_MESH_DIM),
+                           ring_split_mesh_dim=self.RING_SPLIT_MESH_DIM,
+                           delayed_sends=self.DELAYED_SENDS),
         task_cls=large_lm.LargeLMTask)
 
 
@@ -403,6 +405,15 @@ class LargestOn8x16GiBSequenceParallel(LargestOn8x16GiB):
   a reduce-scatter and an all-gather. docs/flagships.md plans the two side
   by side."""
   SEQUENCE_PARALLEL = True
+
+
+@model_registry.RegisterSingleTaskModel
+class LargestOn8x16GiBDelayedSends(LargestOn8x16GiB):
+  """LargestOn8x16GiB with delayed_sends=True: each stage's output handed
+  on one iteration after it is made, beside the next iteration's calls,
+  for 3 more bubble iterations (38 instead of 35). docs/planning.md plans
+  the two side by side (#delayed-sends)."""
+  DELAYED_SENDS = True
 
 
 @model_registry.RegisterSingleTaskModel

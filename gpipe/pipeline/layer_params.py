@@ -125,7 +125,8 @@ def _DefineMemory(p):
       'circular segments of 2S microbatches, one more buffer in flight. '
       'Pays where the permute is long beside a call (see '
       '[docs/planning.md](docs/planning.md)); the outputs and gradients are '
-      'the same. `python -m gpipe.schedule --delayed_sends` draws it.')
+      'the same. `python -m gpipe.schedule --num_stages 4 --num_microbatches 8 '
+      '--delayed_sends` draws it.')
   p.Define(
       'stream_io', False,
       'Split the microbatched inputs, the outputs and their gradients over '
