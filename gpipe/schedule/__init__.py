@@ -141,10 +141,12 @@ class Schedule:
 
   @classmethod
   def ForLayer(cls, params, num_microbatches):
-    """The schedule of a PipelinedLayer's params for that many
-    microbatches (its num_stages, circular_repeat and delayed_sends)."""
+    """The schedule of a pipelined layer's params for that many
+    microbatches (its num_stages, circular_repeat and delayed_sends;
+    Lingvo's own layer, which the planner plans too, has no
+    delayed_sends: it hands on at once)."""
     return cls(params.num_stages, num_microbatches, params.circular_repeat,
-               params.delayed_sends)
+               getattr(params, 'delayed_sends', False))
 
   @property
   def circular(self):

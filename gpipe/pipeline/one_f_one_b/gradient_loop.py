@@ -189,8 +189,9 @@ class GradientLoop:
     stepped = iteration.Step(
         self._cell.Bind(self._theta, self._captures,
                         with_extras=self._loss is not None, with_stored=True),
-        self._io, self._handoff, j, cell_lib.Row(self._cell.tables, j, self._place),
-        self._native, carry.buffer, carry.vars, carry.reading,
+        self._io, self._handoff, j,
+        cell_lib.Row(self._cell.tables, j, self._place), self._native,
+        carry.buffer, carry.vars, carry.reading,
         state_slots=[x[j] for x in self._states])
     done = stepped.done
     index = j % self._waves.ring_size
