@@ -10,7 +10,7 @@ is a pairwise covering (tests/covering.py) of S, the kind of M, R, the
 loop (reverse or 1f1b backward, whole or streamed io) and the mode (graph,
 jit); the layouts that change what a hand-off carries (several buffer
 leaves, stage-split weights, skip_bubbles' phases, per-stage variables)
-each meet every loop once. Partitioned (8 virtual devices on a [4, 2]
+each meet each backward schedule, io and mode. Partitioned (8 virtual devices on a [4, 2]
 mesh), the 1f1b loops here and the reverse loop in
 tests/xla/partitioning_test.py equal the step on one device.
 """
@@ -72,10 +72,18 @@ _LAYOUTS = [
 ]
 
 
+# Pairwise over the layout, the backward schedule, stream_io and the mode.
+_LAYOUT_ROWS = covering.Pairwise(
+    [(i, k, mode) for i in range(len(_LAYOUTS)) for k in range(len(_LOOPS))
+     for mode in MODES],
+    (lambda c: c[0], lambda c: _LOOPS[c[1]][0], lambda c: _LOOPS[c[1]][1],
+     lambda c: c[2]))
+
+
 @pytest.mark.parametrize('layout,loop,mode', [
-    pytest.param(layout, _LOOPS[k], MODES[(i + k) % 2],
-                 id=f'{name}-{_LOOP_IDS[k]}-{MODES[(i + k) % 2]}')
-    for i, (name, layout) in enumerate(_LAYOUTS) for k in range(len(_LOOPS))])
+    pytest.param(_LAYOUTS[i][1], _LOOPS[k], mode,
+                 id=f'{_LAYOUTS[i][0]}-{_LOOP_IDS[k]}-{mode}')
+    for i, k, mode in _LAYOUT_ROWS])
 def test_layouts(layout, loop, mode):
   harness.CheckCase(
       _Case(loop, num_stages=3, num_microbatches=7, circular_repeat=2,
