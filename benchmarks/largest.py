@@ -28,7 +28,7 @@ Then it checks the targets, and exits 1 if one fails:
 Every byte and FLOP figure is XLA's for the partitioned module compiled for
 CPU devices; the step, its parts and the MFU are the planner's roofline
 model of a v5e chip, predicted, not measured. Each plan compiles the whole
-training step from shapes alone: about 6 minutes and 8 GB of host memory
+training step from shapes alone: about 8 minutes and 8 GB of host memory
 for the 8-chip model's candidate, more for the 32-chip one's.
 """
 

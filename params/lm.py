@@ -320,8 +320,12 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
   (remat_policy='save_checkpoints'), the embedding and the loss taken
   inside the pipeline's loop at its first and last stages (FPropWithLoss).
   No dropout (a mesh body draws no random numbers, see
-  CopyLMPod8x4). `python -m gpipe.plan --model lm.LargestOn8x16GiB
-  --num_devices 8 --hbm_gib 16 --tpu v5e` plans it (minutes);
+  CopyLMPod8x4). Each block runs on the sequence's two halves as two
+  chains (`sequence_halves.SequenceHalvesStage`), so that each half's
+  model-axis all-reduces can run beside the other half's matmuls (the
+  overlapped step, docs/flagships.md). `python -m gpipe.plan --model
+  lm.LargestOn8x16GiB --num_devices 8 --hbm_gib 16 --tpu v5e` plans it
+  (minutes);
   `python -m benchmarks.largest` plans both largest LMs and checks them.
   """
   MESH = pod_blocks.PodMesh(stages=4, model=2)
@@ -334,6 +338,7 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
   RING_SPLIT_MESH_DIM = None  # the rings' entries whole on each chip
   SEQUENCE_PARALLEL = False  # (LargestOn8x16GiBSequenceParallel: True)
   DELAYED_SENDS = False  # (LargestOn8x16GiBDelayedSends: True)
+  SEQUENCE_HALVES = True  # (LargestMeshSmall: False)
 
   def Task(self):
     return CopyLMParams(
@@ -347,6 +352,7 @@ class LargestOn8x16GiB(CopyLMPod8x2Adafactor):
         fprop_dtype=self.FPROP_DTYPE, stack_dtype=self.FPROP_DTYPE,
         optimizer_tpl=self.Optimizer(), mesh=self.MESH, remat_blocks=True,
         fused_qkv=True, sequence_parallel=self.SEQUENCE_PARALLEL,
+        sequence_halves=self.SEQUENCE_HALVES,
         stack_options=dict(backward_schedule='1f1b', stream_io=True,
                            remat_policy='save_checkpoints',
                            ring_split_mesh_dim=self.RING_SPLIT_MESH_DIM,
@@ -383,9 +389,13 @@ class LargestMeshSmall(LargestOn8x16GiB):
   taken at the last stage (`python -m gpipe.check_partitioning --model
   lm.LargestMeshSmall` runs a training step partitioned on 8 virtual
   devices against the same step on one). Its rings are split over the
-  model axis, as LargestOn32x16GiB's.
+  model axis, as LargestOn32x16GiB's. Its blocks run whole, not on the
+  sequence's halves: its tests check the pipeline's layout, and
+  tests/sequence_halves_test.py the halves against the whole block (at
+  twice the compile time here).
   """
   MESH = pod_blocks.PodMesh(stages=2, data=2, model=2)
+  SEQUENCE_HALVES = False
   RING_SPLIT_MESH_DIM = pod_blocks.PodMesh.MODEL_AXIS
   MODEL_DIM = 32
   HEAD_DIM = 8
@@ -405,6 +415,7 @@ class LargestOn8x16GiBSequenceParallel(LargestOn8x16GiB):
   a reduce-scatter and an all-gather. docs/flagships.md plans the two side
   by side."""
   SEQUENCE_PARALLEL = True
+  SEQUENCE_HALVES = False
 
 
 @model_registry.RegisterSingleTaskModel
@@ -423,4 +434,5 @@ class LargestMeshSmallSequenceParallel(LargestMeshSmall):
   devices). Its rings are whole: the stage inputs they store arrive split
   along the sequence over the model axis already."""
   SEQUENCE_PARALLEL = True
+  SEQUENCE_HALVES = False
   RING_SPLIT_MESH_DIM = None

@@ -11,6 +11,7 @@ from lingvo.core import schedule
 from params import lm_blocks
 from params import lm_task
 from params import pod_blocks
+from params import sequence_halves as sequence_halves_lib
 from params import sequence_parallel as sequence_parallel_lib
 
 
@@ -21,7 +22,8 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
                  fprop_dtype=None, input_dropout_prob=None,
                  stack_dtype=tf.float32, optimizer_tpl=None, mesh=None,
                  remat_blocks=False, stack_options=None, task_cls=None,
-                 fused_qkv=False, rotary=False, sequence_parallel=False):
+                 fused_qkv=False, rotary=False, sequence_parallel=False,
+                 sequence_halves=False):
   """Task params of the pipelined copy LM (without input params).
 
   Args:
@@ -47,6 +49,9 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
       stream is split along the sequence, their all-reduces a
       reduce-scatter and an all-gather each
       (params/sequence_parallel.py).
+    sequence_halves: the batch-major blocks run on the sequence's halves
+      as two chains, each half's model-axis all-reduces beside the other
+      half's matmuls (params/sequence_halves.py).
     stack_options: more PipelinedLayer params for the stack (e.g.
       backward_schedule, stream_io).
     task_cls: the task class; None: PipelinedLMTask.
@@ -54,17 +59,15 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
   """
   _CheckOptions(model_dim, num_heads, batch_major, mesh, shard_stages_1d,
                 fprop_dtype=fprop_dtype, rotary=rotary,
-                sequence_parallel=sequence_parallel)
+                sequence_parallel=sequence_parallel,
+                sequence_halves=sequence_halves)
   if batch_major:
-    block = pod_blocks.PodBlockParams(model_dim, num_heads, hidden_dim,
-                                      dropout_prob, fprop_dtype, fused_qkv,
-                                      rotary)
-    if mesh is not None:
-      block = pod_blocks.SplitBlockOverMesh(block)
-    stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype,
-                                      remat_blocks)
-    if sequence_parallel:
-      stage = sequence_parallel_lib.SequenceParallel(stage)
+    stage = _PodStage(
+        pod_blocks.PodBlockParams(model_dim, num_heads, hidden_dim,
+                                  dropout_prob, fprop_dtype, fused_qkv,
+                                  rotary),
+        blocks_per_stage, fprop_dtype, mesh=mesh, remat_blocks=remat_blocks,
+        sequence_parallel=sequence_parallel, sequence_halves=sequence_halves)
   else:
     stage = lm_blocks.StageBlocks.Params().Set(
         num_blocks=blocks_per_stage, block_tpl=lm_blocks.CausalBlockParams(
@@ -94,6 +97,21 @@ def CopyLMParams(name='copy_lm', *, vocab_size, model_dim, num_heads,
   return p
 
 
+def _PodStage(block, blocks_per_stage, fprop_dtype, *, mesh, remat_blocks,
+              sequence_parallel, sequence_halves):
+  """The batch-major stage of `block` (PodBlockParams), as CopyLMParams'
+  options say."""
+  if mesh is not None:
+    block = pod_blocks.SplitBlockOverMesh(block)
+  stage = pod_blocks.PodStageParams(blocks_per_stage, block, fprop_dtype,
+                                    remat_blocks)
+  if sequence_parallel:
+    stage = sequence_parallel_lib.SequenceParallel(stage)
+  if sequence_halves:
+    stage = sequence_halves_lib.SequenceHalves(stage)
+  return stage
+
+
 def _CheckOptions(model_dim, num_heads, batch_major, mesh, shard_stages_1d,
                   **batch_major_options):
   """Raises a one-line ValueError for CopyLMParams' options that do not go
@@ -112,6 +130,11 @@ def _CheckOptions(model_dim, num_heads, batch_major, mesh, shard_stages_1d,
   if batch_major_options.get('sequence_parallel') and mesh is None:
     raise ValueError('CopyLMParams: sequence_parallel splits the sequence '
                      'over a mesh\'s model axis; give a mesh.')
+  if (batch_major_options.get('sequence_parallel') and
+      batch_major_options.get('sequence_halves')):
+    raise ValueError('CopyLMParams: sequence_halves runs each block\'s '
+                     'whole-sequence layout in two halves; it does not '
+                     'combine with sequence_parallel.')
 
 
 def HeldOut(train_p, data_seed, num_batches):

@@ -13,6 +13,7 @@ their gradients leave it float32 and the pipeline accumulates them in
 float32. The stage returns activations in the dtype it was given them.
 """
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -222,7 +223,7 @@ def RecomputedInBackward(fn, weights, x):
         x_again, one_again = tf.nest.map_structure(
             tf.stop_gradient, (x_again, _OneAfter(dy)))
       inputs = [x_again] + list(flat_weights)
-      with annotated_as_now():
+      with annotated_as_now(), _Recomputation():
         y_again = Apply(one_again, inputs[1:], inputs[0])
       grads = tf.gradients(y_again, inputs, grad_ys=dy)
       return [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
@@ -231,6 +232,26 @@ def RecomputedInBackward(fn, weights, x):
     return y, Grad
 
   return Run(x, *flat)
+
+
+_recomputations = []  # RecomputedInBackward's recomputations being built
+
+
+@contextlib.contextmanager
+def _Recomputation():
+  _recomputations.append(True)
+  try:
+    yield
+  finally:
+    _recomputations.pop()
+
+
+def Recomputing():
+  """Whether the function being built runs as RecomputedInBackward's
+  recomputation (in the gradient), not as the forward: a value the forward
+  computes only to order its work (params/sequence_halves.py) need not be
+  computed again there, where it might be all that keeps a collective."""
+  return bool(_recomputations)
 
 
 def _OneAfter(t):

@@ -321,6 +321,26 @@ BUGS = (
         '    in_flight = carried[len(carried) // 2:]\n'
         '    in_flight = [x + 0 * o for x, o in zip(in_flight, outputs)]\n',
         ('tests/xla/partitioning_test.py', '-k', 'beside')),
+    # -- Blocks on the sequence's two halves. -------------------------------
+    Bug('halves-second-masked-as-first',
+        "the second half's queries masked as if at the first half's "
+        'positions',
+        'params/sequence_halves.py',
+        '  padding = 1 - tf.linalg.band_part(ones, -1, offset)',
+        '  padding = 1 - tf.linalg.band_part(ones, -1, 0)',
+        ('tests/sequence_halves_test.py', '-k', 'one_device')),
+    Bug('halves-reductions-unordered',
+        "the halves' reductions left unordered (XLA merges them into one)",
+        'params/sequence_halves.py',
+        '  return x * tf.cast(tf.stop_gradient(one), x.dtype)',
+        '  return x',
+        ('tests/sequence_halves_test.py', '-k', 'beside')),
+    Bug('halves-recomputation-ordered',
+        'the recomputation orders its dead reductions, and so computes them',
+        'params/sequence_halves.py',
+        '    if pod_blocks.Recomputing():',
+        '    if False:  # pylint: disable=using-constant-test',
+        ('tests/sequence_halves_test.py', '-k', 'beside')),
     # -- What the pages show and the commands print. -------------------------
     Bug('docs-stale-check-output', 'a command prints what no page shows',
         'gpipe/xla/partitioned_step.py',
