@@ -402,6 +402,28 @@ def CheckCase(case, mode, tolerance=close.FLOAT32):
   return res
 
 
+def CheckPartitionedStagesOnAMesh(params, input_shape, num_devices):
+  """A 1f1b layer whose stages lie on axis 0 of a mesh: its four loops
+  (forward, the gradient loop's three phases) move data by
+  collective-permutes alone, and its partitioned training step equals the
+  same step on one device (which the sweeps check against the plain
+  stack)."""
+  # Imported here: the partitioning check needs jax, the rest of the
+  # harness does not.
+  from gpipe import check_partitioning  # pylint: disable=g-import-not-at-top
+  report = check_partitioning.CheckPartitioning(params, [input_shape],
+                                                num_devices)
+  assert len(report.run.loops) == 4, report.run.loops
+  for loop in range(4):
+    kinds = set(report.run.LoopCounts(loop))
+    assert kinds == {'collective-permute'}, (loop, kinds)
+  for name, got, want in zip(report.step.ResultNames(), report.run.outputs,
+                             report.expected):
+    assert np.abs(want).max() > 0, name
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+  assert not report.Problems(1e-5), report.Problems(1e-5)
+
+
 def CheckPartitionedEqualsOneDevice(**one_device_param):
   """A circular 4-stage layer split over 4 virtual devices runs each
   device's stage in one loop forward and one backward, with one

@@ -21,78 +21,30 @@ from gpipe.lingvo_support import tpu_build
 from gpipe.xla import dependencies
 from gpipe.xla import hlo_text
 from gpipe.xla import partitioning
-from lingvo.core import py_utils
-import params.lm as lm
 from params import pod_blocks
 from params import sequence_halves
 from tests import close
-from tests import sessions
+from tests import pod_stages
 
 flags_and_seeds.EnsureFlagsParsed()
 
-BATCH, TIME, DIM, HEADS, HIDDEN, BLOCKS = 2, 8, 16, 4, 24, 2
+BATCH = 2
+DIM, HEADS, HIDDEN, BLOCKS = (pod_stages.DIM, pod_stages.HEADS,
+                              pod_stages.HIDDEN, pod_stages.BLOCKS)
 MESH = pod_blocks.PodMesh(stages=1, data=1, model=4)
 
 
 def _StageParams(halves, remat):
-  """Two fused-qkv blocks split over MESH's model axis as on a pod; with
-  `halves`, run on the sequence's two halves."""
-  block = pod_blocks.SplitBlockOverMesh(pod_blocks.PodBlockParams(
-      DIM, HEADS, HIDDEN, 0.0, fused_qkv=True))
-  p = pod_blocks.PodStageParams(BLOCKS, block, remat_blocks=remat).Set(
-      name='stage', device_mesh=MESH.device_mesh)
-  return sequence_halves.SequenceHalves(p) if halves else p
-
-
-def _Inputs():
-  rng = np.random.RandomState(0)
-  x = rng.normal(size=[BATCH, TIME, DIM]).astype(np.float32)
-  paddings = np.zeros([BATCH, TIME], np.float32)
-  paddings[0, -3:] = 1.0
-  return x, paddings
-
-
-def _StepFn(stage, paddings):
-  """fn(*weights, x) -> [y, dx, dweights...] of a loss of the stage's y."""
-
-  def Step(*args):
-    weights, x = list(args[:-1]), args[-1]
-    with tf.GradientTape() as tape:
-      tape.watch([x] + weights)
-      y, _ = stage.FProp(stage.theta.Pack(weights), x, tf.constant(paddings))
-      loss = tf.reduce_sum(y * tf.sin(y))
-    return [y] + tape.gradient(loss, [x] + weights)
-
-  return Step
-
-
-def _Build(halves, remat):
-  """The stage and its initial weights as arrays."""
-  stage = _StageParams(halves, remat).Instantiate()
-  with sessions.AsBuilt() as sess:
-    sess.run(tf.compat.v1.global_variables_initializer())
-    return stage, sess.run(stage.vars.Flatten())
-
-
-def _OnOneDevice(halves, remat, weights=None):
-  """(the stage's step at `weights` (None: its own initial ones), those
-  weights), in a graph of its own."""
-  x, paddings = _Inputs()
-  with tf.Graph().as_default():
-    py_utils.GetOrCreateGlobalStepVar()
-    stage, initial = _Build(halves, remat)
-    weights = initial if weights is None else weights
-    result = _StepFn(stage, paddings)(*[tf.constant(w) for w in weights],
-                                      tf.constant(x))
-    with sessions.AsBuilt() as sess:
-      sess.run(tf.compat.v1.global_variables_initializer())
-      return sess.run(result), weights
+  """pod_stages' stage on MESH; with `halves`, on the sequence's halves."""
+  return pod_stages.StageParams(
+      MESH, sequence_halves.SequenceHalves if halves else None, remat=remat)
 
 
 @pytest.mark.parametrize('remat', [False, True])
 def test_the_halves_equal_the_whole_block_on_one_device(remat):
-  want, weights = _OnOneDevice(False, remat)
-  got, _ = _OnOneDevice(True, remat, weights)
+  want, weights = pod_stages.OnOneDevice(_StageParams(False, remat), BATCH)
+  got, _ = pod_stages.OnOneDevice(_StageParams(True, remat), BATCH,
+                                  weights=weights)
   assert all(np.abs(w).max() > 0 for w in want)
   close.AssertClose(got, want, close.FLOAT32, 'halved stage')
 
@@ -105,20 +57,20 @@ def test_partitioned_each_halfs_reduction_runs_beside_the_other_half():
   forward, 1 recomputed, 2 backward)."""
   if not partitioning.IsAvailable():
     pytest.skip('needs jax')
-  x, paddings = _Inputs()
+  x, paddings = pod_stages.Inputs(BATCH)
   with tf.Graph().as_default(), tpu_build.AsOnTpu():
-    whole, weights = _Build(False, remat=True)
+    whole, weights = pod_stages.Build(_StageParams(False, remat=True))
   with tf.Graph().as_default(), tpu_build.AsOnTpu():
-    halves, _ = _Build(True, remat=True)
+    halves, _ = pod_stages.Build(_StageParams(True, remat=True))
 
   def Partitioned(*args):
     with tpu_build.AsOnTpu(), sharding.SpmdPartitioning():
-      return _StepFn(halves, paddings)(*args)
+      return pod_stages.StepFn(halves, paddings)(*args)
 
   run = partitioning.RunPartitioned(Partitioned, weights + [x],
                                     MESH.num_devices)
   with tpu_build.AsOnTpu():
-    expected = tf.function(_StepFn(whole, paddings), jit_compile=True,
+    expected = tf.function(pod_stages.StepFn(whole, paddings), jit_compile=True,
                            autograph=False)(
                                *[tf.constant(a) for a in weights + [x]])
   for i, (got, want) in enumerate(zip(run.outputs, expected)):
@@ -135,7 +87,7 @@ def test_partitioned_each_halfs_reduction_runs_beside_the_other_half():
                                                       c.name)):
       alone.append(c.op_name)
   assert len(alone) == 1, alone
-  assert elements == 5 * BLOCKS * BATCH * TIME * DIM
+  assert elements == 5 * BLOCKS * BATCH * pod_stages.TIME * DIM
 
 
 def test_halves_refuse_what_they_cannot_split():
@@ -146,13 +98,8 @@ def test_halves_refuse_what_they_cannot_split():
       ValueError, match='dropout, rotary embeddings'):
     stage.Instantiate()
   with pytest.raises(ValueError, match='sequence_parallel'):
-    lm.CopyLMParams(
-        vocab_size=8, model_dim=8, num_heads=2, hidden_dim=8,
-        blocks_per_stage=1, num_stages=2, circular_repeat=1,
-        num_microbatches=2, dropout_prob=0.0, shard_stages_1d=False,
-        learning_rate=1e-3, max_steps=1, batch_major=True,
-        mesh=pod_blocks.PodMesh(stages=2, model=2),
-        sequence_parallel=True, sequence_halves=True)
+    pod_stages.TinyCopyLMParams(mesh=pod_blocks.PodMesh(stages=2, model=2),
+                                sequence_parallel=True, sequence_halves=True)
 
 
 if __name__ == '__main__':

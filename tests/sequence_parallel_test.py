@@ -25,74 +25,35 @@ from gpipe.lingvo_support import tpu_build
 from gpipe.xla import hlo_text
 from gpipe.xla import reduce_scatters
 from gpipe.xla import partitioning
-from lingvo.core import py_utils
 import params.lm as lm
 from params import pod_blocks
 from params import sequence_parallel
 from tests import close
+from tests import pod_stages
 from tests import sessions
 
 flags_and_seeds.EnsureFlagsParsed()
 
-BATCH, TIME, DIM, HEADS, HIDDEN, BLOCKS = 4, 8, 16, 4, 24, 2
+BATCH = 4
+TIME, DIM, BLOCKS = pod_stages.TIME, pod_stages.DIM, pod_stages.BLOCKS
 
 
-def _StageParams(mesh, split, dropout=0.0, remat=False):
-  """Two fused-qkv blocks split over `mesh`'s model axis as on a pod; with
-  `split`, sequence-parallel."""
-  block = pod_blocks.SplitBlockOverMesh(pod_blocks.PodBlockParams(
-      DIM, HEADS, HIDDEN, dropout, fused_qkv=True))
-  p = pod_blocks.PodStageParams(BLOCKS, block, remat_blocks=remat).Set(
-      name='stage', device_mesh=mesh.device_mesh)
-  return sequence_parallel.SequenceParallel(p) if split else p
-
-
-def _Inputs():
-  rng = np.random.RandomState(0)
-  x = rng.normal(size=[BATCH, TIME, DIM]).astype(np.float32)
-  paddings = np.zeros([BATCH, TIME], np.float32)
-  paddings[0, -3:] = 1.0
-  return x, paddings
-
-
-def _StepFn(stage, paddings):
-  """fn(*weights, x) -> [y, dx, dweights...] of a loss of the stage's y."""
-
-  def Step(*args):
-    weights, x = list(args[:-1]), args[-1]
-    with tf.GradientTape() as tape:
-      tape.watch([x] + weights)
-      y, _ = stage.FProp(stage.theta.Pack(weights), x, tf.constant(paddings))
-      loss = tf.reduce_sum(y * tf.sin(y))
-    return [y] + tape.gradient(loss, [x] + weights)
-
-  return Step
+def _StageParams(mesh, split, **kwargs):
+  """pod_stages' stage on `mesh`; with `split`, sequence-parallel."""
+  return pod_stages.StageParams(
+      mesh, sequence_parallel.SequenceParallel if split else None, **kwargs)
 
 
 def _Build(split, mesh, **kwargs):
   """The stage and its initial weights as arrays."""
-  stage = _StageParams(mesh, split, **kwargs).Instantiate()
-  with sessions.AsBuilt() as sess:
-    sess.run(tf.compat.v1.global_variables_initializer())
-    return stage, sess.run(stage.vars.Flatten())
+  return pod_stages.Build(_StageParams(mesh, split, **kwargs))
 
 
 def _OnOneDevice(split, mesh, mode, weights=None, **kwargs):
   """(the stage's step at `weights` (None: its own initial ones), those
-  weights), in a graph of its own: dropout's masks are seeded by the op
-  names, the same in both stages' graphs."""
-  x, paddings = _Inputs()
-  with tf.Graph().as_default():
-    py_utils.GetOrCreateGlobalStepVar()
-    stage, initial = _Build(split, mesh, **kwargs)
-    weights = initial if weights is None else weights
-    step = _StepFn(stage, paddings)
-    if mode == 'jit':
-      step = tf.function(step, jit_compile=True, autograph=False)
-    result = step(*[tf.constant(w) for w in weights], tf.constant(x))
-    with sessions.AsBuilt() as sess:
-      sess.run(tf.compat.v1.global_variables_initializer())
-      return sess.run(result), weights
+  weights), in a graph of its own."""
+  return pod_stages.OnOneDevice(_StageParams(mesh, split, **kwargs), BATCH,
+                                mode, weights)
 
 
 @pytest.mark.parametrize('mode, dropout, remat', [
@@ -111,7 +72,7 @@ def test_the_split_stage_equals_the_stage_on_one_device(mode, dropout, remat):
 
 def _Decoded(split, mesh, weights=None):
   """Two positions through the stage's ExtendStep, in a graph of its own."""
-  x, _ = _Inputs()
+  x, _ = pod_stages.Inputs(BATCH)
   with tf.Graph().as_default():
     stage, initial = _Build(split, mesh)
     weights = initial if weights is None else weights
@@ -141,10 +102,10 @@ def _Partitioned(split, data, model):
   """(run, expected): the stage's step on [1, data, model] partitioned for
   its 8 devices, and the same step on one device (jit)."""
   mesh = pod_blocks.PodMesh(stages=1, data=data, model=model)
-  x, paddings = _Inputs()
+  x, paddings = pod_stages.Inputs(BATCH)
   with tf.Graph().as_default(), tpu_build.AsOnTpu():
     stage, weights = _Build(split, mesh)
-  step = _StepFn(stage, paddings)
+  step = pod_stages.StepFn(stage, paddings)
 
   def Partitioned(*args):
     with tpu_build.AsOnTpu(), sharding.SpmdPartitioning():
@@ -252,12 +213,7 @@ def test_the_largest_layout_sequence_parallel_partitioned():
 
 def test_sequence_parallel_needs_a_mesh():
   with pytest.raises(ValueError, match='give a mesh'):
-    lm.CopyLMParams(
-        vocab_size=8, model_dim=8, num_heads=2, hidden_dim=8,
-        blocks_per_stage=1, num_stages=2, circular_repeat=1,
-        num_microbatches=2, dropout_prob=0.0, shard_stages_1d=False,
-        learning_rate=1e-3, max_steps=1, batch_major=True,
-        sequence_parallel=True)
+    pod_stages.TinyCopyLMParams(sequence_parallel=True)
 
 
 if __name__ == '__main__':

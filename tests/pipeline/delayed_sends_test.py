@@ -15,7 +15,6 @@ mesh), the 1f1b loops here and the reverse loop in
 tests/xla/partitioning_test.py equal the step on one device.
 """
 
-import numpy as np
 import pytest
 
 from tests import covering
@@ -101,24 +100,11 @@ def test_skip_bubbles(mode):
                          ids=['1f1b', '1f1b-stream_io'])
 def test_partitioned_1f1b_equals_one_device(stream_io):
   """Stages over axis 0 of a [4, 2] mesh (8 devices), each stage's body
-  splitting its batch over axis 1: every loop moves data by
-  collective-permutes only, and the step equals the one-device step
-  (which the sweeps check against the plain stack)."""
-  # Imported here: the partitioning check needs jax, the rest does not.
-  from gpipe import check_partitioning  # pylint: disable=g-import-not-at-top
-  params = _Case(('1f1b', stream_io), num_stages=4, num_microbatches=5,
-                 circular_repeat=2, batch=20,
-                 pipeline_stage_mesh_dim=True).Params()
-  report = check_partitioning.CheckPartitioning(params, [(20, 3, 4)], 8)
-  assert len(report.run.loops) == 4, report.run.loops
-  for loop in range(4):
-    kinds = set(report.run.LoopCounts(loop))
-    assert kinds == {'collective-permute'}, (loop, kinds)
-  for name, got, want in zip(report.step.ResultNames(), report.run.outputs,
-                             report.expected):
-    assert np.abs(want).max() > 0, name
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
-  assert not report.Problems(1e-5), report.Problems(1e-5)
+  splitting its batch over axis 1."""
+  harness.CheckPartitionedStagesOnAMesh(
+      _Case(('1f1b', stream_io), num_stages=4, num_microbatches=5,
+            circular_repeat=2, batch=20, pipeline_stage_mesh_dim=True).Params(),
+      (20, 3, 4), 8)
 
 
 def test_the_sweep_covers_every_pair():

@@ -226,18 +226,10 @@ def test_partitioned_on_a_stage_data_mesh_equals_one_device():
   """Stages over axis 0 of a [2, 2] mesh, each stage's body splitting its
   batch over axis 1: still one collective-permute per stream or buffer
   per iteration, all on the stage axis."""
-  from gpipe import check_partitioning  # pylint: disable=g-import-not-at-top
-  params = Case(num_stages=2, num_microbatches=3, circular_repeat=2, batch=12,
-                pipeline_stage_mesh_dim=True, backward_schedule='1f1b',
-                stream_io=True).Params()
-  report = check_partitioning.CheckPartitioning(params, [(12, 3, 4)], 4)
-  assert len(report.run.loops) == 4, report.run.loops
-  for loop in range(4):
-    kinds = set(report.run.LoopCounts(loop))
-    assert kinds == {'collective-permute'}, (loop, kinds)
-  for name, got, want in zip(report.step.ResultNames(), report.run.outputs,
-                             report.expected):
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+  harness.CheckPartitionedStagesOnAMesh(
+      Case(num_stages=2, num_microbatches=3, circular_repeat=2, batch=12,
+           pipeline_stage_mesh_dim=True, backward_schedule='1f1b',
+           stream_io=True).Params(), (12, 3, 4), 4)
 
 
 def test_partitioned_aux_losses_and_summaries_equal_one_device():
