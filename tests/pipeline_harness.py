@@ -420,7 +420,7 @@ def CheckPartitionedStagesOnAMesh(params, input_shape, num_devices):
   for name, got, want in zip(report.step.ResultNames(), report.run.outputs,
                              report.expected):
     assert np.abs(want).max() > 0, name
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+    close.AssertClose(got, want, close.FLOAT32, name)
   assert not report.Problems(1e-5), report.Problems(1e-5)
 
 
