@@ -166,8 +166,8 @@ BUGS = (
     # -- Schedule and layout. -----------------------------------------------
     Bug('circular-wrong-repeat', 'a circular stage runs the next repeat',
         'gpipe/schedule/__init__.py',
-        'return (t // self.num_stages) % self.circular_repeat',
-        'return (t // self.num_stages + 1) % self.circular_repeat',
+        'return (t // self.segment) % self.circular_repeat',
+        'return (t // self.segment + 1) % self.circular_repeat',
         ('tests/training_semantics_test.py', '-k',
          'aux_losses_and_summaries_equal and R2 and graph')),
     Bug('inputs-split-contiguous',
