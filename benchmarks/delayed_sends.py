@@ -5,7 +5,7 @@
 Plans the model (`python -m gpipe.plan --json`, its own candidate, TPU v5e
 roofline, 16 GiB chips) and its twin registered as the model's name +
 'DelayedSends' (delayed_sends=True: each stage's output handed on one
-iteration after it is made), each in a process of its own (about 3
+iteration after it is made), each in a process of its own (about 8
 minutes each on 2 CPU cores for lm.LargestOn8x16GiB), and prints a table:
 iterations and bubble, peak per chip, what the stage axis sends, the
 collectives' seconds and how many of them the compute beside them hides
