@@ -8,6 +8,11 @@ output streams' columns (gpipe.pipeline.streamed_io) and, in the opposite
 direction, the 1f1b backward wave's gradients. On a split stage dim a
 rotation is one collective-permute, and so is its gradient (the opposite
 rotation).
+
+When the buffer's rotation runs is the schedule's hop (gpipe.schedule):
+HandoffFor gives the loops an ImmediateHandoff (rotated after the calls
+that made it, taken in the next iteration) or, with delayed sends, a
+DelayedHandoff (rotated during the next iteration, beside its calls).
 """
 
 import tensorflow as tf
