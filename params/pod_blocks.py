@@ -209,7 +209,7 @@ def RecomputedInBackward(fn, weights, x):
 
   @tf.custom_gradient
   def Run(x, *flat_weights):
-    one = _OneAfter(x) if under_xla() else None
+    one = OneAfter(x) if under_xla() else None
     y = Apply(one, list(flat_weights), x)
 
     def Grad(dy):
@@ -221,7 +221,7 @@ def RecomputedInBackward(fn, weights, x):
         # Differentiated from here: the barrier has no gradient (and dy
         # depends on the weights, so it lies between them and y_again).
         x_again, one_again = tf.nest.map_structure(
-            tf.stop_gradient, (x_again, _OneAfter(dy)))
+            tf.stop_gradient, (x_again, OneAfter(dy)))
       inputs = [x_again] + list(flat_weights)
       with annotated_as_now(), _Recomputation():
         y_again = Apply(one_again, inputs[1:], inputs[0])
@@ -254,7 +254,7 @@ def Recomputing():
   return bool(_recomputations)
 
 
-def _OneAfter(t):
+def OneAfter(t):
   """A float32 1 made once t exists (gpipe.loops.made_after), from t's
   first element alone, sliced before any reshape: flattening a t split
   along a later dim (params/sequence_parallel.py) would gather it whole."""

@@ -47,7 +47,6 @@ rotary embeddings are refused: split, the masks and positions would need
 their own bookkeeping.
 """
 
-from gpipe.loops import made_after
 from lingvo import compat as tf
 from lingvo.core import py_utils
 from params import pod_blocks
@@ -137,9 +136,7 @@ def _FeedForward(layer, theta, x, after=None):
 def _After(x, t):
   """x, computable only once t exists: times a 1 made from t's first
   element (gpipe.loops.made_after), not differentiated."""
-  rank = t.shape.rank
-  one = made_after.OneAfter(tf.slice(t, [0] * rank, [1] * rank))
-  return x * tf.cast(tf.stop_gradient(one), x.dtype)
+  return x * tf.cast(tf.stop_gradient(pod_blocks.OneAfter(t)), x.dtype)
 
 
 def _CausalPadding(batch, rows, offset, dtype):
