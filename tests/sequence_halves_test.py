@@ -56,7 +56,7 @@ def test_partitioned_each_halfs_reduction_runs_beside_the_other_half():
   and they carry 5 activations a block, as the whole stage's do (2
   forward, 1 recomputed, 2 backward)."""
   if not partitioning.IsAvailable():
-    pytest.skip('needs jax')
+    pytest.fail('jax and jaxlib are needed (they are in the test extra).')
   x, paddings = pod_stages.Inputs(BATCH)
   with tf.Graph().as_default(), tpu_build.AsOnTpu():
     whole, weights = pod_stages.Build(_StageParams(False, remat=True))

@@ -186,7 +186,7 @@ def test_the_largest_layout_sequence_parallel_partitioned():
   and the stage-to-stage sends carry [rows, t/2, d]."""
   from gpipe.xla import check_model  # pylint: disable=g-import-not-at-top
   if not partitioning.IsAvailable():
-    pytest.skip('needs jax')
+    pytest.fail('jax and jaxlib are needed (they are in the test extra).')
   name = 'lm.LargestMeshSmallSequenceParallel'
   cls = lm.model_registry.GetClass(name)
   checked = check_model.CheckModelPartitioning(check_model.FindModel(name), 8)
