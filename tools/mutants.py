@@ -85,6 +85,18 @@ BUGS = (
         '                       k if tuple_result else None)',
         '        k >= 0',
         ('tests/xla/hlo_text_test.py', '-k', 'narrows')),
+    Bug('widened-where-a-fusion-narrows-some-uses',
+        "halved where a fusion narrows one of the operand's positions, not "
+        'each', 'gpipe/xla/widening.py',
+        'return bool(positions) and all(',
+        'return bool(positions) and any(',
+        ('tests/xla/widening_test.py',)),
+    Bug('widened-where-a-fusion-parameter-has-mixed-uses',
+        "a fusion's bfloat16 result taken for its parameters' narrowing (a "
+        'parameter also read in float32 inside)', 'gpipe/xla/widening.py',
+        'self._Narrowed(callee.group(1), params[k], None, depth + 1)',
+        "self._defs[callee.group(1)][None][0].lstrip().startswith('bf16')",
+        ('tests/xla/widening_test.py',)),
     Bug('floor-table-gradient-over-its-gather',
         "a table's gradient floor on the axes it is gathered over",
         'gpipe/plan/traffic_floor.py',
