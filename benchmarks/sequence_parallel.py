@@ -15,14 +15,12 @@ device slices (gpipe.xla.reduce_scatters.ScatteredElements); XLA's TPU compiler
 turns the pair into a reduce-scatter, XLA:CPU, which compiles the plan,
 keeps it. The bytes sent are given both ways: as compiled (each such
 all-reduce sending 2(n-1)/n of its bytes) and with those reductions sent
-as the reduce-scatters a TPU runs ((n-1)/n); the planner's own figures
-are the first.
+as the reduce-scatters a TPU runs ((n-1)/n); the planner's step charges
+the second (gpipe.xla.reduce_scatters.AsTpuRuns).
 """
 
 import argparse
-import dataclasses
 import json
-import re
 import subprocess
 import sys
 
@@ -49,47 +47,17 @@ def _Plan(model):
   return report
 
 
-def AsReduceScatters(compiled):
-  """compiled's collectives with each all-reduce element every device
-  slices (reduce_scatters.ScatteredElements) taken out as a reduce-scatter
-  of the slice's shape."""
-  from gpipe.xla import hlo_text  # pylint: disable=g-import-not-at-top
-  from gpipe.xla import reduce_scatters  # pylint: disable=g-import-not-at-top
-  scattered = reduce_scatters.ScatteredElements(compiled.hlo)
-  out = []
-  for c in compiled.collectives:
-    sliced = scattered.get((c.computation, c.name), ()) if (
-        c.kind == 'all-reduce') else ()
-    if not any(sliced):
-      out.append(c)
-      continue
-    dtypes = re.findall(r'([a-z]\w*)\[[\d,]*\]', c.shape)
-    widened = c.widened or (False,) * len(dtypes)
-    parts = {True: ([], []), False: ([], [])}
-    for dtype, shape, whole, wide in zip(dtypes, hlo_text.ShapesOf(c.shape),
-                                         sliced, widened):
-      part = shape if whole is None else whole
-      types, wides = parts[whole is not None]
-      types.append(f"{dtype}[{','.join(map(str, part))}]")
-      wides.append(wide)
-    for is_sliced, (types, wides) in parts.items():
-      if types:
-        out.append(dataclasses.replace(
-            c, kind='reduce-scatter' if is_sliced else 'all-reduce',
-            shape='(' + ', '.join(types) + ')', widened=tuple(wides)))
-  return dataclasses.replace(compiled, collectives=out)
-
-
 def _Figures(model):
   """The figures of the model's plan, as a dict (for JSON)."""
   # pylint: disable=g-import-not-at-top
   from gpipe.plan import collectives
   from gpipe.plan import roofline
   from gpipe.xla import hlo_text
+  from gpipe.xla import reduce_scatters
   # pylint: enable=g-import-not-at-top
   report = _Plan(model)
   as_tpu = collectives.PerAxis(
-      AsReduceScatters(report.compiled),
+      reduce_scatters.AsTpuRuns(report.compiled),
       hlo_text.LoopTripCounts(report.compiled.hlo),
       report.mesh_shape, report.axis_names)
 
@@ -97,8 +65,8 @@ def _Figures(model):
     p = roofline.Predict(
         report.chip, report.flops_per_device, sum(report.loop_flops),
         report.schedule.bubble_fraction, report.step_bytes,
-        collectives.Total(sent), report.model_flops,
-        report.compiled.num_devices)
+        collectives.Total(sent) / report.chip.link_bandwidth,
+        report.model_flops, report.compiled.num_devices)
     return {'step': p.step_seconds, 'mfu': p.mfu,
             'collectives': p.collective_seconds}
 

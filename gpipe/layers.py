@@ -46,6 +46,7 @@ from absl import logging
 import tensorflow as tf
 
 from gpipe.lingvo_support import flags_and_seeds
+from gpipe.lingvo_support import variable_shardings
 from gpipe.loops import compiled_loops
 from gpipe import microbatch
 from gpipe import nest
@@ -156,8 +157,13 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
     variable (`per_stage_vars`) on its least-padding dim. Without
     `shard_stages_1d` or `pipeline_stage_mesh_dim` nothing is annotated.
     Anything of theta's structure can be placed this way, e.g. optimizer
-    slots, so that they live split like their weights.
+    slots, so that they live split like their weights. Placed, each also
+    keeps its variable's own annotation (the body's split of it, e.g. over
+    a model axis, or a data axis too for FSDP), as a TPU keeps the
+    variable (gpipe.lingvo_support.variable_shardings).
     """
+    if self._placement.mesh is not None:
+      theta = variable_shardings.AsTheirVariables(theta, self.vars)
     return self._layout.Place(theta, self._placement)
 
   # ---------------------------------------------------------------------------

@@ -447,9 +447,11 @@ class OverMeshAxis(Unplaced):
     first, the stage axis included; stage 0's read of them then needs a
     resharding permute on every iteration. Whole rows cost nothing to
     split again inside the stage, where the body's own annotations split
-    the batch over a data axis.
+    the batch over a data axis. A stage axis of one device (no pipeline)
+    has nothing to split them over: the rows stay open, for the data axis
+    to split (whole, every chip would hold the whole batch).
     """
-    return self._WholeIn(x, 2)
+    return self._WholeIn(x, 2 if self.num_stages > 1 else 1)
 
   def ReplicateOverStages(self, x):
     """Stage 0's read of one microbatch, whole in its rows (as its source,
@@ -461,7 +463,8 @@ class OverMeshAxis(Unplaced):
 
     @tf.custom_gradient
     def Place(v):
-      return self._WholeIn(v, 1), lambda dy: dy
+      return self._WholeIn(v, 1 if self.num_stages > 1 else 0), (
+          lambda dy: dy)
 
     return Place(x)
 

@@ -216,17 +216,27 @@ class LargeLMTask(lm_task.PipelinedLMTask):
   def _AtHome(self, w):
     """A [vocab, ...] weight as it lives on a PodMesh: split by vocab over
     the model axis (each chip holds its model slice's rows, which its
-    stages use) and, a 2-D table, by width over the stage axis, so that
-    the pipeline's copy for each stage gathers it over the stage axis
-    alone and reduce-scatters its gradient back
-    (stage_ends.ForTheLoop); elsewhere split by vocab over every device."""
+    stages use) and, a 2-D table, by width over the stage axis (and the
+    data axis, with the body's FSDP), so that the pipeline's copy for
+    each stage gathers it over those axes alone and reduce-scatters its
+    gradient back (stage_ends.ForTheLoop); elsewhere split by vocab over
+    every device."""
     sp = self.params.stack
     if sp.pipeline_stage_mesh_dim is None or np.ndim(sp.device_mesh) != 3:
       return self._OverStageDevices(w, 0)
     mapping = [pod_blocks.PodMesh.MODEL_AXIS] + [-1] * (w.shape.rank - 1)
-    if w.shape.rank == 2:
+    if w.shape.rank != 2:
+      return sharding.MeshSplit(w, sp.device_mesh, mapping)
+    if sp.single_stage_body.Get('fsdp_mesh_dim') is None:
       mapping[1] = pod_blocks.PodMesh.STAGE_AXIS
-    return sharding.MeshSplit(w, sp.device_mesh, mapping)
+      return sharding.MeshSplit(w, sp.device_mesh, mapping)
+    # FSDP: the width over the stage and data axes together (a [model,
+    # stages x data] view of the mesh), gathered over both for use.
+    mesh = sp.device_mesh
+    view = np.transpose(mesh, [pod_blocks.PodMesh.MODEL_AXIS,
+                               pod_blocks.PodMesh.STAGE_AXIS,
+                               pod_blocks.PodMesh.DATA_AXIS])
+    return sharding.MeshSplit(w, view.reshape(view.shape[0], -1), [0, 1])
 
   def _OverModelAxis(self, x, dim):
     """x split on `dim` over a PodMesh's model axis (if on one)."""

@@ -33,6 +33,7 @@ from lingvo.core import base_model_params
 from lingvo.core import optimizer
 from params import large_lm
 from params import pod_blocks
+from params import published_runs
 # The task and its builder, under the names this module has always had.
 from params.copy_task_input import CopyTaskInput
 from params.copy_task_input import FIRST_TOKEN_ID  # pylint: disable=unused-import
@@ -436,3 +437,37 @@ class LargestMeshSmallSequenceParallel(LargestMeshSmall):
   SEQUENCE_PARALLEL = True
   SEQUENCE_HALVES = False
   RING_SPLIT_MESH_DIM = None
+
+
+@model_registry.RegisterSingleTaskModel
+class LargestMeshSmallFsdp(LargestMeshSmall):
+  """LargestMeshSmall with FSDP (params/fsdp.py): on its [2 stages, 2 data,
+  2 model] mesh every block weight and its slots are also split over the
+  data axis (a chip holds 1/(2 x 2 x 2) of the stack's matrices), each
+  block gathering its own over the data axis where it uses them; the tied
+  table's width over the stage and data axes. Adam, whose slots are
+  weight-shaped, so that each is split as its weight. To check on a CPU
+  (tests/fsdp_test.py)."""
+  MESH = pod_blocks.PodMesh(stages=2, data=2, model=2, fsdp=True)
+
+  def Optimizer(self):
+    return None  # CopyLMParams' Adam
+
+
+@model_registry.RegisterSingleTaskModel
+class LargestMeshSmallNoPipeline(LargestMeshSmallFsdp):
+  """LargestMeshSmall's model as a user who does not pipeline would lay it
+  out: a [1 stage, 4 data, 2 model] mesh (no pipeline: the 4 blocks one
+  after another on every chip, the whole batch at once), FSDP over the data
+  axis and tensor parallelism over the model axis, as MaxText's published
+  runs split a model. To check on a CPU (tests/fsdp_test.py)."""
+  MESH = pod_blocks.PodMesh(stages=1, data=4, model=2, fsdp=True)
+  BLOCKS_PER_STAGE = 4
+  NUM_MICROBATCHES = 1
+
+
+# MaxText's published v5e runs, the planner's calibration
+# (params/published_runs.py): lm.MaxText16BOnV5e256, lm.MaxText16BOnV5e16,
+# ... lm.MaxText128BOnV5e64.
+for _name, _cls in published_runs.RunClasses(__name__).items():
+  globals()[_name] = model_registry.RegisterSingleTaskModel(_cls)

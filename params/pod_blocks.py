@@ -31,6 +31,7 @@ from lingvo.core import batch_major_attention
 from lingvo.core import layers
 from lingvo.core import py_utils
 from lingvo.core import scatter_update
+from params import fsdp
 
 
 class BlockStage(base_layer.BaseLayer):
@@ -87,7 +88,22 @@ class BatchMajorStage(BlockStage):
         'every block\'s, for one more forward of the stage. The body must '
         'draw no random numbers (no dropout): the recomputation would draw '
         'other ones.')
+    p.Define(
+        'fsdp_mesh_dim', None,
+        'FSDP: a device_mesh axis the blocks\' projection weights (and so '
+        'their optimizer slots) are also stored split over, by their model '
+        'dim (params/fsdp.py); each block gathers its own whole over it '
+        'where it uses them, in the compute dtype, and their gradients go '
+        'back split. None: stored as used.')
     return p
+
+  def __init__(self, params):
+    if params.fsdp_mesh_dim is not None:
+      params = params.Copy().Set(block_tpl=fsdp.StoredSplitOver(
+          params.block_tpl, params.fsdp_mesh_dim, params.name))
+    super().__init__(params)
+    if self.params.fsdp_mesh_dim is not None:
+      fsdp.CheckSplits(self.blocks[0], self.params)
 
   @property
   def _dtype(self):
@@ -121,15 +137,27 @@ class BatchMajorStage(BlockStage):
           # stage's backward then runs each block once, from its input.
           x = remat.Checkpoint(x)
         x = RecomputedInBackward(
-            lambda th, x, b=block: self._Block(b, self._CastWeights(th), x,
-                                               is_padded), block_theta, x)
+            lambda th, x, b=block: self._Block(
+                b, self._ForUse(b, self._CastWeights(th)), x, is_padded),
+            block_theta, x)
       else:
-        x = self._Block(block, block_theta, x, is_padded)
+        x = self._Block(block, self._ForUse(block, block_theta), x,
+                        is_padded)
     x = tf.cast(x, inputs.dtype)
     # The pipeline reports it per stage: activation_rms/stage_<i>.
     rms = tf.sqrt(tf.reduce_mean(tf.square(tf.cast(x, tf.float32))))
     py_utils.AddTpuSummaryTensor('activation_rms', rms)
     return x, paddings
+
+  def _ForUse(self, block, block_theta):
+    """block_theta (cast) as the block uses it: gathered over
+    fsdp_mesh_dim (params/fsdp.py), per block, so that a stage holds one
+    block's gathered weights at a time."""
+    p = self.params
+    if p.fsdp_mesh_dim is None:
+      return block_theta
+    return fsdp.GatheredForUse(block, block_theta, p.fsdp_mesh_dim,
+                               p.device_mesh)
 
   @staticmethod
   def _Block(block, block_theta, x, is_padded):
@@ -168,6 +196,7 @@ class BatchMajorStage(BlockStage):
     with scatter_update.SetInplaceUpdate(False):
       for block, block_theta, cache in zip(self.blocks, theta.blocks,
                                            states.blocks):
+        block_theta = self._ForUse(block, block_theta)
         y, _, cache = block.ExtendStep(block_theta, y, None, None,
                                        cache.Transform(_SwapBatchAndTime),
                                        time_step)
@@ -289,7 +318,8 @@ class OutputScaledProjection(batch_major_attention.MultiHeadedProjectionLayer):
 
 
 def PodBlockParams(model_dim, num_heads, hidden_dim, dropout_prob,
-                   fprop_dtype=None, fused_qkv=False, rotary=False):
+                   fprop_dtype=None, fused_qkv=False, rotary=False,
+                   head_dim=None):
   """A pre-LN causal self-attention + feed-forward block, batch-major.
 
   Pre-LN as it is meant: each sub-layer adds its output to its
@@ -309,11 +339,16 @@ def PodBlockParams(model_dim, num_heads, hidden_dim, dropout_prob,
   weight `qkv` [d, heads, 3 x head dim]): on a model axis the input's
   gradient is then one reduction, not three (one per projection) that XLA
   sums after reducing each.
+
+  head_dim: each head's width; the attention's then num_heads x head_dim,
+  which need not be model_dim (as in MaxText's scaled configs,
+  params/published_runs.py). None: model_dim / num_heads.
   """
   p = batch_major_attention.TransformerLayer.Params().Set(
       input_dim=model_dim, output_dim=model_dim, num_heads=num_heads,
       mask_self_atten=True)
-  p.tr_atten_tpl.Set(hidden_dim=model_dim, residual_dropout_prob=dropout_prob,
+  atten_dim = model_dim if head_dim is None else num_heads * head_dim
+  p.tr_atten_tpl.Set(hidden_dim=atten_dim, residual_dropout_prob=dropout_prob,
                      add_unnormalized_input=True,  # (Lingvo's default here)
                      atten_dropout_prob=dropout_prob,
                      dropout_tpl=_DeterministicDropout())
@@ -363,11 +398,16 @@ class PodMesh:
 
   An axis of size 1 splits nothing, so one layout serves [S, 1, M] and
   [S, D, M] alike. Device ids run row-major: stage s, replica r, model
-  shard m is device (s * data + r) * model + m.
+  shard m is device (s * data + r) * model + m. With `fsdp` the data axis
+  also splits every block's weights and slots (SplitBlockOverMesh): a
+  chip stores 1/(stages x data x model) of the stack's weight matrices.
   """
   stages: int
   data: int = 1
   model: int = 1
+  # FSDP: the blocks' weights (and their optimizer slots) stored split
+  # over the data axis as well, each block gathering its own before use.
+  fsdp: bool = False
 
   STAGE_AXIS = 0
   DATA_AXIS = 1
@@ -392,9 +432,10 @@ def SplitBlockOverMesh(block):
 
   Weights: the q/k/v/post projections [d, heads, head_dim] split by heads,
   the feed-forward [d, hidden] and [hidden, d] by hidden, over the model
-  axis. Activations: batch over the data axis; heads and hidden over the
-  model axis. Inside a pipeline stage the stage axis is manual, so these
-  split only the other two axes.
+  axis (a stage's fsdp_mesh_dim splits them by d over the data axis too:
+  params/fsdp.py). Activations: batch over the data axis; heads and
+  hidden over the model axis. Inside a pipeline stage the stage axis is
+  manual, so these split only the other two axes.
   """
   data, model = PodMesh.DATA_AXIS, PodMesh.MODEL_AXIS
   atten = block.tr_atten_tpl.atten_tpl
@@ -408,11 +449,13 @@ def SplitBlockOverMesh(block):
   return block
 
 
-def PodStageParams(num_blocks, block, fprop_dtype=None, remat_blocks=False):
+def PodStageParams(num_blocks, block, fprop_dtype=None, remat_blocks=False,
+                   fsdp_mesh_dim=None):
   """BatchMajorStage params: num_blocks copies of `block` (PodBlockParams)."""
   return BatchMajorStage.Params().Set(num_blocks=num_blocks, block_tpl=block,
                                       fprop_dtype=fprop_dtype,
-                                      remat_blocks=remat_blocks)
+                                      remat_blocks=remat_blocks,
+                                      fsdp_mesh_dim=fsdp_mesh_dim)
 
 
 def _DeterministicDropout():

@@ -354,7 +354,7 @@ _MEASURED = re.compile(
     r'(?<![\w.])\d+(\.\d+)?(-\d+(\.\d+)?)? ?%(?![\w(])')
 # Lines that show a format, not a measurement.
 _FORMAT_EXAMPLES = ("'17.3 s', '2.85 us', '512 ns'",
-                    "'43 %', '1.2 %', '0.0031 %'")
+                    "'43.2 %', '1.2 %', '0.031 %'")
 
 
 def test_measured_figures_live_with_their_benchmark():

@@ -68,6 +68,11 @@ def FProp(p, batch=4, **kwargs):
     (dict(pipeline_stage_mesh_dim=0), r'needs device_mesh'),
     (dict(pipeline_stage_mesh_dim=2, device_mesh=np.arange(4).reshape(2, 2)),
      r'pipeline_stage_mesh_dim=2 is not an axis of device_mesh'),
+    (dict(num_stages=1, circular_repeat=2, pipeline_stage_mesh_dim=0,
+          device_mesh=np.arange(4).reshape(1, 4)),
+     r'device_mesh axis 0 \(the stages\) has 1 device, so there is no '
+     r'pipeline, but circular_repeat=2; set circular_repeat=1 and give the '
+     r'one stage 2 x its blocks'),
     # Types: a string 'False' is truthy, True counts as the integer 1.
     (dict(per_stage_vars='False'),
      r"per_stage_vars must be True or False, got 'False' \(str\)"),

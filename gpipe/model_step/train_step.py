@@ -36,13 +36,10 @@ import tensorflow as tf
 
 from gpipe import layers as gpipe_layers
 from gpipe import lingvo_compat
+from gpipe.lingvo_support import variable_shardings
 from gpipe.loops import made_after
 from gpipe.model_step import optimizers
 from lingvo.core import base_layer
-# pylint: disable=g-direct-tensorflow-import
-from tensorflow.compiler.xla import xla_data_pb2
-from tensorflow.python.compiler.xla.experimental import xla_sharding
-# pylint: enable=g-direct-tensorflow-import
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -308,21 +305,7 @@ def AnnotatedShard(variable):
   planner passes weights in as arguments, so it reads the annotation here
   to check the compiled split against it. None without one.
   """
-  if variable is None or not hasattr(variable, 'op'):
-    return None
-  try:
-    serialized = xla_sharding.get_op_sharding(variable.op)
-  except (ValueError, AttributeError):
-    return None
-  if not serialized:
-    return None
-  proto = xla_data_pb2.OpSharding()
-  proto.ParseFromString(serialized)
-  shape = variable.shape.as_list()
-  tiles = list(proto.tile_assignment_dimensions)[:len(shape)]
-  if len(tiles) != len(shape):
-    return None
-  return tuple(-(-size // n) for size, n in zip(shape, tiles))
+  return variable_shardings.ShardShape(variable)
 
 
 def _FollowsWeight(slot, weight_shape, num_stages):

@@ -104,6 +104,12 @@ def _CheckMesh(p):
           f'device_mesh axis {p.pipeline_stage_mesh_dim} has '
           f'{mesh.shape[p.pipeline_stage_mesh_dim]} devices but num_stages='
           f'{p.num_stages}; they must be equal.')
+    if p.num_stages == 1 and p.circular_repeat > 1:
+      raise ValueError(
+          f'device_mesh axis {p.pipeline_stage_mesh_dim} (the stages) has 1 '
+          f'device, so there is no pipeline, but circular_repeat='
+          f'{p.circular_repeat}; set circular_repeat=1 and give the one '
+          f'stage {p.circular_repeat} x its blocks.')
 
 
 def _CheckRingSplit(p):

@@ -137,11 +137,16 @@ def RunnerFor(stage_parallel, placement,
   A single-stage body whose stages are placed over devices runs in a manual
   region when graphs are built for the SPMD partitioner; otherwise on one
   device, with `one_device` (e.g. gpipe.pipeline.vectorized_stages.
-  Vectorizing; OneByOne if None).
+  Vectorizing; OneByOne if None). One stage on a mesh (a stage axis of
+  one device: no pipeline) needs no manual region: every device runs the
+  one stage, and the body's annotations split it over the other axes as
+  anywhere outside a pipeline. (XLA's partitioner also refuses a manual
+  region over an axis of one device.)
   """
   if stage_parallel:
     return Together()
-  if placement.mesh is not None and sharding.IsSpmdPartitioning():
+  if (placement.mesh is not None and sharding.IsSpmdPartitioning() and
+      placement.num_stages > 1):
     return InManualRegion(placement.mesh)
   return one_device or OneByOne()
 

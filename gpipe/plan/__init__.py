@@ -40,13 +40,15 @@ The parts, from the top down (each imports only parts below it):
   targets     what to plan: a registered Lingvo model, or PipelinedLayer
               Params on inputs of given shapes; candidates (M, R, policy)
   model_flops the model's work MFU counts (its forward pass compiled alone)
+  step_time   what a candidate's predicted step rests on, from its module
   loops       what the compiled module's while loops compute and hold
-  overlap     what the compute beside each collective can hide: the
-              overlapped step
+  overlap     what the compute beside each collective hides, list
+              scheduled: the overlapped step
   collectives what a chip sends over each mesh axis in a step
   traffic_floor  the least each mesh axis must carry, from the model's
               shapes
   roofline    the TPU generations and the step-time model
+  calibration the matrix units' efficiency, fitted on a measured run
 
 The step itself (where a model keeps its stack, the whole training step as
 a function of tensors, its optimizer) is gpipe.model_step's: the

@@ -23,12 +23,13 @@ from gpipe import layers as gpipe_layers
 from gpipe.lingvo_support import tpu_build
 from gpipe.model_step import stacks
 from gpipe.model_step import train_step
+from gpipe.plan import calibration
 from gpipe.plan import collectives
 from gpipe.plan import loops
 from gpipe.plan import model_flops as model_flops_lib
-from gpipe.plan import overlap
 from gpipe.plan.report import Plan
 from gpipe.plan import roofline
+from gpipe.plan import step_time as step_time_lib
 from gpipe.plan import targets
 from gpipe.plan import traffic_floor
 from gpipe import schedule as schedule_lib
@@ -53,6 +54,8 @@ class CandidateReport:
   # shard_stages_1d) and the axis of the stage dim.
   mesh_shape: tuple = ()
   stage_axis: int = 0
+  # Mesh axes the stack's weights are gathered over for use (FSDP).
+  gathered_over: tuple = ()
   # The built stack's backward schedule and stream_io.
   backward_schedule: str = 'reverse'
   stream_io: bool = False
@@ -131,7 +134,8 @@ class CandidateReport:
         tuple(a.spec.shape) for a in self.step.args
         if a.kind in (train_step.WEIGHT, train_step.SLOT) and a.on_stages
     ]
-    return hlo_text.GatheredTensors(self.compiled.collectives, shapes)
+    return hlo_text.GatheredTensors(self.compiled.collectives, shapes,
+                                    self.mesh_shape, self.gathered_over)
 
   def Problems(self):
     problems = []
@@ -276,55 +280,27 @@ class CandidateReport:
     return sum(nbytes for nbytes, _ in self.stored_activations)
 
   @property
-  def _stored_traffic_bytes(self):
-    """What the stored activations amount to over a step, each written
-    once and read once: the stacks, or T ring entries."""
-    if self.one_f_one_b:
-      ring_size = schedule_lib.OneFOneB(self.schedule).ring_size
-      return (self.stored_activation_bytes / ring_size *
-              self.schedule.num_iterations)
-    return self.stored_activation_bytes
-
-  @property
-  def step_bytes(self):
-    """The per-device sizes that set the fused step's HBM traffic."""
-    # The step updates its trainable weights (and slots) in place.
-    trainable = {param for _, param in self.step.aliases}
-
-    def Weights(on_stages, only_trainable=False):
-      return self._ArgBytes(
-          lambda i, a: (a.kind == train_step.WEIGHT and
-                        a.on_stages == on_stages and
-                        (i in trainable or not only_trainable)))
-
-    return roofline.StepBytes(
-        loop_weights=Weights(on_stages=True),
-        loop_trainable=Weights(on_stages=True, only_trainable=True),
-        other_weights=Weights(on_stages=False),
-        other_trainable=Weights(on_stages=False, only_trainable=True),
-        slots=self.Bytes(train_step.SLOT),
-        inputs=self.Bytes(train_step.INPUT),
-        stored=self._stored_traffic_bytes,
-        # One iteration's buffer slot: what the rotation sends on.
-        buffer=self.permute_bytes_per_iteration,
-        iterations=self.schedule.num_iterations,
-        circular_repeat=self.schedule.circular_repeat,
-        recomputes_forward=self.candidate.remat_policy == 'recompute',
-        one_f_one_b=self.one_f_one_b,
-        clips_gradients=self.step.clip_norm > 0)
-
-  @property
   def model_flops(self):
     return self.model_flops_fn()
 
   @functools.cached_property
+  def step_time(self):
+    """What the roofline's step rests on (gpipe.plan.step_time)."""
+    return step_time_lib.StepTime(self)
+
+  @property
+  def step_bytes(self):
+    """The per-device sizes that set the fused step's HBM traffic."""
+    return self.step_time.StepBytes()
+
+  def Predicted(self, matmul_efficiency):
+    """The roofline's prediction, calibrated at matmul_efficiency."""
+    return self.step_time.Predicted(matmul_efficiency)
+
+  @functools.cached_property
   def prediction(self):
-    return roofline.Predict(
-        self.chip, self.flops_per_device, sum(self.loop_flops),
-        self.schedule.bubble_fraction, self.step_bytes,
-        collectives.Total(self.sent_per_axis), self.model_flops,
-        self.compiled.num_devices,
-        overlap.HiddenSeconds(self.compiled, self._trips, self.chip))
+    """The prediction at the planner's calibration."""
+    return self.Predicted(calibration.MATMUL_EFFICIENCY)
 
   def FloorsJson(self):
     """The floors and sent / floor per set of mesh axes, as ToJson has

@@ -77,10 +77,19 @@ def _Candidates(parser, args):
       for schedule in (args.backward_schedule or [None])
       for stream_io in (args.stream_io or [None])
       for policy in (args.remat_policy or [policy0])
-      for r in (args.circular_repeat or [stack.circular_repeat])
+      for r in (args.circular_repeat or [_OwnRepeat(stack, mesh)])
       for m in (args.num_microbatches or [m0])
   ]
   return target, num_devices, candidates
+
+
+def _OwnRepeat(stack, mesh):
+  """The circular_repeat a mesh candidate keeps of the stack's own: 1 on
+  a stage axis of one device (no pipeline to circle; the depth is kept in
+  the stage's blocks), else the stack's."""
+  if mesh is not None and mesh[stack.pipeline_stage_mesh_dim] == 1:
+    return 1
+  return stack.circular_repeat
 
 
 def _Meshes(stack, meshes, num_devices):

@@ -16,7 +16,9 @@ the group, X the result's bytes on one device):
 A step's total is each loop's collectives times its trip count (one in a
 loop nested in it times that loop's too: `Collective.runs`), plus those
 outside the loops; the collective's mesh axes are those its groups span
-(`Collective.MeshAxes`), named `AxisName`.
+(`Collective.MeshAxes`), named `AxisName`. How long a collective takes
+(`Seconds`: a latency per ring step, its bytes over one link, its own HBM
+traffic) is what the roofline charges and the overlap schedules.
 """
 
 from gpipe.xla import spmd_worker
@@ -36,6 +38,35 @@ def SentBytes(collective, num_devices):
   if kind == 'reduce-scatter':
     return float((n - 1) * x)
   return (n - 1) / n * x  # all-gather, all-to-all, collective-broadcast
+
+
+# One ICI hop, seconds: a microsecond, the TPU figure of the jax-ml book
+# "How to Scale Your Model". Each ring step of a collective pays one.
+ICI_HOP_SECONDS = 1e-6
+
+
+def Seconds(collective, num_devices, chip, hop_seconds=ICI_HOP_SECONDS):
+  """How long one run of `collective` holds its links: a latency of one
+  hop per ring step (all-reduce 2 (n-1); all-gather, reduce-scatter,
+  all-to-all n-1; a permute 1), its bytes sent over one link in one
+  direction, and its result read and written in HBM (2 x wire bytes). The
+  roofline's collective time and the overlap's schedule both use it."""
+  n = collective.group_size or num_devices
+  kind = collective.kind
+  steps = (1 if kind == 'collective-permute' else
+           (2 if kind == 'all-reduce' else 1) * max(n - 1, 0))
+  wire = SentBytes(collective, num_devices) / chip.link_bandwidth
+  hbm = 2 * collective.wire_bytes / chip.hbm_bandwidth
+  return steps * hop_seconds + wire + hbm
+
+
+def StepSeconds(compiled, trips, chip, hop_seconds=ICI_HOP_SECONDS):
+  """Seconds of every collective of the step, one after another (each run
+  counted: a loop's trips, and a nested loop's)."""
+  return sum(
+      Runs(c) * (1 if c.loop < 0 else trips.get(compiled.loops[c.loop], 1)) *
+      Seconds(c, compiled.num_devices, chip, hop_seconds)
+      for c in compiled.collectives)
 
 
 def AxisName(axes, names):

@@ -11,6 +11,7 @@ import dataclasses
 import textwrap
 
 from gpipe.model_step import train_step
+from gpipe.plan import calibration
 from gpipe.plan import roofline
 from gpipe.plan import targets
 from gpipe.plan import traffic_floor
@@ -55,13 +56,22 @@ _NOTES = {
         f'collective_sent_over_floor (under {traffic_floor.LEAST_RATIO}: a '
         'problem, the planner\'s error), measured / bytes_without_recompute '
         'collective_sent_over_floor_without_recompute',
-    'predicted.mfu': 'model_flops / (num_devices x peak x step_seconds)',
+    'predicted.mfu': 'model_flops / (num_devices x peak x step_seconds): '
+                     'the no-overlap step, everything at peak',
     'predicted.step_seconds_overlapped':
         'step_seconds less hidden_collective_seconds, the collective time '
-        'the matrix work that neither feeds a collective nor waits for it '
-        '(in its computation) can hide (gpipe.plan.overlap); optimistic, '
-        'where step_seconds (what recommended uses) is pessimistic; '
-        'mfu_overlapped is its MFU',
+        'a list schedule of each computation runs beside its matrix work '
+        'at peak (gpipe.plan.overlap); mfu_overlapped is its MFU',
+    'predicted.step_seconds_calibrated':
+        'the prediction (what recommended uses): max(compute with the '
+        'matrix work at matmul_efficiency of peak, memory traffic) + the '
+        'collective time a schedule at that speed leaves '
+        '(hidden_calibrated_seconds hidden); matmul_efficiency is fitted '
+        'on a published measured run (gpipe.plan.calibration); '
+        'mfu_calibrated is its MFU',
+    'predicted.step_seconds_ceiling':
+        'max(compute, memory traffic) at peak, every collective hidden: a '
+        'bound, not a prediction; mfu_ceiling is its MFU',
 }
 
 
@@ -81,7 +91,8 @@ class Plan:
     ]
     if not ok:
       return None
-    return min(ok, key=lambda i: self.reports[i].prediction.step_seconds)
+    return min(ok, key=lambda i:
+               self.reports[i].prediction.step_seconds_calibrated)
 
   def MeshesVary(self):
     """Whether the candidates' device meshes differ (--mesh)."""
@@ -164,17 +175,17 @@ def _MainColumns(plan):
   rec = plan.recommended
   predicted = f'predicted: {plan.chip.name} model'
   return [
-      ('schedule', 'iters', 5, lambda r, i: r.schedule.num_iterations),
-      ('schedule', 'bubble', 6,
-       lambda r, i: f'{r.schedule.bubble_fraction:.3f}'),
       ('XLA: per device', 'peak', 8,
        lambda r, i: Bytes(r.per_device_bytes['peak'])),
       ('XLA: per device', 'fits', 4, lambda r, i: 'yes' if r.fits else 'NO'),
-      (predicted, 'step', 8, lambda r, i: Seconds(r.prediction.step_seconds) +
+      (predicted, 'step', 8,
+       lambda r, i: Seconds(r.prediction.step_seconds_calibrated) +
        ('*' if i == rec else '')),
-      (predicted, 'MFU', 7, lambda r, i: Percent(r.prediction.mfu)),
-      (predicted, 'MFU ovl', 7,
-       lambda r, i: Percent(r.prediction.mfu_overlapped)),
+      (predicted, 'MFU', 7, lambda r, i: Percent(r.prediction.mfu_calibrated)),
+      (predicted, 'ceiling', 7,
+       lambda r, i: Percent(r.prediction.mfu_ceiling)),
+      (predicted, 'no ovl', 7, lambda r, i: Percent(r.prediction.mfu)),
+      (predicted, 'ovl', 7, lambda r, i: Percent(r.prediction.mfu_overlapped)),
   ]
 
 
@@ -182,6 +193,10 @@ def _MeasuredColumns():
   """XLA's other figures, one group each (the predicted step's parts are
   in each candidate's details)."""
   return [[
+      ('schedule', 'iters', 5, lambda r, i: r.schedule.num_iterations),
+      ('schedule', 'bubble', 6,
+       lambda r, i: f'{r.schedule.bubble_fraction:.3f}'),
+  ], [
       ('XLA: bytes per device', 'weights', 8,
        lambda r, i: Bytes(r.per_device_bytes['weights'])),
       ('XLA: bytes per device', 'optim', 8,
@@ -220,10 +235,11 @@ def _Tables(plan):
         'outputs + temp - what the outputs update in place; stored: what '
         'the forward pass stores for the backward pass (1f1b: the rings), '
         'part of temp; permute/it: sent by collective-permutes per forward '
-        'iteration; step, MFU: no collective overlapped, what the pick '
-        'uses; MFU ovl: each collective overlapped by the compute that '
-        'neither feeds it nor waits for it; the predicted steps\' parts '
-        'are in each candidate\'s lines below)')
+        'iteration; step, MFU: calibrated, the prediction the pick uses; '
+        'ceiling: at peak, every collective hidden (a bound); no ovl: at '
+        'peak, none hidden; ovl: at peak, what a schedule hides hidden; '
+        'the predicted steps\' parts are in each candidate\'s lines '
+        'below)')
   return lines
 
 
@@ -310,18 +326,7 @@ def _Details(r):
                    subsequent_indent='    ')
   p = r.prediction
   traffic = p.memory_traffic_bytes
-  for paragraph in (
-      f'predicted step {Seconds(p.step_seconds)} = max(compute '
-      f'{Seconds(p.compute_seconds)} [model {Seconds(p.model_seconds)}, '
-      f'bubble {Seconds(p.bubble_seconds)}, recomputation and other '
-      f'{Seconds(p.other_compute_seconds)}], memory traffic '
-      f'{Seconds(p.memory_seconds)}) + collectives '
-      f'{Seconds(p.collective_seconds)}: {p.bound}-bound; MFU '
-      f'{Percent(p.mfu)} (model FLOPs {p.model_flops:.3g})',
-      f'overlapped: step {Seconds(p.step_seconds_overlapped)}, MFU '
-      f'{Percent(p.mfu_overlapped)}: of the collectives '
-      f'{Seconds(p.hidden_collective_seconds)} hidden under compute that '
-      'neither feeds them nor waits for them (not what the pick uses)',
+  for paragraph in _StepParagraphs(p) + (
       'memory traffic (fused step, per device): '
       f'{Bytes(sum(traffic.values()))} = ' + ' + '.join(
           f'{k.replace("_", " ")} {Bytes(v)}' for k, v in traffic.items()),
@@ -332,20 +337,47 @@ def _Details(r):
   return lines
 
 
+def _StepParagraphs(p):
+  """The predicted step's lines: the calibrated one (the prediction), then
+  at peak the ceiling, no-overlap and overlapped steps with the parts."""
+  return (
+      f'predicted step {Seconds(p.step_seconds_calibrated)}, MFU '
+      f'{Percent(p.mfu_calibrated)} (calibrated: the matrix work '
+      f'{Seconds(p.matmul_seconds / p.matmul_efficiency)} at '
+      f'{p.matmul_efficiency:.3g} of peak, gpipe.plan.calibration) = '
+      f'max(compute {Seconds(p.compute_seconds_calibrated)}, memory traffic '
+      f'{Seconds(p.memory_seconds)}) + collectives '
+      f'{Seconds(p.collective_seconds)} less '
+      f'{Seconds(p.hidden_calibrated_seconds)} a schedule hides',
+      f'at peak: ceiling {Seconds(p.step_seconds_ceiling)}, MFU '
+      f'{Percent(p.mfu_ceiling)} (every collective hidden: a bound); no '
+      f'overlap {Seconds(p.step_seconds)} = max(compute '
+      f'{Seconds(p.compute_seconds)} [model {Seconds(p.model_seconds)}, '
+      f'bubble {Seconds(p.bubble_seconds)}, recomputation and other '
+      f'{Seconds(p.other_compute_seconds)}], memory traffic '
+      f'{Seconds(p.memory_seconds)}) + collectives '
+      f'{Seconds(p.collective_seconds)}: {p.bound}-bound, MFU '
+      f'{Percent(p.mfu)}; overlapped {Seconds(p.step_seconds_overlapped)}, '
+      f'MFU {Percent(p.mfu_overlapped)} ('
+      f'{Seconds(p.hidden_collective_seconds)} of the collectives hidden '
+      f'by a schedule); model FLOPs {p.model_flops:.3g}',
+  )
+
+
 def _SentAndFloor(r):
-  """['model 1.2 GiB / floor 1.0 GiB = 1.20 (without recomputation: floor
-  0.8 GiB, 1.50)', 'stage 3 MiB (no floor)']: the floor without the
-  recomputed forward's part where it has one."""
+  """['model 1.2 GiB / floor 0.8 GiB = 1.50 (a recomputed forward\'s
+  reductions counted as needed: floor 1.0 GiB, 1.20)', 'stage 3 MiB (no
+  floor)']: the headline floor is what the model needs without
+  recomputation (a remat policy's choice), the other beside it."""
   items = []
   for axes, (sent, floor) in traffic_floor.Ratios(
       r.sent_per_axis, r.traffic_floors).items():
-    if floor and floor.bytes:
-      item = (f'{axes} {Bytes(sent)} / floor {Bytes(floor.bytes)} = '
-              f'{sent / floor.bytes:.2f}')
+    if floor and floor.without_recompute:
+      item = (f'{axes} {Bytes(sent)} / floor {Bytes(floor.without_recompute)}'
+              f' = {sent / floor.without_recompute:.2f}')
       if floor.without_recompute != floor.bytes:
-        item += (' (without recomputation: floor '
-                 f'{Bytes(floor.without_recompute)}, '
-                 f'{sent / floor.without_recompute:.2f})')
+        item += (' (a recomputed forward\'s reductions counted as needed: '
+                 f'floor {Bytes(floor.bytes)}, {sent / floor.bytes:.2f})')
       items.append(item)
     else:
       items.append(f'{axes} {Bytes(sent)} (no floor)')
@@ -372,18 +404,18 @@ def _Sources(plan):
       'step must read and write in HBM (weights read per iteration, '
       'gradients accumulated, the optimizer update, stored activations, '
       'the loop\'s buffer; not XLA:CPU\'s unfused count) / HBM bandwidth; '
-      'collectives = the bytes a chip sends (each collective in the '
-      'partitioner\'s dtype, by its ring algorithm) / ICI link '
-      'bandwidth; step = '
-      'max(compute, memory traffic) + collectives (compute and HBM traffic '
-      'overlap, collectives overlap neither); MFU = model FLOPs (3 x the '
+      'collectives = each collective\'s bytes a chip sends (in the '
+      'partitioner\'s dtype, by its ring algorithm) / ICI link bandwidth, '
+      'plus an ICI hop a ring step and its own HBM traffic. step and MFU: '
+      'calibrated, the prediction (the matrix work at '
+      f'{calibration.MATMUL_EFFICIENCY:.3g} of peak, fitted on '
+      f'{calibration.FITTED_ON}; the collectives less what a list schedule '
+      'of the partitioned module hides); ceiling: at peak, every collective '
+      'hidden (a bound); no ovl: at peak, no collective hidden; ovl: at '
+      'peak, less what the schedule hides. MFU = model FLOPs (3 x the '
       'forward pass, the stacks unpipelined: no bubble, nothing '
-      'recomputed) / (N x peak x step). Overlapped (MFU ovl): '
-      'the step less the collective time that the matrix work beside each '
-      'collective in its computation (neither feeding it nor waiting for '
-      'it, in the partitioned module\'s dependencies) can hide, each '
-      'second of work hiding one second of collective. The '
-      'recommendation follows the predicted step without overlap.',
+      'recomputed) / (N x peak x step). The recommendation follows the '
+      'calibrated step.',
       f'Fits: peak <= {Bytes(plan.hbm_bytes)} of HBM.',
   ]
   lines = [line for p in paragraphs for line in _Wrap(p)]
@@ -428,10 +460,16 @@ def Seconds(seconds):
 
 
 def Percent(fraction):
-  """'43 %', '1.2 %', '0.0031 %': two significant digits."""
+  """'43.2 %', '1.2 %', '0.031 %', '<0.01 %': a tenth of a percent where it
+  is 10 or more (MFU figures are compared so), else two significant
+  digits; at most 7 columns."""
   value = 100 * fraction
-  if abs(value) >= 10 or value == 0:
-    return f'{value:.0f} %'
+  if value == 0:
+    return f'{0:d} %'
+  if abs(value) >= 10:
+    return f'{value:.1f} %'
+  if abs(value) < 0.01:
+    return f'<{0.01:g} %'
   return f'{value:.2g} %'
 
 

@@ -11,22 +11,32 @@ argument sizes and the loop's stored tensors), it predicts
                bubble     = bubble_fraction x the loops' flops / peak_flops
                the rest   (recomputation, the optimizer, ...)
     memory     = fused-step HBM traffic / hbm_bandwidth
-    collective = bytes a chip sends / link_bandwidth
-    step       = max(compute, memory) + collective
+    collective = every collective's time, one after another
+                 (gpipe.plan.collectives.Seconds: a latency per ring step,
+                 its bytes over one link, its own HBM traffic)
+
+and four steps from them, each with its MFU (model FLOPs / (N x peak x
+step)):
+
+    calibrated  max(compute', memory) + what a schedule leaves of the
+                collectives, compute' with the matrix work at the fitted
+                efficiency (gpipe.plan.calibration): the prediction,
+                what the planner's pick and the targets use
+    ceiling     max(compute, memory): everything at peak, every
+                collective hidden; a bound no step beats
+    no overlap  max(compute, memory) + collective: at peak, collectives
+                beside nothing (pessimistic)
+    overlapped  the no-overlap step less what a list schedule of each
+                computation runs beside its compute at peak
+                (gpipe.plan.overlap)
 
 The bytes a chip sends are each collective's, by the ring algorithm of its
 kind and group size (gpipe.plan.collectives: an all-reduce over n devices
 sends 2 (n - 1) / n of its bytes, a collective-permute all of them), all
 over one link in one direction. Compute and HBM traffic overlap (a TPU
 streams operands while its matrix units run: the larger one sets the
-time); collectives are assumed not to overlap either (pessimistic: the
-step the planner's targets and its pick use). Beside it, the overlapped
-step takes off what the compute that neither feeds a collective nor waits
-for it can hide (gpipe.plan.overlap: optimistic);
-compute runs at peak (optimistic): the prediction ranks configurations, it
-does not promise a wall time. FLOPs come from XLA's CPU compile of the
-same module, counted for the model's own dtype, against the chip's bf16
-peak.
+time). FLOPs come from XLA's CPU compile of the same module, counted for
+the model's own dtype, against the chip's bf16 peak.
 
 Why not XLA's own "bytes accessed": XLA:CPU counts every unfused
 instruction's operands and results, which a TPU's fusions never write to
@@ -143,9 +153,16 @@ class Prediction:
   model_flops: float  # the model's work, all devices: 3 x its forward pass
   num_devices: int
   peak_flops: float
-  # Of collective: what the compute beside each collective can hide
-  # (gpipe.plan.overlap); the overlapped step leaves it out.
+  # Of collective: what the compute beside each collective hides in a
+  # schedule of the step (gpipe.plan.overlap), the matrix work at peak; the
+  # overlapped step leaves it out.
   hidden_collective_seconds: float = 0.0
+  # The calibrated step (gpipe.plan.calibration): of compute, the matrix
+  # work (dots, convolutions) at peak, run at matmul_efficiency of it, and
+  # what a schedule hides at that speed.
+  matmul_seconds: float = 0.0
+  matmul_efficiency: float = 1.0
+  hidden_calibrated_seconds: float = 0.0
 
   @property
   def model_seconds(self):
@@ -171,6 +188,26 @@ class Prediction:
                self.step_seconds - self.hidden_collective_seconds)
 
   @property
+  def compute_seconds_calibrated(self):
+    """The compute with the matrix work at matmul_efficiency of peak (the
+    rest, elementwise work, at peak)."""
+    return (self.compute_seconds +
+            self.matmul_seconds * (1.0 / self.matmul_efficiency - 1.0))
+
+  @property
+  def step_seconds_calibrated(self):
+    """max(calibrated compute, memory traffic) + what of the collectives
+    a schedule at that speed does not hide: the step targets and the
+    planner's pick use."""
+    return (max(self.compute_seconds_calibrated, self.memory_seconds) +
+            max(0.0, self.collective_seconds - self.hidden_calibrated_seconds))
+
+  @property
+  def step_seconds_ceiling(self):
+    """Every collective hidden, everything at peak: no step is shorter."""
+    return max(self.compute_seconds, self.memory_seconds)
+
+  @property
   def bound(self):
     """Which of compute and memory traffic sets the step."""
     return ('compute' if self.compute_seconds >= self.memory_seconds else
@@ -185,8 +222,21 @@ class Prediction:
   @property
   def mfu_overlapped(self):
     """MFU of the overlapped step."""
+    return self._Mfu(self.step_seconds_overlapped)
+
+  @property
+  def mfu_calibrated(self):
+    """MFU of the calibrated step: the prediction."""
+    return self._Mfu(self.step_seconds_calibrated)
+
+  @property
+  def mfu_ceiling(self):
+    """MFU of the ceiling step: a bound, not a prediction."""
+    return self._Mfu(self.step_seconds_ceiling)
+
+  def _Mfu(self, step_seconds):
     return self.model_flops / (self.num_devices * self.peak_flops *
-                               self.step_seconds_overlapped)
+                               step_seconds)
 
   def ToJson(self):
     return {
@@ -209,11 +259,20 @@ class Prediction:
         'hidden_collective_seconds': self.hidden_collective_seconds,
         'step_seconds_overlapped': self.step_seconds_overlapped,
         'mfu_overlapped': self.mfu_overlapped,
+        'matmul_seconds': self.matmul_seconds,
+        'matmul_efficiency': self.matmul_efficiency,
+        'compute_seconds_calibrated': self.compute_seconds_calibrated,
+        'hidden_calibrated_seconds': self.hidden_calibrated_seconds,
+        'step_seconds_calibrated': self.step_seconds_calibrated,
+        'mfu_calibrated': self.mfu_calibrated,
+        'step_seconds_ceiling': self.step_seconds_ceiling,
+        'mfu_ceiling': self.mfu_ceiling,
     }
 
 
 def Predict(chip, flops, loop_flops, bubble_fraction, step_bytes,
-            sent_bytes, model_flops, num_devices, hidden_seconds=0.0):
+            collective_seconds, model_flops, num_devices, hidden_seconds=0.0,
+            matmul_flops=0.0, calibration=None):
   """The step time on `chip` of one device's work, by part.
 
   Args:
@@ -222,23 +281,30 @@ def Predict(chip, flops, loop_flops, bubble_fraction, step_bytes,
     loop_flops: of which in the pipeline's loops (all iterations).
     bubble_fraction: the schedule's idle share of the loop iterations.
     step_bytes: a StepBytes: what sets the step's HBM traffic.
-    sent_bytes: what one device sends by collectives in the step
-      (gpipe.plan.collectives.PerAxis, summed).
+    collective_seconds: every collective of one device's step, one after
+      another (gpipe.plan.collectives.StepSeconds).
     model_flops: the model's work, all devices (3 x its forward pass's
       FLOPs: gpipe.plan.model_flops.ForwardFlops).
     num_devices: devices the step runs on.
     hidden_seconds: of the collectives' time, what the compute beside
       them hides (gpipe.plan.overlap.HiddenSeconds): the overlapped step's.
+    matmul_flops: of flops, the matrix units' (dots, convolutions).
+    calibration: (matmul_efficiency, hidden seconds at that efficiency) of
+      the calibrated step (gpipe.plan.calibration); None: the figures at
+      peak.
   """
-  collective = sent_bytes / chip.link_bandwidth
   traffic = step_bytes.Traffic()
+  efficiency, hidden_calibrated = calibration or (1.0, hidden_seconds)
   return Prediction(
       compute_seconds=flops / chip.peak_flops,
       bubble_seconds=bubble_fraction * loop_flops / chip.peak_flops,
       memory_seconds=sum(traffic.values()) / chip.hbm_bandwidth,
-      collective_seconds=collective,
+      collective_seconds=collective_seconds,
       memory_traffic_bytes=traffic,
       model_flops=model_flops,
       num_devices=num_devices,
       peak_flops=chip.peak_flops,
-      hidden_collective_seconds=hidden_seconds)
+      hidden_collective_seconds=hidden_seconds,
+      matmul_seconds=matmul_flops / chip.peak_flops,
+      matmul_efficiency=efficiency,
+      hidden_calibrated_seconds=hidden_calibrated)

@@ -16,7 +16,9 @@ conditional its cheapest branch. Only those: elementwise work, reductions
 and HBM traffic are left out (they count for little of a step's FLOPs, and
 a TPU's vector units and DMA engines are not modelled here), and so is an
 instruction that itself holds a collective (a nested loop with its own:
-its compute hides those first). Plain text parsing, as gpipe.xla.hlo_text.
+its compute hides those first). The graph both ways (`Module.Edges`:
+what each instruction follows, what follows it) is what gpipe.plan.overlap
+schedules a computation on. Plain text parsing, as gpipe.xla.hlo_text.
 """
 
 import dataclasses
@@ -84,10 +86,10 @@ class Module:
   """A compiled module's computations as dependency graphs."""
 
   def __init__(self, text):
-    computations, _ = hlo_text.ParseComputations(text)
+    computations, self.entry = hlo_text.ParseComputations(text)
     self._graphs = {name: Instructions(lines)
                     for name, lines in computations.items()}
-    self._flops, self._holds = {}, {}
+    self._flops, self._holds, self._edges = {}, {}, {}
 
   def Graph(self, computation):
     """{name: Instruction} of `computation` ({} for an unknown one)."""
@@ -96,22 +98,33 @@ class Module:
   def Beside(self, computation, name):
     """The instructions of `computation` that neither feed instruction
     `name` nor wait for it, transitively: what may run while it does."""
-    graph = self.Graph(computation)
-    operands = {n: i.operands for n, i in graph.items()}
-    users = {}
-    for n, i in graph.items():
-      for operand in i.operands:
-        users.setdefault(operand, []).append(n)
-    tied = _Reach(name, operands) | _Reach(name, users) | {name}
-    return set(graph) - tied
+    follows, users = self.Edges(computation)
+    tied = _Reach(name, follows) | _Reach(name, users) | {name}
+    return set(follows) - tied
+
+  def Edges(self, computation):
+    """({name: what it follows}, {name: what follows it}) over
+    `computation`'s instructions, in their order: operands and control
+    predecessors, each once, names from outside it left out. Both ways
+    at once, so that a walk or a scheduler never scans for users."""
+    if computation not in self._edges:
+      graph = self.Graph(computation)
+      follows = {n: tuple(o for o in dict.fromkeys(i.operands) if o in graph)
+                 for n, i in graph.items()}
+      users = {n: [] for n in graph}
+      for n, before in follows.items():
+        for operand in before:
+          users[operand].append(n)
+      self._edges[computation] = follows, users
+    return self._edges[computation]
 
   def Work(self, computation):
     """{instruction: FLOPs} of `computation`'s instructions that do
     matrix work and hold no collective: what can hide one."""
     work = {}
     for name, instruction in self.Graph(computation).items():
-      if (_Kind(instruction.op) not in hlo_text.COLLECTIVE_KINDS and
-          not any(self._HoldsCollective(c)
+      if (Kind(instruction.op) not in hlo_text.COLLECTIVE_KINDS and
+          not any(self.HoldsCollective(c)
                   for c in hlo_text.Callees(instruction.line))):
         flops = self.Flops(computation, instruction)
         if flops > 0:
@@ -143,6 +156,11 @@ class Module:
       return min(callees, default=0.0)
     return float(sum(callees))
 
+  def EntryFlops(self):
+    """Matrix-unit FLOPs of one run of the whole module (its loops times
+    their known trip counts)."""
+    return self._ComputationFlops(self.entry) if self.entry else 0.0
+
   def _ComputationFlops(self, computation):
     if computation not in self._flops:
       self._flops[computation] = 0.0  # HLO calls no cycles
@@ -151,18 +169,18 @@ class Module:
           for i in self.Graph(computation).values()))
     return self._flops[computation]
 
-  def _HoldsCollective(self, computation):
+  def HoldsCollective(self, computation):
     """Whether `computation`, or one it calls, runs a collective."""
     if computation not in self._holds:
       self._holds[computation] = False
       self._holds[computation] = any(
-          _Kind(i.op) in hlo_text.COLLECTIVE_KINDS or
-          any(self._HoldsCollective(c) for c in hlo_text.Callees(i.line))
+          Kind(i.op) in hlo_text.COLLECTIVE_KINDS or
+          any(self.HoldsCollective(c) for c in hlo_text.Callees(i.line))
           for i in self.Graph(computation).values())
     return self._holds[computation]
 
 
-def _Kind(op):
+def Kind(op):
   """A collective's kind from its op: 'all-reduce-start' -> 'all-reduce'."""
   for suffix in ('-start', '-done'):
     if op.endswith(suffix):

@@ -244,13 +244,15 @@ def _Walk(computations, root, into_loops):
   return reached, loops
 
 
-def GatheredTensors(collectives, shapes):
+def GatheredTensors(collectives, shapes, mesh_shape=(), gathered_over=()):
   """All-gathers and all-to-alls that move a whole tensor of `shapes`.
 
   Judged by shape: the collective's result has one of the full shapes, or
   one without its leading stage (and repeat) dims, i.e. some device received
   data that another device owns. Activation shapes that happen to equal a
-  weight's shape would be reported too.
+  weight's shape would be reported too. An all-gather over `gathered_over`
+  alone (mesh axes of `mesh_shape` the weights are stored split over and
+  gathered from for use: FSDP) is what that layout asks for, not reported.
   """
   suspects = set()
   for shape in shapes:
@@ -259,7 +261,9 @@ def GatheredTensors(collectives, shapes):
   return [
       c for c in collectives
       if c.kind in ('all-gather', 'all-to-all') and
-      any(s in suspects for s in ShapesOf(c.shape))
+      any(s in suspects for s in ShapesOf(c.shape)) and not (
+          c.kind == 'all-gather' and gathered_over and
+          set(c.MeshAxes(mesh_shape)) <= set(gathered_over))
   ]
 
 

@@ -108,6 +108,9 @@ class Report:
   # axis of its stages: collectives are listed by the axes they run on.
   mesh_shape: tuple = ()
   stage_axis: int = 0
+  # Mesh axes the stack's weights are stored split over and gathered from
+  # where they are used (its body's FSDP axis): those gathers are asked for.
+  gathered_over: tuple = ()
 
   @property
   def max_abs_diff(self):
@@ -147,7 +150,7 @@ class Report:
     return hlo.GatheredTensors(
         self.run.collectives,
         [full for (_, full, _), keep in zip(self.WeightShapes(), staged)
-         if keep])
+         if keep], self.mesh_shape, self.gathered_over)
 
   def UnsplitWeights(self):
     """Stage-stacked weights every device holds whole: the stage
@@ -325,9 +328,15 @@ def RunStepPartitioned(step, num_devices):
       Partitioned, step.args, num_devices, variables=step.variables)
 
 def StackMesh(params, num_devices):
-  """Report's mesh_shape and stage_axis for a PipelinedLayer's Params."""
+  """Report's mesh_shape, stage_axis and gathered_over for a
+  PipelinedLayer's Params. A body that stores its weights split over a
+  mesh axis beyond their use (FSDP) names it in its `fsdp_mesh_dim`
+  param (params/pod_blocks.py's stage does)."""
   placed = sharding.StagePlacement(
       params.num_stages, params.shard_stages_1d, params.device_mesh,
       params.pipeline_stage_mesh_dim).mesh
   mesh, axis = placed or (np.arange(num_devices), 0)
-  return {'mesh_shape': tuple(np.shape(mesh)), 'stage_axis': axis}
+  body = params.single_stage_body or params.stage_parallel_body
+  fsdp = body.Get('fsdp_mesh_dim') if 'fsdp_mesh_dim' in body else None
+  return {'mesh_shape': tuple(np.shape(mesh)), 'stage_axis': axis,
+          'gathered_over': () if fsdp is None else (fsdp,)}

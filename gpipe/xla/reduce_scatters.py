@@ -4,10 +4,12 @@ XLA's SPMD partitioner spells a reduce-scatter (partial sums made split)
 as an all-reduce each device reads only its part of; XLA's TPU and GPU
 compilers make one reduce-scatter of such a pair (ReduceScatterCreator),
 XLA:CPU keeps it. Sequence-parallel blocks (params/sequence_parallel.py)
-and their checks ask which all-reduces are such pairs. Plain text parsing,
-as gpipe.xla.hlo_text.
+and their checks ask which all-reduces are such pairs; the planner charges
+each as the reduce-scatter a TPU runs (`AsTpuRuns`), which sends half the
+bytes of the all-reduce. Plain text parsing, as gpipe.xla.hlo_text.
 """
 
+import dataclasses
 import re
 
 from gpipe.xla import hlo_text as hlo_text_lib
@@ -76,6 +78,36 @@ def ScatteredElements(hlo_text):
   return {key: tuple(None if s is None else tuple(
       int(d) for d in s.split(',') if d) for s in value)
           for key, value in found.items()}
+
+
+def AsTpuRuns(compiled):
+  """`compiled` (a CompiledModule) with its collectives as a TPU's compiler
+  runs them: each all-reduce element every device slices
+  (ScatteredElements) taken out as a reduce-scatter of the slice's shape
+  (the same instruction's name: one task of the step, in two parts)."""
+  scattered = ScatteredElements(compiled.hlo)
+  out = []
+  for c in compiled.collectives:
+    sliced = scattered.get((c.computation, c.name), ()) if (
+        c.kind == 'all-reduce') else ()
+    if not any(sliced):
+      out.append(c)
+      continue
+    dtypes = re.findall(r'([a-z]\w*)\[[\d,]*\]', c.shape)
+    widened = c.widened or (False,) * len(dtypes)
+    parts = {True: ([], []), False: ([], [])}
+    for dtype, shape, whole, wide in zip(
+        dtypes, hlo_text_lib.ShapesOf(c.shape), sliced, widened):
+      part = shape if whole is None else whole
+      types, wides = parts[whole is not None]
+      types.append(f"{dtype}[{','.join(map(str, part))}]")
+      wides.append(wide)
+    for is_sliced, (types, wides) in parts.items():
+      if types:
+        out.append(dataclasses.replace(
+            c, kind='reduce-scatter' if is_sliced else 'all-reduce',
+            shape='(' + ', '.join(types) + ')', widened=tuple(wides)))
+  return dataclasses.replace(compiled, collectives=out)
 
 
 def _Definitions(computations):

@@ -231,7 +231,7 @@ def _Report(sent, floors):
                                      peak_bytes=0),
       step=types.SimpleNamespace(args=[]), chip=None, hbm_bytes=1, seconds=0)
   report.sent_per_axis, report.traffic_floors = sent, floors
-  report.prediction = types.SimpleNamespace(step_seconds=1.0)
+  report.prediction = types.SimpleNamespace(step_seconds_calibrated=1.0)
   return report
 
 
@@ -251,8 +251,8 @@ def test_a_step_under_its_floor_is_a_problem_and_not_recommended():
                          reports=[under, honest], skipped=[])
   assert plan.recommended == 1
   assert report_lib._SentAndFloor(honest) == [  # pylint: disable=protected-access
-      'model 120 B / floor 100 B = 1.20 (without recomputation: floor '
-      '80.0 B, 1.50)']
+      "model 120 B / floor 80.0 B = 1.50 (a recomputed forward's reductions "
+      'counted as needed: floor 100 B, 1.20)']
   assert honest.FloorsJson() == {
       'collective_floor_per_step': {'model': {
           'bytes': 100.0, 'bytes_without_recompute': 80.0,

@@ -84,7 +84,8 @@ def test_prediction_step_and_mfu_by_hand():
       circular_repeat=2, recomputes_forward=False, clips_gradients=True)
   p = roofline.Predict(chip, flops=1000, loop_flops=800,
                        bubble_fraction=0.25, step_bytes=step_bytes,
-                       sent_bytes=10, model_flops=2000, num_devices=4)
+                       collective_seconds=5, model_flops=2000,
+                       num_devices=4)
   # Loop weights: 4 iterations x 4 bytes (one repeat) x (1 + 1); gradient
   # accumulators 4 x 2 x 4 + 1 written; update (4 with the clip norm) x 9
   # + 2 x 18; stored 2 x 6; buffer 4 x 4 x 1; other 2 x 2 + 5.
@@ -95,7 +96,7 @@ def test_prediction_step_and_mfu_by_hand():
   # Of compute: the model's share of a device (2000 / 4 / 100), the rest.
   assert p.model_seconds == 5 and p.other_compute_seconds == 10 - 5 - 2
   assert p.memory_seconds == 17.4
-  assert p.collective_seconds == 10 / 2  # links: 16 / (2 x 4)
+  assert p.collective_seconds == 5
   assert p.step_seconds == 17.4 + 5 and p.bound == 'memory'
   assert p.mfu == pytest.approx(2000 / (4 * 100 * 22.4))
 
@@ -153,8 +154,51 @@ def test_report_units_show_each_figure():
   assert report_lib.Seconds(2.85e-6) == '2.85 us'
   assert report_lib.Seconds(5.92e-9) == '5.92 ns'
   assert report_lib.Seconds(0.25) == '250 ms'
-  assert report_lib.Percent(0.52) == '52 %'
+  assert report_lib.Percent(0.52) == '52.0 %'
+  assert report_lib.Percent(0.6110) == '61.1 %'
   assert report_lib.Percent(0.0018) == '0.18 %'
+  assert report_lib.Percent(0.000084) == '<0.01 %'
+  assert report_lib.Percent(0) == '0 %'
+
+
+def test_the_calibrated_step_and_the_ceiling_by_hand():
+  """compute 10 s of which 8 s matrix work at peak, memory 6 s,
+  collectives 5 s; at an efficiency of 0.5 the matrix work takes 16 s:
+  compute 18 s, and a schedule at that speed hiding 4 s leaves 1 s of
+  collectives: 19 s. At peak, 2 s hidden: overlapped 13 s, no overlap 15
+  s, ceiling 10 s."""
+  step_bytes = roofline.StepBytes(
+      loop_weights=0, loop_trainable=0, other_weights=0, other_trainable=0,
+      slots=0, inputs=6, stored=0, buffer=0, iterations=1)
+  chip = roofline.Chip('test', peak_flops=1.0, hbm_bytes=1.0,
+                       hbm_bandwidth=1.0, ici_bandwidth=8.0, ici_ports=4)
+  p = roofline.Predict(chip, flops=10, loop_flops=0, bubble_fraction=0.0,
+                       step_bytes=step_bytes, collective_seconds=5,
+                       model_flops=40, num_devices=2, hidden_seconds=2,
+                       matmul_flops=8, calibration=(0.5, 4))
+  assert p.memory_seconds == 6 and p.matmul_seconds == 8
+  assert p.compute_seconds_calibrated == 18
+  assert p.step_seconds_calibrated == 19
+  assert p.step_seconds_overlapped == 13 and p.step_seconds == 15
+  assert p.step_seconds_ceiling == 10
+  assert p.mfu_calibrated == pytest.approx(40 / (2 * 19))
+  assert p.mfu_ceiling == pytest.approx(40 / (2 * 10))
+  # Every collective hidden by the schedule: no step below the compute.
+  all_hidden = roofline.Predict(
+      chip, flops=10, loop_flops=0, bubble_fraction=0.0,
+      step_bytes=step_bytes, collective_seconds=5, model_flops=40,
+      num_devices=2, matmul_flops=8, calibration=(0.5, 9))
+  assert all_hidden.step_seconds_calibrated == 18
+
+
+def test_the_fit_finds_the_efficiency_of_a_measured_mfu():
+  """mfu(e) = 0.75 e (a step of 8 units of matrix work where the model
+  counts 6): a measured 61.1 % is e = 0.8147; out of reach, an error."""
+  from gpipe.plan import calibration  # pylint: disable=g-import-not-at-top
+  assert calibration.Fit(lambda e: 0.75 * e, 0.611) == pytest.approx(
+      0.611 / 0.75, abs=1e-4)
+  with pytest.raises(ValueError, match='out of reach'):
+    calibration.Fit(lambda e: 0.75 * e, 0.9)
 
 
 @pytest.mark.parametrize('clip_norm', [0.0, 0.05])

@@ -272,9 +272,14 @@ def test_predicted_parts_against_arithmetic(reports):
     # A permute of the slot per iteration, forward and backward; the
     # outputs' all-reduce over the 4 devices (a ring: each sends 2 x 3/4
     # of its bytes) over 50 GB/s links; b's update waits for w's: the
-    # all-reduce of a float32 scalar.
+    # all-reduce of a float32 scalar. Each pays an ICI hop (1 us) a ring
+    # step (a permute 1, an all-reduce over 4 devices 6) and its result's
+    # bytes read and written in HBM.
     collectives = 2 * t * slot + 1.5 * (BATCH * DIM * 4 + 4)
-    assert p.collective_seconds == pytest.approx(collectives / 50e9)
+    hops = 2 * t * 1 + 2 * 6
+    results = 2 * t * slot + BATCH * DIM * 4 + 4
+    assert p.collective_seconds == pytest.approx(
+        collectives / 50e9 + hops * 1e-6 + 2 * results / 819e9)
     assert p.step_seconds == pytest.approx(
         max(p.compute_seconds, p.memory_seconds) + p.collective_seconds)
     assert p.memory_traffic_bytes['loop_weight_reads'] > 0
@@ -348,9 +353,9 @@ def test_recommends_a_slower_candidate_when_the_fastest_does_not_fit(
   assert 'Recommendation: none of the candidates fits' in text, text
   _, rows = _TableCells(text)[0]
   for cells in rows:
-    assert cells[2].endswith('NO') and '*' not in cells[3], cells
+    assert cells[1].endswith('NO') and '*' not in cells[2], cells
   _, rows = _TableCells(only_m8.Render())[0]
-  fits, starred = zip(*[(cells[2].split()[-1], '*' in cells[3])
+  fits, starred = zip(*[(cells[1].split()[-1], '*' in cells[2])
                         for cells in rows])
   assert fits == ('yes', 'NO') and starred == (True, False), rows
 
@@ -377,12 +382,13 @@ def test_text_report_labels_sources_and_units(linear_plan):
   assert f'Weights: {total / 1024:.1f} KiB in all.' in text
   # No figure rounds away to zero in a unit too large for it.
   assert not re.search(r'\b0\.0+ [KMGT]?i?B\b', text), text
-  (groups, rows), (measured_groups, measured) = _TableCells(text)
+  (groups, rows), (measured_groups, measured), (_, per_device) = (
+      _TableCells(text))
   assert [g.strip() for g in groups.split('|')] == [
-      'candidate', 'schedule', 'XLA: per device', 'predicted: v5e model'
+      'candidate', 'XLA: per device', 'predicted: v5e model'
   ], groups
   assert [g.strip() for g in measured_groups.split('|')] == [
-      'candidate', 'XLA: bytes per device', 'XLA: per device'
+      'candidate', 'schedule', 'XLA: bytes per device'
   ], measured_groups
   best = linear_plan.recommended
   for i, report in enumerate(linear_plan.reports):
@@ -390,12 +396,15 @@ def test_text_report_labels_sources_and_units(linear_plan):
     cells = rows[i]
     assert cells[0].split() == [str(report.candidate.num_microbatches), '1',
                                 'recompute'], cells
-    assert cells[2].split()[-1] == 'yes', cells
-    assert ('*' in cells[3]) == (i == best), cells
+    assert cells[1].split()[-1] == 'yes', cells
+    assert ('*' in cells[2]) == (i == best), cells
     cells = measured[i]
     assert cells[0] == rows[i][0], (cells, rows[i])
-    assert cells[1].split()[:4] == ['16.2', 'KiB', '32.5', 'KiB'], cells
-    assert cells[2].endswith(report_lib.Bytes(slot)), cells
+    assert cells[1].split() == [str(report.schedule.num_iterations),
+                                f'{report.schedule.bubble_fraction:.3f}']
+    assert cells[2].split()[:4] == ['16.2', 'KiB', '32.5', 'KiB'], cells
+    # The permute per iteration: one microbatch's slot.
+    assert per_device[i][1].endswith(report_lib.Bytes(slot)), per_device[i]
   # M=8: 3 x 64 floats, on the (only) stage axis.
   assert '1 collective-permute over stage (768 B)' in text
   assert 'memory traffic (fused step, per device)' in text
@@ -410,14 +419,16 @@ def test_every_line_of_the_report_fits_100_columns(linear_plan,
   (split where they would not fit), the wrapped details and sources, also
   with the widest candidate columns (mesh and backward schedule shown)."""
   text = linear_plan.Render()
-  assert len(_TableCells(text)) == 2, text
+  # The candidate's columns and what the pick rests on; XLA's bytes beside
+  # the schedule's figures; its FLOPs and permutes.
+  assert len(_TableCells(text)) == 3, text
   widest = dataclasses.replace(linear_plan, reports=[
       dataclasses.replace(r, stream_io=True) for r in linear_plan.reports])
   monkeypatch.setattr(report_lib.Plan, 'MeshesVary', lambda self: True)
   widest_text = widest.Render()
   assert 'reverse+io' in widest_text
-  # The candidate's columns and XLA's bytes fill a line: its FLOPs and
-  # permutes go in a third table.
+  # The widest candidate columns still take the schedule beside XLA's
+  # bytes, its FLOPs and permutes in a table of their own.
   assert len(_TableCells(widest_text)) == 3, widest_text
   for one in (text, widest_text):
     long_lines = [line for line in one.splitlines() if len(line) > 100]

@@ -7,8 +7,15 @@ bfloat16, or one element of a combined (tuple) all-reduce. An all-reduce
 any reader takes whole is not one.
 """
 
+import dataclasses
+
+from gpipe.plan import collectives
 from gpipe.xla import hlo_text
 from gpipe.xla import reduce_scatters
+
+# What AsTpuRuns reads of a CompiledModule.
+_Compiled = dataclasses.make_dataclass(
+    '_Compiled', ['hlo', 'collectives', 'loops', 'num_devices'])
 
 # pylint: disable=line-too-long
 _MODULE = '''HloModule m
@@ -67,3 +74,25 @@ def test_scattered_elements_read_the_partitioners_reduce_scatters():
   names = {c.name: c.kind for c in hlo_text.AnalyzeHlo(_MODULE)[0]}
   assert names == dict.fromkeys(['fused', 'widened', 'both', 'whole'],
                                 'all-reduce')
+
+
+def test_a_tpu_runs_each_sliced_all_reduce_as_a_reduce_scatter():
+  """AsTpuRuns: `fused` a reduce-scatter of its [2, 2, 4] slice (a chip
+  sends 3 x 64 B of it over the 4 devices, where the all-reduce sends
+  2 x 3/4 x 256 B); `both` in two parts, its sliced element a
+  reduce-scatter and its whole one an all-reduce, under the one name;
+  `whole` as it is."""
+  found, loops = hlo_text.AnalyzeHlo(_MODULE)
+  compiled = _Compiled(_MODULE, found, loops, 4)
+  runs = reduce_scatters.AsTpuRuns(compiled)
+  kinds = sorted((c.name, c.kind, c.shape) for c in runs.collectives)
+  assert kinds == [
+      ('both', 'all-reduce', '(f32[4])'),
+      ('both', 'reduce-scatter', '(f32[2,2,4])'),
+      ('fused', 'reduce-scatter', '(f32[2,2,4])'),
+      ('whole', 'all-reduce', 'f32[2,8,4]{2,1,0}'),
+      ('widened', 'reduce-scatter', '(f32[2,2,4])')], kinds
+  fused = next(c for c in runs.collectives if c.name == 'fused')
+  assert collectives.SentBytes(fused, 4) == 3 * 64
+  before = next(c for c in found if c.name == 'fused')
+  assert collectives.SentBytes(before, 4) == 2 * 3 / 4 * 256

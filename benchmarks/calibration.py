@@ -1,0 +1,121 @@
+"""Fits the planner's one calibration figure on a published run; predicts three.
+
+    python -m benchmarks.calibration [--chips own|fewer] [--only 16B,32B]
+        > calibration.md
+
+Plans MaxText's four published TPU v5e runs (params/published_runs.py:
+16B, 32B, 64B, 128B, each with its per-chip batch, sequence, remat and
+FSDP x tensor layout) as `lm.MaxText<run>OnV5e<chips>`, on their own
+v5e-256 (`--chips own`) or on fewer chips with the per-chip step kept
+(`--chips fewer`, the default: params.published_runs.FEWER_CHIPS). Then it
+fits the matrix units' efficiency (gpipe.plan.calibration.Fit) so that the
+16B run's calibrated step gives its published 61.10 % MFU, and with that
+one figure predicts the other three's MFU, printed beside what was
+published, with the error. Exits 1 if a prediction misses its published
+MFU by more than 10 % of it.
+
+Each row also gives what the prediction rests on, at the fitted
+efficiency: the matrix work, the rest of the compute, HBM traffic and the
+collectives (those a schedule of the step leaves, and all of them), and
+the MFU MaxText's own formula counts for the planned step
+(published_runs.CountedFlops) beside the planner's (3 x the forward
+pass's FLOPs XLA counts). Every byte and FLOP is XLA:CPU's for the
+partitioned module; the steps are the planner's model, the published
+figures measured on TPUs.
+"""
+
+import argparse
+import sys
+import time
+
+GIB = 2**30
+
+
+def _Report(run, chips):
+  """The CandidateReport of `run` planned on `chips` (its model's own
+  candidate), and the wall seconds it took."""
+  # pylint: disable=g-import-not-at-top
+  from gpipe.plan import candidate as candidate_lib
+  from gpipe.plan import roofline
+  from gpipe.plan import targets
+  # pylint: enable=g-import-not-at-top
+  name = f'lm.MaxText{run}OnV5e{chips}'
+  target = targets.ModelTarget(name)
+  stack = target.stack_params
+  start = time.time()
+  plan = candidate_lib.MakePlan(
+      target, [targets.Candidate(stack.num_microbatches, 1,
+                                 stack.remat_policy)], chips,
+      roofline.CHIPS['v5e'], roofline.CHIPS['v5e'].hbm_bytes,
+      log=lambda m: print(m, file=sys.stderr, flush=True))
+  return name, plan.reports[0], time.time() - start
+
+
+def _Row(run, name, report, efficiency, seconds):
+  """One Markdown row: the run, its planned figures at `efficiency`."""
+  # pylint: disable=g-import-not-at-top
+  from params import published_runs
+  # pylint: enable=g-import-not-at-top
+  published = published_runs.RUNS[run]
+  p = report.Predicted(efficiency)
+  n = report.compiled.num_devices
+  tokens = published.per_device_batch * published_runs.SEQ_LEN * n
+  counted = published_runs.CountedFlops(published_runs.MaxTextDims(
+      published.scale), tokens)
+  counted_mfu = counted / (n * p.peak_flops * p.step_seconds_calibrated)
+  error = p.mfu_calibrated / published.mfu - 1
+  return (f'| {run} | {name} | {published.mfu:.2%} | '
+          f'{p.mfu_calibrated:.2%} | {error:+.1%} | {counted_mfu:.2%} | '
+          f'{p.mfu_ceiling:.2%} | {p.step_seconds_calibrated:.2f} | '
+          f'{p.matmul_seconds / efficiency:.2f} | '
+          f'{p.compute_seconds - p.matmul_seconds:.3f} | '
+          f'{p.memory_seconds:.2f} | '
+          f'{p.collective_seconds - p.hidden_calibrated_seconds:.3f} of '
+          f'{p.collective_seconds:.2f} | '
+          f'{report.per_device_bytes["peak"] / GIB:.1f} | {seconds:.0f} |'
+          ), abs(error)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog='python -m benchmarks.calibration')
+  parser.add_argument('--chips', choices=('own', 'fewer'), default='fewer')
+  parser.add_argument('--only', default='16B,32B,64B,128B',
+                      help='runs to plan (the first is the fitted one)')
+  args = parser.parse_args(argv)
+  # pylint: disable=g-import-not-at-top
+  import gpipe  # pylint: disable=unused-import
+  from gpipe.lingvo_support import flags_and_seeds
+  flags_and_seeds.EnsureFlagsParsed()
+  from gpipe.plan import calibration
+  import params.lm  # pylint: disable=unused-import
+  from params import published_runs
+  # pylint: enable=g-import-not-at-top
+  runs = args.only.split(',')
+  planned = []
+  for run in runs:
+    chips = (published_runs.RUNS[run].chips if args.chips == 'own' else
+             published_runs.FEWER_CHIPS[run])
+    planned.append((run, *_Report(run, chips)))
+  fitted_run, _, fitted, _ = planned[0]
+  efficiency = calibration.Fit(
+      lambda e: fitted.Predicted(e).mfu_calibrated,
+      published_runs.RUNS[fitted_run].mfu)
+  print(f'Matrix units\' efficiency fitted on {fitted_run}: '
+        f'{efficiency:.4f} of peak.\n')
+  print('| run | planned as | MFU published | MFU predicted | error | '
+        'MFU as MaxText counts | ceiling | step (s) | matrix work (s) | '
+        'other compute (s) | HBM (s) | collectives left of all (s) | '
+        'peak (GiB) | plan (s) |')
+  print('|' + '---|' * 14)
+  worst = 0.0
+  for run, name, report, seconds in planned:
+    row, error = _Row(run, name, report, efficiency, seconds)
+    print(row)
+    if run != fitted_run:
+      worst = max(worst, error)
+  print(f'\nLargest error of a prediction: {worst:.1%} (target: 10 %).')
+  return 0 if worst <= 0.10 else 1
+
+
+if __name__ == '__main__':
+  sys.exit(main())
