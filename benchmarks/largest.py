@@ -6,8 +6,12 @@ For lm.LargestOn8x16GiB (8 chips) and lm.LargestOn32x16GiB (32 chips), each
 of 16 GiB, TPU v5e roofline, it runs `python -m gpipe.plan --json` on the
 model's own candidate (with --meshes, on other meshes of the same chips
 too, ranked by the predicted step: the targets are still checked on the
-model's own mesh, and the planner's pick is said if it is another) and
-prints, beside GPipe's largest
+model's own mesh, and the planner's pick is said if it is another), and
+the same model in the layouts a user who does not pipeline would pick on
+the same chips (NO_PIPELINE: one stage, FSDP over the data axis, tensor
+parallelism over the model axis), all in one table ranked by the
+calibrated step, each with its ceiling, no-overlap and overlapped MFU
+beside, and prints, beside GPipe's largest
 Transformer on as many accelerators of 16 GB (Huang et al., 2019, Table
 1): the bytes per chip, the predicted step in its parts (the model's own
 compute, the bubble, the rest of the compute (a recomputed forward, the
@@ -15,8 +19,8 @@ optimizer), HBM traffic, collectives by mesh axis), and per mesh axis the
 bytes a chip sends against the least it must (gpipe.plan.traffic_floor).
 Then it checks the targets, and exits 1 if one fails:
 
-    recommended, at a predicted MFU of at least 50 % (collectives not
-    overlapped with anything), peak at most 90 % of 16 GiB, weights per
+    recommended, at a calibrated MFU of at least 50 % (the planner's
+    prediction: gpipe.plan.calibration), peak at most 90 % of 16 GiB, weights per
     chip at most 1.1 x total / N, FLOPs per chip at most 1.1 x the
     unpartitioned step's / N, bubble at most 0.1, every set of mesh axes
     sending between 0.95 and 1.25 x its floor (less than 0.95 would be
@@ -45,6 +49,14 @@ MODELS = (
     ('lm.LargestOn8x16GiB', 8, 5.3e9, 10.6e9, ('2x1x4',)),
     ('lm.LargestOn32x16GiB', 32, 21.0e9, 42e9, ('16x1x2', '32x1x1')),
 )
+# The layouts a user who does not pipeline would pick on the same chips:
+# one stage of every block, FSDP over the data axis and tensor parallelism
+# over the model axis, each microbatch one row a data replica
+# ({model: ((mesh, num_microbatches), ...)}).
+NO_PIPELINE = {
+    'lm.LargestOn8x16GiB': (('1x4x2', 8), ('1x2x4', 16)),
+    'lm.LargestOn32x16GiB': (('1x8x4', 32),),
+}
 TARGETS = dict(mfu=0.5, peak=0.9, weights=1.1, flops=1.1, bubble=0.1,
                least_floor=0.95, floor=1.25)
 
@@ -70,8 +82,8 @@ def _Checks(plan, checked, num_devices, least_params):
   checks = [
       ('parameters (B)', params / 1e9, least_params / 1e9,
        params >= least_params),
-      ('predicted MFU', c['predicted']['mfu'], TARGETS['mfu'],
-       c['predicted']['mfu'] >= TARGETS['mfu']),
+      ('predicted MFU (calibrated)', c['predicted']['mfu_calibrated'],
+       TARGETS['mfu'], c['predicted']['mfu_calibrated'] >= TARGETS['mfu']),
       ('peak / 16 GiB', b['peak'] / (HBM_GIB * GIB), TARGETS['peak'],
        b['peak'] <= TARGETS['peak'] * HBM_GIB * GIB),
       ('weights per chip / (total / N)', weights_share, TARGETS['weights'],
@@ -90,22 +102,26 @@ def _Checks(plan, checked, num_devices, least_params):
   return checks
 
 
-def _Candidates(plan):
-  """The candidates, fastest predicted first, as table rows."""
-  rows = ['| mesh | M | R | remat | peak GiB | fits | pred. step s | '
-          'pred. MFU |', '|---|---|---|---|---|---|---|---|']
-  order = sorted(range(len(plan['candidates'])),
-                 key=lambda i: plan['candidates'][i]['predicted_step_seconds'])
-  for i in order:
-    c = plan['candidates'][i]
+def _Candidates(plans):
+  """Every candidate of `plans` (the same model on the same chips),
+  fastest calibrated step first, as table rows."""
+  rows = ['| mesh | FSDP | M | R | remat | peak GiB | fits | step s | MFU | '
+          'ceiling | no overlap | overlapped |', '|---' * 12 + '|']
+  candidates = [(c, i == plan['recommended']) for plan in plans
+                for i, c in enumerate(plan['candidates'])]
+  percent = lambda f: f'{100 * f:.1f} %'
+  for c, picked in sorted(
+      candidates, key=lambda x: x[0]['predicted']['step_seconds_calibrated']):
+    p = c['predicted']
     rows.append(
         f"| {'x'.join(map(str, c['mesh_shape']))} | "
+        f"{','.join(map(str, c.get('fsdp_mesh_dims', []))) or '-'} | "
         f"{c['num_microbatches']} | {c['circular_repeat']} | "
         f"{c['remat_policy']} | {c['per_device_bytes']['peak'] / GIB:.2f} | "
         f"{'yes' if c['fits'] else 'NO'} | "
-        f"{c['predicted_step_seconds']:.2f}"
-        f"{'*' if i == plan['recommended'] else ''} | "
-        f"{100 * c['predicted']['mfu']:.0f} % |")
+        f"{p['step_seconds_calibrated']:.2f}{'*' if picked else ''} | "
+        f"{percent(p['mfu_calibrated'])} | {percent(p['mfu_ceiling'])} | "
+        f"{percent(p['mfu'])} | {percent(p['mfu_overlapped'])} |")
   return rows
 
 
@@ -123,12 +139,22 @@ def _StepParts(c):
                     ('collectives (overlap nothing)', 'collective_seconds'),
                     ('step = max(compute, HBM) + collectives',
                      'step_seconds'),
-                    ('of the collectives, hidden under compute beside '
-                     'them (overlapped)', 'hidden_collective_seconds'),
-                    ('overlapped step (not checked)',
-                     'step_seconds_overlapped')):
+                    ('of the collectives, hidden by a schedule at peak',
+                     'hidden_collective_seconds'),
+                    ('overlapped step, at peak', 'step_seconds_overlapped'),
+                    ('matrix work at peak', 'matmul_seconds'),
+                    ('compute, the matrix work at the fitted efficiency',
+                     'compute_seconds_calibrated'),
+                    ('of the collectives, hidden by a schedule at that '
+                     'speed', 'hidden_calibrated_seconds'),
+                    ('calibrated step (the prediction, checked)',
+                     'step_seconds_calibrated'),
+                    ('ceiling: max(compute, HBM) at peak',
+                     'step_seconds_ceiling')):
     rows.append(f'| {what} | {p[key]:.3f} |')
-  rows.append(f"| MFU, no overlap / overlapped | {100 * p['mfu']:.1f} % / "
+  rows.append(f"| MFU: calibrated / ceiling / no overlap / overlapped | "
+              f"{100 * p['mfu_calibrated']:.1f} % / "
+              f"{100 * p['mfu_ceiling']:.1f} % / {100 * p['mfu']:.1f} % / "
               f"{100 * p['mfu_overlapped']:.1f} % |")
   return rows
 
@@ -199,7 +225,8 @@ def _Report(model, num_devices, gpipe_params, least_params, meshes):
   print(f'{params / 1e9:.1f} B parameters ({params / gpipe_params:.2f} x '
         f"GPipe's {gpipe_params / 1e9:.1f} B on {num_devices} accelerators "
         f'of 16 GB); planned in {seconds:.0f} s.\n')
-  print('\n'.join(_Candidates(plan)))
+  plans = [plan] + _NoPipelinePlans(model, num_devices)
+  print('\n'.join(_Candidates(plans)))
   for reason in plan['skipped']:
     print(f"\nskipped {'x'.join(map(str, reason['mesh_shape'] or []))}: "
           f"{reason['reason']}")
@@ -212,6 +239,25 @@ def _Report(model, num_devices, gpipe_params, least_params, meshes):
     print(f"| {what} | {shown} | {bound} | {'yes' if ok else 'NO'} |")
   print()
   return all(ok for *_, ok in checks)
+
+
+def _NoPipelinePlans(model, num_devices):
+  """The model planned in NO_PIPELINE's layouts (one plan each: their
+  microbatches differ); a layout that cannot be planned is said."""
+  plans = []
+  for mesh, microbatches in NO_PIPELINE.get(model, ()):
+    plan, error, seconds = flagships.Plan(
+        model, 'v5e', HBM_GIB, num_devices=num_devices,
+        extra=['--mesh', mesh, '--fsdp_mesh_dim', '1', '--num_microbatches',
+               str(microbatches), '--circular_repeat', '1'])
+    if plan is None:
+      print(f'No pipeline on {mesh}: not planned: {error}\n')
+    else:
+      print(f'No pipeline on {mesh} (FSDP over axis 1, M={microbatches}): '
+            f'planned in {seconds:.0f} s.')
+      plans.append(plan)
+  print()
+  return plans
 
 
 def main(argv=None):

@@ -15,6 +15,7 @@ pipeline, FSDP and tensor parallelism, as MaxText's runs split a model):
 """
 
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ from tests import close
 
 flags_and_seeds.EnsureFlagsParsed()
 
-DIM, HEADS, HIDDEN = 32, 4, 128
+DIM, HEADS, HIDDEN, BATCH, SEQ = 32, 4, 128, 16, 16
 DATA = pod_blocks.PodMesh.DATA_AXIS
 
 
@@ -98,6 +99,11 @@ def test_partitioned_it_equals_one_device_each_weight_split_and_gathered(
         name).BLOCKS_PER_STAGE, (shape, used)
   assert report.gathered_over == (DATA,)
   assert report.GatheredWeights() == []
+  # No pipeline: the microbatches' rows split over the data axis, never
+  # the whole batch's activations [1, 16, 16, 32] on a chip.
+  if mesh.stages == 1:
+    assert f'[{BATCH},{SEQ},{DIM}]' not in report.run.hlo
+    assert f'[{BATCH // mesh.data},{SEQ},{DIM}]' in report.run.hlo
 
 
 @pytest.mark.runs_long
@@ -171,3 +177,39 @@ def test_fsdp_adds_the_data_axis_on_the_model_dim():
       [DATA, 2], [2, DATA]]
   # A copy: the block itself is unchanged.
   assert block.tr_atten_tpl.atten_tpl.weight_split_dims_mapping == [-1, 2, -1]
+
+
+def test_the_planner_makes_fsdp_candidates_and_refuses_a_body_without():
+  """--fsdp_mesh_dim none,1 on a mesh model: a candidate with FSDP and one
+  without, each said; a stage body with no fsdp_mesh_dim is refused as
+  its candidates are built, and a stage axis of 1 with --circular_repeat
+  2 before anything is."""
+  from gpipe.model_step import stacks  # pylint: disable=g-import-not-at-top
+  from gpipe.plan import cli as plan_cli  # pylint: disable=g-import-not-at-top
+  from gpipe.plan import flags as plan_flags  # pylint: disable=g-import-not-at-top
+  _, args = plan_flags.Parse(['--model', 'lm.LargestMeshSmall', '--mesh',
+                              '1x4x2,2x2x2', '--fsdp_mesh_dim', 'none,1'])
+  _, _, candidates = plan_cli._Candidates(None, args)  # pylint: disable=protected-access
+  said = [c.Describe() for c in candidates]
+  assert said == [
+      'M=4 R=1 save_checkpoints mesh 1x4x2 no fsdp',
+      'M=4 R=1 save_checkpoints mesh 1x4x2 fsdp over axis 1',
+      'M=4 R=1 save_checkpoints mesh 2x2x2 no fsdp',
+      'M=4 R=1 save_checkpoints mesh 2x2x2 fsdp over axis 1'], said
+  stack = lm.model_registry.GetParams('lm.LargestMeshSmall',
+                                      'Train').task.stack
+  stacks.SetSchedule(stack, candidates[1])
+  assert stack.single_stage_body.fsdp_mesh_dim == 1
+  stacks.SetSchedule(stack, candidates[2])
+  assert stack.single_stage_body.fsdp_mesh_dim is None
+  copy = lm.model_registry.GetParams('lm.CopyLMSmall', 'Train').task.stack
+  with pytest.raises(stacks.StackError, match=(
+      r'fsdp_mesh_dim=1: the stage body StageBlocks has no fsdp_mesh_dim '
+      r'param; FSDP needs a body that gathers its weights')):
+    stacks.SetSchedule(copy, dataclasses.replace(candidates[1], mesh=None))
+  _, args = plan_flags.Parse(['--model', 'lm.LargestMeshSmall', '--mesh',
+                              '1x4x2', '--circular_repeat', '2'])
+  with pytest.raises(targets.PlanError, match=(
+      r'--mesh 1x4x2 has a stage axis of 1 device \(no pipeline\), but '
+      r'--circular_repeat asks for 2')):
+    plan_cli._Candidates(None, args)  # pylint: disable=protected-access

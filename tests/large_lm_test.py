@@ -340,6 +340,12 @@ def test_the_largest_benchmark_knows_each_models_mesh():
     assert np.prod(own) == devices, (model, own)
     for mesh in others:
       assert np.prod([int(n) for n in mesh.split('x')]) == devices, mesh
+    # Without a pipeline: one stage, the same chips, a row a replica.
+    batch = lm.model_registry.GetParams(model, 'Train').input.batch_size
+    for mesh, microbatches in largest.NO_PIPELINE[model]:
+      shape = [int(n) for n in mesh.split('x')]
+      assert shape[0] == 1 and np.prod(shape) == devices, mesh
+      assert microbatches * shape[1] == batch, (mesh, microbatches)
 
 
 def test_the_largest_benchmark_checks_the_models_own_mesh(capsys):
@@ -354,7 +360,7 @@ def test_the_largest_benchmark_checks_the_models_own_mesh(capsys):
         mesh_shape=mesh, num_microbatches=256, circular_repeat=1,
         remat_policy='save_checkpoints', backward_schedule='1f1b',
         stream_io=True, stored_activation_bytes=gib, flops_ratio=0.9,
-        bubble_fraction=0.03, predicted_step_seconds=10 / mfu,
+        bubble_fraction=0.03, predicted_step_seconds=10 / mfu, fits=True,
         per_device_bytes=dict(peak=peak_gib * gib, weights=gib,
                               optimizer=0, temp=gib),
         predicted=dict(mfu=mfu, compute_seconds=1, model_compute_seconds=1,
@@ -362,7 +368,11 @@ def test_the_largest_benchmark_checks_the_models_own_mesh(capsys):
                        memory_traffic_seconds=1, collective_seconds=1,
                        step_seconds=10 / mfu, hidden_collective_seconds=0,
                        step_seconds_overlapped=10 / mfu,
-                       mfu_overlapped=mfu),
+                       mfu_overlapped=mfu, matmul_seconds=1,
+                       compute_seconds_calibrated=1,
+                       hidden_calibrated_seconds=0,
+                       step_seconds_calibrated=10 / mfu, mfu_calibrated=mfu,
+                       step_seconds_ceiling=1, mfu_ceiling=mfu),
         collective_bytes_sent_per_step={'model': {'all-reduce': gib}},
         collective_floor_per_step={'model': {'bytes': gib}},
         collective_sent_over_floor={'model': 1.0})
@@ -377,8 +387,12 @@ def test_the_largest_benchmark_checks_the_models_own_mesh(capsys):
   checks = {what: (value, ok) for what, value, _, ok in largest._Checks(  # pylint: disable=protected-access
       plan, checked, 32, 42e9)}
   assert checks['peak / 16 GiB'] == (13.0 / 16, True)
-  assert checks['predicted MFU'] == (0.50, True)
+  assert checks['predicted MFU (calibrated)'] == (0.50, True)
   largest._PrintChecked(plan, checked)  # pylint: disable=protected-access
   printed = capsys.readouterr().out
   assert 'The planner recommends mesh 16x1x2' in printed
   assert 'Its own mesh: mesh 8x1x4' in printed
+  # Both candidates in one table, the faster calibrated step first.
+  rows = largest._Candidates([plan])  # pylint: disable=protected-access
+  assert rows[2].startswith('| 16x1x2 | - | 256 |') and '*' in rows[2]
+  assert rows[3].startswith('| 8x1x4 | - | 256 |'), rows

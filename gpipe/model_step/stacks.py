@@ -165,6 +165,22 @@ def SetSchedule(stack_params, candidate):
         num_stages=candidate.mesh[stack_params.pipeline_stage_mesh_dim],
         device_mesh=np.arange(np.prod(candidate.mesh)).reshape(
             candidate.mesh))
+  if getattr(candidate, 'fsdp_mesh_dim', None) is not None:
+    _SetFsdp(stack_params, candidate.fsdp_mesh_dim)
+
+
+def _SetFsdp(stack_params, axis):
+  """The stage body's fsdp_mesh_dim (a negative axis: none), for a body
+  that stores its weights split over a mesh axis and gathers them where
+  it uses them (params.pod_blocks.BatchMajorStage)."""
+  body = stack_params.single_stage_body
+  if body is None or 'fsdp_mesh_dim' not in body:
+    name = body.cls.__name__ if body is not None else 'stage_parallel_body'
+    raise StackError(
+        f'fsdp_mesh_dim={axis}: the stage body {name} has no fsdp_mesh_dim '
+        'param; FSDP needs a body that gathers its weights where it uses '
+        'them (e.g. params.pod_blocks.BatchMajorStage).')
+  body.fsdp_mesh_dim = None if axis < 0 else axis
 
 
 def _OnlyTheDefaultPolicy(candidate, client_name):

@@ -345,6 +345,7 @@ class CandidateReport:
         'stored_activation_bytes': self.stored_activation_bytes,
         'permute_bytes_per_iteration': self.permute_bytes_per_iteration,
         'mesh_shape': list(self.mesh_shape),
+        'fsdp_mesh_dims': list(self.gathered_over),
         'stage_axis': self.stage_axis,
         'loops': self.LoopSummaries(),
         'outside_loops_by_mesh_axes': self.outside_by_mesh_axes,

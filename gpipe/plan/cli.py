@@ -72,8 +72,10 @@ def _Candidates(parser, args):
                             '--num_microbatches.')
   policy0 = param_checks.RematPolicy(stack)
   candidates = [
-      targets.Candidate(m, r, policy, mesh, schedule, stream_io)
-      for mesh in _Meshes(stack, args.mesh, num_devices)
+      targets.Candidate(m, r, policy, mesh, schedule, stream_io, fsdp)
+      for mesh in _Meshes(stack, args.mesh, num_devices,
+                          args.circular_repeat)
+      for fsdp in (args.fsdp_mesh_dim or [None])
       for schedule in (args.backward_schedule or [None])
       for stream_io in (args.stream_io or [None])
       for policy in (args.remat_policy or [policy0])
@@ -92,7 +94,7 @@ def _OwnRepeat(stack, mesh):
   return stack.circular_repeat
 
 
-def _Meshes(stack, meshes, num_devices):
+def _Meshes(stack, meshes, num_devices, circular_repeat=None):
   """The --mesh candidates, checked against the stack; [None] without.
 
   Raises:
@@ -109,6 +111,12 @@ def _Meshes(stack, meshes, num_devices):
   rank = np.ndim(stack.device_mesh)
   for mesh in meshes:
     name = targets.MeshName(mesh)
+    if mesh[stack.pipeline_stage_mesh_dim] == 1 and (
+        any(r > 1 for r in circular_repeat or ())):
+      raise targets.PlanError(
+          f'--mesh {name} has a stage axis of 1 device (no pipeline), but '
+          f'--circular_repeat asks for {max(circular_repeat)}: there is no '
+          'pipeline to circle; plan that mesh with --circular_repeat 1.')
     if len(mesh) != rank:
       raise targets.PlanError(
           f'--mesh {name}: the model\'s device_mesh has {rank} axes '

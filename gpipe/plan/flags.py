@@ -103,6 +103,23 @@ def _ScheduleList(text):
 _BOOLS = {'true': True, 'false': False}
 
 
+def _FsdpList(text):
+  """'none,1' -> [-1, 1] (targets.NO_FSDP for none)."""
+  values = []
+  for v in (v.strip().lower() for v in text.split(',') if v.strip()):
+    if v == 'none':
+      values.append(-1)
+    elif v.isdigit():
+      values.append(int(v))
+    else:
+      values = []
+      break
+  if not values:
+    raise argparse.ArgumentTypeError(
+        f'expected mesh axes or none (e.g. none,1), got {text!r}')
+  return values
+
+
 def _BoolList(text):
   """'false,true' -> [False, True]."""
   values = [v.strip().lower() for v in text.split(',') if v.strip()]
@@ -164,6 +181,12 @@ def Parse(argv=None):
                       '(depth kept), the others what the body splits over '
                       'them; each of --num_devices devices (default: the '
                       'model\'s own)')
+  parser.add_argument('--fsdp_mesh_dim', type=_FsdpList, default=None,
+                      metavar='none,1',
+                      help='candidates: the mesh axis the stage body also '
+                      'stores its weights (and slots) split over, gathering '
+                      'them where it uses them (FSDP), or none (default: '
+                      'the body\'s own); see params/fsdp.py')
   parser.add_argument('--depth_param', default='num_blocks',
                       help='stage-body param holding its depth, scaled to '
                       'keep S x R x depth fixed as circular_repeat varies')

@@ -160,7 +160,10 @@ def _KeyColumns(plan):
       ('candidate', 'mesh', 7, lambda r, i: targets.MeshName(r.mesh_shape))]
   backward = [] if not plan.SchedulesShown() else [
       ('candidate', 'backward', 10, lambda r, i: BackwardName(r))]
-  return meshes + backward + [
+  fsdp = [] if len({r.gathered_over for r in plan.reports}) < 2 else [
+      ('candidate', 'fsdp', 4,
+       lambda r, i: ','.join(map(str, r.gathered_over)) or '-')]
+  return meshes + fsdp + backward + [
       ('candidate', 'M', 4, lambda r, i: r.candidate.num_microbatches),
       ('candidate', 'R', 3, lambda r, i: r.candidate.circular_repeat),
       ('candidate', 'remat', max([9] + [len(c.remat_policy) for c in (

@@ -33,13 +33,22 @@ class Candidate:
   # 'reverse' or '1f1b', and stream_io; None: the stack's own.
   backward_schedule: str = None
   stream_io: bool = None
+  # The mesh axis the stage body stores its weights split over too (FSDP;
+  # NO_FSDP: none); None: the body's own.
+  fsdp_mesh_dim: int = None
 
   def Describe(self):
     mesh = f' mesh {MeshName(self.mesh)}' if self.mesh else ''
     schedule = f' {self.backward_schedule}' if self.backward_schedule else ''
     io = {None: '', True: ' stream_io', False: ' no stream_io'}[self.stream_io]
+    fsdp = {None: '', NO_FSDP: ' no fsdp'}.get(
+        self.fsdp_mesh_dim, f' fsdp over axis {self.fsdp_mesh_dim}')
     return (f'M={self.num_microbatches} R={self.circular_repeat} '
-            f'{self.remat_policy}{schedule}{io}{mesh}')
+            f'{self.remat_policy}{schedule}{io}{mesh}{fsdp}')
+
+
+# Candidate.fsdp_mesh_dim of a candidate without FSDP.
+NO_FSDP = -1
 
 
 def MeshName(shape):
