@@ -214,3 +214,19 @@ def test_over_mesh_axis_decides_only_the_stage_axis_and_rows(graph):
   assert dx.op.type != 'XlaSharding'
   assert _Annotation(place.ReplicateBookkeeping(x)) == 'replicated'
   assert place.mesh[1] == 0
+
+
+def test_one_stage_on_a_mesh_leaves_the_rows_to_the_data_axis(graph):
+  """A stage axis of one device (no pipeline): the [M, rows, ...] tensors
+  keep only their loop dim whole, and stage 0's read leaves its rows open
+  too, so that the data axis splits the batch (whole, every chip would
+  hold all of it)."""
+  del graph
+  place = sharding.StagePlacement(
+      1, device_mesh=np.arange(8).reshape(1, 4, 2), mesh_dim=0)
+  looped = place.ReplicateLoopDim(tf.zeros([3, 4, 6]))
+  assert list(looped.op.get_attr('unspecified_dims')) == [1, 2]
+  read = place.ReplicateOverStages(tf.zeros([4, 6]))
+  if read.op.type == 'IdentityN':  # tf.custom_gradient's wrapper
+    read = read.op.inputs[0]
+  assert list(read.op.get_attr('unspecified_dims')) == [0, 1]

@@ -345,7 +345,7 @@ BUGS = (
         'gpipe/sharding.py',
         '    return self._WholeIn(x, 2 if self.num_stages > 1 else 1)',
         '    return self._WholeIn(x, 2)',
-        ('tests/fsdp_test.py', '-k', 'NoPipeline')),
+        ('tests/sharding_test.py', '-k', 'one_stage')),
     Bug('fsdp-stored-as-used', "weights placed without their variable's own "
         'annotation (split only where used)', 'gpipe/layers.py',
         '    if self._placement.mesh is not None:\n'

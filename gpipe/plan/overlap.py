@@ -52,11 +52,11 @@ it is nested in.
 Nothing crosses an iteration: a body's schedule ends when all of its
 instructions have, so a collective is hidden only beside work of its own
 iteration (XLA:TPU's collective pipeliner can move some across; the
-planner does not credit it). The overlapped step is the no-overlap step
-less what is hidden, never below max(compute, memory traffic): what is
-hidden counts the collectives' latency and HBM time too, which the
-no-overlap step leaves out, so where they dominate only that floor holds
-it. The planner's targets and its pick keep the no-overlap figure.
+planner does not credit it). A collective's duration is the one the
+roofline charges (gpipe.plan.collectives.Seconds); the overlapped step is
+the no-overlap step less what is hidden, never below max(compute, memory
+traffic). The calibrated step (what the planner's pick and targets use)
+is scheduled the same way, its matrix work at the fitted efficiency.
 """
 
 import collections
