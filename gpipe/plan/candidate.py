@@ -315,7 +315,7 @@ class CandidateReport:
         'collective_floor_per_step': {
             f.axes: {'bytes': f.bytes,
                      'bytes_without_recompute': f.without_recompute,
-                     'parts': f.parts}
+                     'parts': f.parts, 'layout': f.layout}
             for f in self.traffic_floors},
         'collective_sent_over_floor': Over(lambda f: f.bytes),
         'collective_sent_over_floor_without_recompute':

@@ -378,6 +378,8 @@ def _SentAndFloor(r):
     if floor and floor.without_recompute:
       item = (f'{axes} {Bytes(sent)} / floor {Bytes(floor.without_recompute)}'
               f' = {sent / floor.without_recompute:.2f}')
+      if floor.layout:
+        item += f' [assumes {floor.layout}]'
       if floor.without_recompute != floor.bytes:
         item += (' (a recomputed forward\'s reductions counted as needed: '
                  f'floor {Bytes(floor.bytes)}, {sent / floor.bytes:.2f})')

@@ -111,11 +111,31 @@ def _Ring(n):
   return 2.0 * (n - 1) / n if n > 1 else 0.0
 
 
+# The layout each floor assumes, named where the report gives the floor.
+LAYOUTS = {
+    'stage': 'a pipeline: a call\'s output handed on once, its gradient '
+             'back once',
+    'model': 'Megatron-style tensor parallelism: a block\'s activations '
+             'reduced after attention and feed-forward',
+    'data': 'data parallelism: the gradients reduced once a step (an FSDP '
+            'layout\'s weight gathers are not in it)',
+    'tables': 'vocab-sized tables gathered once, their gradients summed '
+              'into each share',
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Floor:
-  """The floor of one set of mesh axes: its parts, bytes per chip a step."""
+  """The floor of one set of mesh axes: its parts, bytes per chip a step,
+  and the layouts it assumes (LAYOUTS' keys)."""
   axes: str  # as gpipe.plan.collectives.AxisName names them
   parts: dict  # {what: bytes}
+  layouts: tuple = ()
+
+  @property
+  def layout(self):
+    """What the floor assumes, said: LAYOUTS of its layouts, '; '."""
+    return '; '.join(LAYOUTS[k] for k in self.layouts)
 
   @property
   def bytes(self):
@@ -147,14 +167,16 @@ def Floors(shape, schedule, mesh_shape, remat_policy, gradient_bytes):
   if size('stage') > 1:
     floors.append(Floor(names[roles['stage']], {
         'activations and their gradients, stage to stage':
-            2 * m * r * elements * shape.activation_bytes}))
+            2 * m * r * elements * shape.activation_bytes}, ('stage',)))
   if size('model') > 1 and shape.model_reductions is not None:
     one = _Ring(size('model')) * elements * shape.compute_bytes
     floors.append(Floor(names[roles['model']],
-                        _ModelParts(shape, remat_policy, m, r, one)))
+                        _ModelParts(shape, remat_policy, m, r, one),
+                        ('model',)))
   if size('data') > 1:
     floors.append(Floor(names[roles['data']], {
-        'one gradient reduction': _Ring(size('data')) * gradient_bytes}))
+        'one gradient reduction': _Ring(size('data')) * gradient_bytes},
+                        ('data',)))
   for table in shape.tables:
     floors += _TableFloors(table, mesh_shape, names)
   return _Merged(floors)
@@ -195,12 +217,12 @@ def _TableFloors(table, mesh_shape, names):
   n, axes = _Devices(gathered, mesh_shape, names)
   if n > 1:
     floors.append(Floor(axes, {
-        'tables gathered': (n - 1) / n * elements * nbytes}))
+        'tables gathered': (n - 1) / n * elements * nbytes}, ('tables',)))
   sums, axes = _Devices(summed, mesh_shape, names)
   if sums > 1:
     floors.append(Floor(axes, {
         'tables\' gradients summed':
-            (sums - 1) * elements / n * gradient_bytes}))
+            (sums - 1) * elements / n * gradient_bytes}, ('tables',)))
   return floors
 
 
@@ -216,12 +238,14 @@ def _Devices(axes, mesh_shape, names):
 
 def _Merged(floors):
   """Floors of the same axes as one (parts of the same name added)."""
-  merged = {}
+  merged, layouts = {}, {}
   for f in floors:
     parts = merged.setdefault(f.axes, {})
     for what, nbytes in f.parts.items():
       parts[what] = parts.get(what, 0.0) + nbytes
-  return [Floor(axes, parts) for axes, parts in merged.items()]
+    layouts[f.axes] = tuple(dict.fromkeys(layouts.get(f.axes, ()) +
+                                          f.layouts))
+  return [Floor(axes, parts, layouts[axes]) for axes, parts in merged.items()]
 
 
 def Ratios(per_axis, floors):

@@ -241,7 +241,8 @@ def test_a_step_under_its_floor_is_a_problem_and_not_recommended():
   give the model floor with and without its recomputed part."""
   from gpipe.plan import report as report_lib  # pylint: disable=g-import-not-at-top
   model = traffic_floor.Floor('model', {'the body\'s reductions': 80.0,
-                                        traffic_floor.RECOMPUTED: 20.0})
+                                        traffic_floor.RECOMPUTED: 20.0},
+                              ('model',))
   honest = _Report({'model': {'all-reduce': 120.0}}, [model])
   under = _Report({'model': {'all-reduce': 90.0}}, [model])
   assert not honest.Problems()
@@ -251,11 +252,13 @@ def test_a_step_under_its_floor_is_a_problem_and_not_recommended():
                          reports=[under, honest], skipped=[])
   assert plan.recommended == 1
   assert report_lib._SentAndFloor(honest) == [  # pylint: disable=protected-access
-      "model 120 B / floor 80.0 B = 1.50 (a recomputed forward's reductions "
-      'counted as needed: floor 100 B, 1.20)']
+      "model 120 B / floor 80.0 B = 1.50 [assumes Megatron-style tensor "
+      "parallelism: a block's activations reduced after attention and "
+      "feed-forward] (a recomputed forward's reductions counted as needed: "
+      'floor 100 B, 1.20)']
   assert honest.FloorsJson() == {
       'collective_floor_per_step': {'model': {
           'bytes': 100.0, 'bytes_without_recompute': 80.0,
-          'parts': model.parts}},
+          'parts': model.parts, 'layout': model.layout}},
       'collective_sent_over_floor': {'model': 1.2},
       'collective_sent_over_floor_without_recompute': {'model': 1.5}}
