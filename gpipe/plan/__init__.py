@@ -37,6 +37,7 @@ The parts, from the top down (each imports only parts below it):
   plot        --plot: each candidate's bytes per chip, drawn
   candidate   one candidate lowered, partitioned and compiled; its report
   report      every candidate's report, the table, JSON, recommendation
+  text_lines  the report's prose in lines of a fixed width
   targets     what to plan: a registered Lingvo model, or PipelinedLayer
               Params on inputs of given shapes; candidates (M, R, policy)
   model_flops the model's work MFU counts (its forward pass compiled alone)

@@ -8,17 +8,19 @@ the JSON's `measured_by_xla` / `from_the_schedule` /
 """
 
 import dataclasses
-import textwrap
 
 from gpipe.model_step import train_step
 from gpipe.plan import calibration
 from gpipe.plan import roofline
 from gpipe.plan import targets
+from gpipe.plan import text_lines
 from gpipe.plan import traffic_floor
 from gpipe.xla import hlo_text
 
 GIB = 2**30
-_WIDTH = 100  # the explanations' line width
+_WIDTH = text_lines.WIDTH
+_Wrap = text_lines.Wrap
+_Listed = text_lines.Listed
 
 _MEASURED_BY_XLA = [
     'per_device_bytes', 'flops_per_device', 'flops_unpartitioned',
@@ -289,20 +291,6 @@ def _Table(plan, columns):
       for i, r in enumerate(plan.reports)
   ]
   return lines
-
-
-def _Wrap(paragraph, **kwargs):
-  """The paragraph in lines of at most _WIDTH."""
-  return textwrap.wrap(paragraph, width=_WIDTH, break_on_hyphens=False,
-                       **kwargs)
-
-
-def _Listed(head, items, sep=', '):
-  """head and the items, joined by sep, in lines of at most _WIDTH
-  indented by 2 (continued by 4), broken between items where they fit."""
-  keep = [item.replace(' ', '\0') for item in items]
-  return [line.replace('\0', ' ') for line in _Wrap(
-      head + sep.join(keep), initial_indent='  ', subsequent_indent='    ')]
 
 
 def _Details(r):
