@@ -76,42 +76,56 @@ def _Row(run, name, report, efficiency, seconds):
           ), abs(error)
 
 
+def _Fitted(run, report, published_mfu):
+  """The efficiency fitted on `report` (run `run`), or None where the
+  measured MFU is out of the planned step's reach (said)."""
+  # pylint: disable=g-import-not-at-top
+  from gpipe.plan import calibration
+  # pylint: enable=g-import-not-at-top
+  try:
+    return calibration.Fit(lambda e: report.Predicted(e).mfu_calibrated,
+                           published_mfu)
+  except ValueError as e:
+    print(f'Not fitted on {run}: {e}\n')
+    return None
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(prog='python -m benchmarks.calibration')
   parser.add_argument('--chips', choices=('own', 'fewer'), default='fewer')
   parser.add_argument('--only', default='16B,32B,64B,128B',
-                      help='runs to plan (the first is the fitted one)')
+                      help='runs to plan (the first is the fitted one, '
+                      'unless --efficiency is given)')
+  parser.add_argument('--efficiency', type=float, default=None,
+                      help='predict at this efficiency instead of fitting '
+                      'one (a previous run\'s)')
   args = parser.parse_args(argv)
   # pylint: disable=g-import-not-at-top
   import gpipe  # pylint: disable=unused-import
   from gpipe.lingvo_support import flags_and_seeds
   flags_and_seeds.EnsureFlagsParsed()
-  from gpipe.plan import calibration
   import params.lm  # pylint: disable=unused-import
   from params import published_runs
   # pylint: enable=g-import-not-at-top
-  runs = args.only.split(',')
-  planned = []
-  for run in runs:
+  efficiency, worst = args.efficiency, 0.0
+  header = ('| run | planned as | MFU published | MFU predicted | error | '
+            'MFU as MaxText counts | ceiling | step (s) | matrix work (s) | '
+            'other compute (s) | HBM (s) | collectives left of all (s) | '
+            'peak (GiB) | plan (s) |\n|' + '---|' * 14)
+  for k, run in enumerate(args.only.split(',')):
     chips = (published_runs.RUNS[run].chips if args.chips == 'own' else
              published_runs.FEWER_CHIPS[run])
-    planned.append((run, *_Report(run, chips)))
-  fitted_run, _, fitted, _ = planned[0]
-  efficiency = calibration.Fit(
-      lambda e: fitted.Predicted(e).mfu_calibrated,
-      published_runs.RUNS[fitted_run].mfu)
-  print(f'Matrix units\' efficiency fitted on {fitted_run}: '
-        f'{efficiency:.4f} of peak.\n')
-  print('| run | planned as | MFU published | MFU predicted | error | '
-        'MFU as MaxText counts | ceiling | step (s) | matrix work (s) | '
-        'other compute (s) | HBM (s) | collectives left of all (s) | '
-        'peak (GiB) | plan (s) |')
-  print('|' + '---|' * 14)
-  worst = 0.0
-  for run, name, report, seconds in planned:
+    name, report, seconds = _Report(run, chips)
+    fitted_here = efficiency is None
+    if fitted_here:
+      efficiency = _Fitted(run, report, published_runs.RUNS[run].mfu) or 1.0
+      print(f'Matrix units\' efficiency fitted on {run}: '
+            f'{efficiency:.4f} of peak.\n')
+    if k == 0:
+      print(header)
     row, error = _Row(run, name, report, efficiency, seconds)
-    print(row)
-    if run != fitted_run:
+    print(row, flush=True)
+    if not fitted_here:
       worst = max(worst, error)
   print(f'\nLargest error of a prediction: {worst:.1%} (target: 10 %).')
   return 0 if worst <= 0.10 else 1

@@ -28,10 +28,11 @@ numbers: one stage of all its blocks on a [1, data, model] PodMesh with
 FSDP over the data axis (params/fsdp.py) and tensor parallelism over the
 model axis, the per-chip batch and sequence as published, each block
 recomputed in the backward pass from its stored input
-(remat_blocks with 'save_checkpoints', what `full` stores), Adam, the
-embedding tied and the loss taken where the one stage ends (large_lm.
-LargeLMTask with backward_schedule='1f1b': one iteration, no loop of
-its own for the loss). What differs, none of it in the
+(remat_blocks with 'save_checkpoints', what `full` stores: a step runs
+the forward twice and the backward once, as MaxText's does), Adam, the
+embedding tied (large_lm.LargeLMTask, the reverse schedule: its loss one
+sequence a chip at a time). Not backward_schedule='1f1b': with one stage
+its gradient loop would run each block's forward a third time. What differs, none of it in the
 matrix work: Lingvo's blocks are sequential (attention, then the
 feed-forward) where MaxText's are parallel, normalize with LayerNorm where
 MaxText uses RMSNorm (and normalizes queries, keys and values), add
@@ -154,8 +155,7 @@ class MaxTextRun(base_model_params.SingleTaskModelParams):
         shard_stages_1d=False, learning_rate=1e-4, max_steps=100000,
         max_seq_len=SEQ_LEN, batch_major=True, fprop_dtype=tf.bfloat16,
         stack_dtype=tf.bfloat16, mesh=mesh, remat_blocks=True, rotary=True,
-        stack_options=dict(remat_policy='save_checkpoints',
-                           backward_schedule='1f1b'),
+        stack_options=dict(remat_policy='save_checkpoints'),
         task_cls=large_lm.LargeLMTask)
 
 
