@@ -10,8 +10,11 @@ what it saves):
 
 A worker that fails (a Python error or an XLA abort: it exits, its exit
 code and stderr saying why) or outlives its timeout is ended; the next job
-for N starts a new one. Workers read their jobs from a pipe: when this
-process ends, so do they.
+for N starts a new one. So is one that has compiled a large module (a pod
+LM's step: a worker keeps the memory such a compile took, gigabytes a
+host needs for the next one); other workers end before a large job
+starts. Workers read their jobs from a pipe: when this process ends, so
+do they.
 """
 
 import atexit
@@ -30,6 +33,9 @@ _STDERR_TAIL = 4000
 # them starts a new worker. Others (e.g. PYTEST_CURRENT_TEST, set anew for
 # every test) do not.
 _WORKER_ENV_PREFIXES = ('XLA_', 'JAX_', 'TF_', 'PYTHON')
+# A module this large (its serialized HLO, spmd_worker's module.pb) runs
+# in a worker of its own and ends it: what the tests compile is a few MB.
+LARGE_MODULE_BYTES = 64 * 2**20
 
 
 class _Worker:
@@ -88,7 +94,10 @@ def RunJob(workdir, num_devices, timeout):
   the job written in `workdir` (spmd_worker's DIR)."""
   env = dict(os.environ)
   env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+  large = _IsLarge(workdir)
   with _LOCK:
+    if large:
+      _CloseWorkers(lambda n: n != num_devices)
     worker = _WORKERS.get(num_devices)
     if worker is not None and worker.env_key != _EnvKey(env):
       worker.Close()
@@ -101,6 +110,20 @@ def RunJob(workdir, num_devices, timeout):
       del _WORKERS[num_devices]
       worker.Close()
       raise
+    if large:
+      _CloseWorkers(lambda n: n == num_devices)
+
+
+def _IsLarge(workdir):
+  module = os.path.join(workdir, 'module.pb')
+  return (os.path.exists(module) and
+          os.path.getsize(module) > LARGE_MODULE_BYTES)
+
+
+def _CloseWorkers(which):
+  """Ends the workers whose device count `which` accepts (_LOCK held)."""
+  for n in [n for n in _WORKERS if which(n)]:
+    _WORKERS.pop(n).Close()
 
 
 def _EnvKey(env):
@@ -111,8 +134,7 @@ def CloseAll():
   """Ends every worker (they would end anyway once this process's end
   closes their stdin)."""
   with _LOCK:
-    while _WORKERS:
-      _WORKERS.popitem()[1].Close()
+    _CloseWorkers(lambda n: True)
 
 
 atexit.register(CloseAll)

@@ -81,3 +81,20 @@ def test_a_worker_asked_for_another_device_count_fails_saying_so(tmp_path):
     worker.Run(str(tmp_path), timeout=300)
   worker_pool.CloseAll()
   assert not worker_pool._WORKERS  # pylint: disable=protected-access
+
+
+def test_a_large_module_runs_alone_and_its_worker_ends(monkeypatch):
+  """A module over LARGE_MODULE_BYTES: the other device counts' workers
+  end before it runs, its own after (their memory back to the host); a
+  small one keeps its worker."""
+  _RunsRight(4)
+  kept = _RunsRight(2)
+  assert _RunsRight(2) == kept
+  workers = dict(worker_pool._WORKERS)  # pylint: disable=protected-access
+  monkeypatch.setattr(worker_pool, 'LARGE_MODULE_BYTES', 0)
+  x = np.arange(8, dtype=np.float32).reshape(2, -1)
+  run = partitioning.RunPartitioned(_Double, [x], 2)
+  np.testing.assert_array_equal(run.outputs[0], 2 * x)
+  assert not worker_pool._WORKERS  # pylint: disable=protected-access
+  for worker in workers.values():
+    assert worker._proc.poll() is not None  # pylint: disable=protected-access
