@@ -32,10 +32,10 @@ recomputed in the backward pass from its stored input
 the forward twice and the backward once, as MaxText's does), Adam, the
 embedding tied (large_lm.LargeLMTask, the reverse schedule: its loss one
 sequence a chip at a time). Not backward_schedule='1f1b': with one stage
-its gradient loop would run each block's forward a third time. What differs, none of it in the
-matrix work: Lingvo's blocks are sequential (attention, then the
-feed-forward) where MaxText's are parallel, normalize with LayerNorm where
-MaxText uses RMSNorm (and normalizes queries, keys and values), add
+its gradient loop would run each block's forward a third time. What
+differs, none of it in the matrix work: Lingvo's blocks are sequential
+(attention, then the feed-forward) where MaxText's are parallel,
+normalize with LayerNorm where MaxText uses RMSNorm (and normalizes queries, keys and values), add
 biases, a learned position table beside the rotary embedding, and a
 softmax bias (`ParameterCount` says by how much); the attention is a dense
 einsum, which computes all of the 2048 x 2048 scores as the run's flash
