@@ -31,6 +31,7 @@ figures measured on TPUs.
 """
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -57,12 +58,13 @@ def _Report(run, chips):
   return name, plan.reports[0], time.time() - start
 
 
-def _AllHiddenMfu(report, efficiency):
-  """The MFU of `report`'s step at `efficiency` with every collective
-  hidden: the bracket's other end (the planner's schedule hides less)."""
-  p = report.Predicted(efficiency)
-  return p.mfu_calibrated * p.step_seconds_calibrated / max(
-      p.compute_seconds_calibrated, p.memory_seconds)
+def _AllHiddenMfu(prediction, efficiency):
+  """The calibrated MFU of a step's roofline.Prediction at `efficiency`
+  with every collective hidden: the bracket's other end (the planner's
+  schedule hides less). No schedule is run: nothing is left to hide."""
+  return dataclasses.replace(
+      prediction, matmul_efficiency=efficiency,
+      hidden_calibrated_seconds=prediction.collective_seconds).mfu_calibrated
 
 
 def _Row(run, name, report, efficiency, seconds, hidden_efficiency):
@@ -79,7 +81,7 @@ def _Row(run, name, report, efficiency, seconds, hidden_efficiency):
       published.scale), tokens)
   counted_mfu = counted / (n * p.peak_flops * p.step_seconds_calibrated)
   error = p.mfu_calibrated / published.mfu - 1
-  all_hidden = _AllHiddenMfu(report, hidden_efficiency)
+  all_hidden = _AllHiddenMfu(p, hidden_efficiency)
   return (f'| {run} | {name} | {published.mfu:.2%} | '
           f'{p.mfu_calibrated:.2%} | {error:+.1%} | {all_hidden:.2%} | '
           f'{all_hidden / published.mfu - 1:+.1%} | {counted_mfu:.2%} | '
@@ -95,7 +97,8 @@ def _Row(run, name, report, efficiency, seconds, hidden_efficiency):
 
 def _Fitted(run, mfu_at, published_mfu):
   """The efficiency at which mfu_at(efficiency) of run `run` is its
-  published MFU, or 1.0 where that is out of reach (said)."""
+  published MFU, or 1.0 where that is out of reach (said: the rows then
+  show the step at peak, no fit)."""
   # pylint: disable=g-import-not-at-top
   from gpipe.plan import calibration
   # pylint: enable=g-import-not-at-top
@@ -142,9 +145,10 @@ def main(argv=None):
       published_mfu = published_runs.RUNS[run].mfu
       efficiency = _Fitted(run, lambda e: report.Predicted(e).mfu_calibrated,
                            published_mfu)
+      at_peak = report.Predicted(1.0)
       hidden_efficiency = _Fitted(
-          run, lambda e: _AllHiddenMfu(report, e), published_mfu)
-      print(f'Matrix units\' efficiency fitted on {run}: '
+          run, lambda e: _AllHiddenMfu(at_peak, e), published_mfu)
+      print(f'Matrix units\' efficiency from {run}: '
             f'{efficiency:.4f} of peak (the planner\'s step: the collectives '
             f'a schedule leaves); {hidden_efficiency:.4f} with every '
             'collective hidden.\n')
