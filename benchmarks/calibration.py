@@ -45,15 +45,21 @@ def _Report(run, chips):
   from gpipe.plan import candidate as candidate_lib
   from gpipe.plan import roofline
   from gpipe.plan import targets
+  from gpipe.plan import torus
+  import params.lm
   # pylint: enable=g-import-not-at-top
   name = f'lm.MaxText{run}OnV5e{chips}'
   target = targets.ModelTarget(name)
   stack = target.stack_params
+  # The links its mesh had on the run's own pod, whatever the chips planned.
+  chip = dataclasses.replace(
+      roofline.CHIPS['v5e'], links_per_axis=torus.LinksPerAxis(
+          params.lm.model_registry.GetClass(name).PublishedMeshShape()))
   start = time.time()
   plan = candidate_lib.MakePlan(
       target, [targets.Candidate(stack.num_microbatches, 1,
                                  stack.remat_policy)], chips,
-      roofline.CHIPS['v5e'], roofline.CHIPS['v5e'].hbm_bytes,
+      chip, chip.hbm_bytes,
       log=lambda m: print(m, file=sys.stderr, flush=True))
   return name, plan.reports[0], time.time() - start
 

@@ -13,7 +13,8 @@ model's step from shapes alone: about 80 s and 2 GB of host memory;
 --quick plans each model's own candidate only.
 
 Every byte and FLOP figure is XLA's for the partitioned module compiled
-for CPU devices; the step time and MFU are the planner's roofline model.
+for CPU devices; the step time and MFU are the planner's roofline model
+(the calibrated one: gpipe.plan.calibration), modelled, not measured.
 """
 
 import argparse
@@ -51,15 +52,22 @@ def Plan(model, tpu, hbm_gib, candidates=None, layer='gpipe',
   return None, (errors or run.stderr.splitlines() or ['?'])[-1], seconds
 
 
+HEADER = ('| M | R | bubble | weights GiB | optim GiB | temp GiB | peak GiB | '
+          'fits | FLOP/dev / (unp/8) | calibrated step s | MFU calibrated | '
+          'MFU at peak, no overlap |\n' + '|---' * 12 + '|')
+
+
 def Row(c):
+  """A candidate's HEADER row: the step and MFU the planner's calibrated
+  roofline predicts, and the at-peak, no-overlap MFU beside."""
   b = c['per_device_bytes']
   p = c['predicted']
   return (f"| {c['num_microbatches']} | {c['circular_repeat']} | "
           f"{c['bubble_fraction']:.3f} | {b['weights'] / GIB:.2f} | "
           f"{b['optimizer'] / GIB:.3f} | {b['temp'] / GIB:.2f} | "
           f"{b['peak'] / GIB:.2f} | {'yes' if c['fits'] else 'NO'} | "
-          f"{c['flops_ratio']:.3f} | {p['step_seconds']:.2f} | "
-          f"{100 * p['mfu']:.0f} % |")
+          f"{c['flops_ratio']:.3f} | {p['step_seconds_calibrated']:.2f} | "
+          f"{100 * p['mfu_calibrated']:.0f} % | {100 * p['mfu']:.0f} % |")
 
 
 def _Report(model, tpu, hbm_gib, candidates, quick):
@@ -71,9 +79,7 @@ def _Report(model, tpu, hbm_gib, candidates, quick):
     return
   print(f"Weights {plan['total_weight_bytes'] / GIB:.1f} GiB in all; "
         f'planned in {seconds:.0f} s.\n')
-  print('| M | R | bubble | weights GiB | optim GiB | temp GiB | peak GiB | '
-        'fits | FLOP/dev / (unp/8) | pred. step s | pred. MFU |')
-  print('|---|---|---|---|---|---|---|---|---|---|---|')
+  print(HEADER)
   for c in plan['candidates']:
     print(Row(c))
   best = plan['recommended']
@@ -93,9 +99,7 @@ def _Report(model, tpu, hbm_gib, candidates, quick):
   if lingvo is None:
     print(f'not planned: {error}\n')
   else:
-    print('\n\n| M | R | bubble | weights GiB | optim GiB | temp GiB | '
-          'peak GiB | fits | FLOP/dev / (unp/8) | pred. step s | pred. MFU |')
-    print('|---|---|---|---|---|---|---|---|---|---|---|')
+    print('\n\n' + HEADER)
     for c in lingvo['candidates']:
       print(Row(c))
     print()

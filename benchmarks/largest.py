@@ -1,9 +1,11 @@
 """Plans the largest registered LMs on their chips; prints and checks them.
 
-    python -m benchmarks.largest [--meshes] > largest.md
+    python -m benchmarks.largest [--meshes] [--only MODEL] > largest.md
 
 For lm.LargestOn8x16GiB (8 chips) and lm.LargestOn32x16GiB (32 chips), each
-of 16 GiB, TPU v5e roofline, it runs `python -m gpipe.plan --json` on the
+of 16 GiB, TPU v5e roofline on the v5e slice of as many chips (2x4, 4x8:
+`--slice`, so each layout's collectives drive the links its mesh has
+there, gpipe.plan.torus), it runs `python -m gpipe.plan --json` on the
 model's own candidate (with --meshes, on other meshes of the same chips
 too, ranked by the predicted step: the targets are still checked on the
 model's own mesh, and the planner's pick is said if it is another), and
@@ -29,6 +31,11 @@ Then it checks the targets, and exits 1 if one fails:
     forward is printed beside (what the recomputation costs), not
     checked.
 
+Then the 6.7B flagships' models on a mesh (FLAGSHIPS: lm.CopyLMPod8x2OnMesh,
+Adam on 8 x 32 GiB v6e; lm.CopyLMPod8x2AdafactorOnMesh on 8 x 16 GiB v5e),
+each pipelined as its model is beside its no-pipeline layouts, in one
+table (not checked).
+
 Every byte and FLOP figure is XLA's for the partitioned module compiled for
 CPU devices; the step, its parts and the MFU are the planner's roofline
 model of a v5e chip, predicted, not measured. Each plan compiles the whole
@@ -49,6 +56,9 @@ MODELS = (
     ('lm.LargestOn8x16GiB', 8, 5.3e9, 10.6e9, ('2x1x4',)),
     ('lm.LargestOn32x16GiB', 32, 21.0e9, 42e9, ('16x1x2', '32x1x1')),
 )
+# The v5e slice of each count of chips (its ICI dimensions; none closes
+# below 16: gpipe.plan.torus gives each layout's links per mesh axis).
+SLICES = {8: '2x4', 32: '4x8'}
 # The layouts a user who does not pipeline would pick on the same chips:
 # one stage of every block, FSDP over the data axis and tensor parallelism
 # over the model axis, each microbatch one row a data replica
@@ -57,6 +67,14 @@ NO_PIPELINE = {
     'lm.LargestOn8x16GiB': (('1x4x2', 8), ('1x2x4', 16)),
     'lm.LargestOn32x16GiB': (('1x8x4', 32),),
 }
+# The 6.7B flagships' models (benchmarks.flagships) on a pod mesh, planned
+# on 8 chips beside the layouts a user who does not pipeline would pick:
+# (model, TPU, HBM GiB, ((mesh, num_microbatches), ...)); not checked.
+FLAGSHIPS = (
+    ('lm.CopyLMPod8x2OnMesh', 'v6e', 32, (('1x4x2', 16), ('1x2x4', 32))),
+    ('lm.CopyLMPod8x2AdafactorOnMesh', 'v5e', 16,
+     (('1x4x2', 8), ('1x2x4', 16))),
+)
 TARGETS = dict(mfu=0.5, peak=0.9, weights=1.1, flops=1.1, bubble=0.1,
                least_floor=0.95, floor=1.25)
 
@@ -161,9 +179,10 @@ def _StepParts(c):
 
 def _Axes(c, link_bandwidth):
   """Per set of mesh axes: sent, its floor, the ratio, the floor without
-  the recomputed forward's part and the ratio to it, the seconds."""
+  the recomputed forward's part and the ratio to it, the seconds over one
+  link (the candidate's links per axis divide them: c['links_per_axis'])."""
   rows = ['| mesh axes | sent per step | floor | sent / floor | '
-          'floor without recompute | sent / that | seconds |',
+          'floor without recompute | sent / that | seconds over one link |',
           '|---|---|---|---|---|---|---|']
   floors = c['collective_floor_per_step']
   without = c.get('collective_sent_over_floor_without_recompute', {})
@@ -208,6 +227,8 @@ def _PrintChecked(plan, checked):
         f"{c['stored_activation_bytes'] / GIB:.2f} GiB), peak "
         f"{b['peak'] / GIB:.2f} GiB.\n")
   print('\n'.join(_StepParts(c)) + '\n')
+  print(f"Links per mesh axis on the {SLICES[plan['num_devices']]} slice: "
+        f"{'x'.join(map(str, c['links_per_axis'])) or '1 each'}.\n")
   link = plan['tpu']['ici_bandwidth'] / (2 * plan['tpu']['ici_ports'])
   print('\n'.join(_Axes(c, link)) + '\n')
 
@@ -217,7 +238,8 @@ def _Report(model, num_devices, gpipe_params, least_params, meshes):
   print(f'## {model} on {num_devices} x {HBM_GIB} GiB (TPU v5e roofline)\n')
   plan, error, seconds = flagships.Plan(
       model, 'v5e', HBM_GIB, num_devices=num_devices,
-      extra=['--mesh', ','.join(meshes)] if meshes else ())
+      extra=['--slice', SLICES[num_devices]] +
+      (['--mesh', ','.join(meshes)] if meshes else []))
   if plan is None:
     print(f'Not planned: {error}\n')
     return False
@@ -225,7 +247,8 @@ def _Report(model, num_devices, gpipe_params, least_params, meshes):
   print(f'{params / 1e9:.1f} B parameters ({params / gpipe_params:.2f} x '
         f"GPipe's {gpipe_params / 1e9:.1f} B on {num_devices} accelerators "
         f'of 16 GB); planned in {seconds:.0f} s.\n')
-  plans = [plan] + _NoPipelinePlans(model, num_devices)
+  plans = [plan] + _NoPipelinePlans(model, num_devices,
+                                    NO_PIPELINE.get(model, ()))
   print('\n'.join(_Candidates(plans)))
   for reason in plan['skipped']:
     print(f"\nskipped {'x'.join(map(str, reason['mesh_shape'] or []))}: "
@@ -241,14 +264,33 @@ def _Report(model, num_devices, gpipe_params, least_params, meshes):
   return all(ok for *_, ok in checks)
 
 
-def _NoPipelinePlans(model, num_devices):
-  """The model planned in NO_PIPELINE's layouts (one plan each: their
-  microbatches differ); a layout that cannot be planned is said."""
+def _FlagshipReport(model, tpu, hbm_gib, layouts):
+  """Prints a flagship's section: its own pipelined candidate beside
+  `layouts` without a pipeline, one table."""
+  print(f'## {model} on 8 x {hbm_gib} GiB (TPU {tpu} roofline, '
+        f'{SLICES[8]} slice)\n')
+  plan, error, seconds = flagships.Plan(model, tpu, hbm_gib,
+                                        extra=['--slice', SLICES[8]])
+  if plan is None:
+    print(f'Not planned: {error}\n')
+    return
+  print(f"{plan['total_weight_bytes'] / 4 / 1e9:.1f} B parameters; its own "
+        f'candidate planned in {seconds:.0f} s.\n')
+  plans = [plan] + _NoPipelinePlans(model, 8, layouts, tpu, hbm_gib)
+  print('\n'.join(_Candidates(plans)) + '\n')
+
+
+def _NoPipelinePlans(model, num_devices, layouts, tpu='v5e',
+                     hbm_gib=HBM_GIB):
+  """The model planned in `layouts` ((mesh, num_microbatches), one plan
+  each: their microbatches differ); a layout that cannot be planned is
+  said."""
   plans = []
-  for mesh, microbatches in NO_PIPELINE.get(model, ()):
+  for mesh, microbatches in layouts:
     plan, error, seconds = flagships.Plan(
-        model, 'v5e', HBM_GIB, num_devices=num_devices,
-        extra=['--mesh', mesh, '--fsdp_mesh_dim', '1', '--num_microbatches',
+        model, tpu, hbm_gib, num_devices=num_devices,
+        extra=['--slice', SLICES[num_devices], '--mesh', mesh,
+               '--fsdp_mesh_dim', '1', '--num_microbatches',
                str(microbatches), '--circular_repeat', '1'])
     if plan is None:
       print(f'No pipeline on {mesh}: not planned: {error}\n')
@@ -263,7 +305,8 @@ def _NoPipelinePlans(model, num_devices):
 def main(argv=None):
   parser = argparse.ArgumentParser(prog='python -m benchmarks.largest',
                                    description=__doc__.split('\n\n')[0])
-  parser.add_argument('--only', choices=[m[0] for m in MODELS],
+  parser.add_argument('--only',
+                      choices=[m[0] for m in MODELS + FLAGSHIPS],
                       help='plan this model only')
   parser.add_argument('--meshes', action='store_true',
                       help='also plan each model on other meshes of its '
@@ -277,6 +320,10 @@ def main(argv=None):
         own_mesh = 'x'.join(map(str, _OwnMesh(model)))
         own = [own_mesh] + [m for m in meshes if m != own_mesh]
       ok &= _Report(model, num_devices, gpipe_params, least, own)
+      sys.stdout.flush()
+  for model, tpu, hbm_gib, layouts in FLAGSHIPS:
+    if args.only in (None, model):
+      _FlagshipReport(model, tpu, hbm_gib, layouts)
       sys.stdout.flush()
   return 0 if ok else 1
 

@@ -299,6 +299,24 @@ class CopyLMMeshSmallData(CopyLMMeshSmall):
   MESH = pod_blocks.PodMesh(stages=2, data=2, model=2)
 
 
+@model_registry.RegisterSingleTaskModel
+class CopyLMPod8x2OnMesh(CopyLMPod8x4):
+  """CopyLMPod8x2's model and step (Adam, 64 sequences, 8 stages x 2
+  repeats x 2 blocks) on an [8 stages, 1, 1] mesh with CopyLMPod8x4's body
+  (no dropout, bfloat16 between stages), so that it also plans in the
+  layouts a user who does not pipeline would pick (`--mesh 1x4x2
+  --fsdp_mesh_dim 1 --circular_repeat 1`): benchmarks.largest."""
+  MESH = pod_blocks.PodMesh(stages=8)
+  BLOCKS_PER_STAGE = 2
+
+
+@model_registry.RegisterSingleTaskModel
+class CopyLMPod8x2AdafactorOnMesh(CopyLMPod8x2OnMesh):
+  """CopyLMPod8x2Adafactor's model and step (32 sequences) the same way."""
+  BATCH_SIZE = 32
+  Optimizer = CopyLMPod8x2Adafactor.Optimizer
+
+
 # -- The largest LMs that fit (params/large_lm.py: what lets them). ----------
 
 

@@ -138,6 +138,14 @@ class MaxTextRun(base_model_params.SingleTaskModelParams):
   def Dims(cls):
     return MaxTextDims(cls.Run().scale)
 
+  @classmethod
+  def PublishedMeshShape(cls):
+    """The [1, data, model] mesh the run had on its own slice, a whole v5e
+    pod: where its collectives ran (benchmarks.calibration plans any chips
+    with the links this mesh has there, gpipe.plan.torus)."""
+    run = cls.Run()
+    return (1, run.chips // run.model, run.model)
+
   def Train(self):
     run, mesh = self.Run(), self.Mesh()
     return CopyTaskInput.Params().Set(

@@ -24,6 +24,7 @@ from lingvo.core import py_utils
 import params.lm as lm
 from params import large_lm
 from params import pod_blocks
+from gpipe.plan import torus
 
 flags_and_seeds.EnsureFlagsParsed()
 
@@ -346,6 +347,29 @@ def test_the_largest_benchmark_knows_each_models_mesh():
       shape = [int(n) for n in mesh.split('x')]
       assert shape[0] == 1 and np.prod(shape) == devices, mesh
       assert microbatches * shape[1] == batch, (mesh, microbatches)
+    # Every mesh lies along the model's slice (gpipe.plan.torus refuses
+    # one that does not).
+    for mesh in [own] + [[int(n) for n in m.split('x')] for m in others] + [
+        [int(n) for n in m.split('x')] for m, _ in largest.NO_PIPELINE[model]]:
+      assert len(torus.LinksPerAxis(mesh, [int(n) for n in
+                                    largest.SLICES[devices].split("x")])) == 3
+  # The flagships' mesh twins: the flagship's batch, schedule, depth and
+  # optimizer on its own 8 chips; a row a data replica without a pipeline.
+  for model, _, _, layouts in largest.FLAGSHIPS:
+    assert np.prod(largest._OwnMesh(model)) == 8  # pylint: disable=protected-access
+    twin = lm.model_registry.GetParams(model, 'Train')
+    own = lm.model_registry.GetParams(model.replace('OnMesh', ''), 'Train')
+    assert twin.input.batch_size == own.input.batch_size, model
+    assert twin.task.train.optimizer.cls == own.task.train.optimizer.cls
+    for name in ('num_stages', 'circular_repeat', 'num_microbatches'):
+      assert twin.task.stack.Get(name) == own.task.stack.Get(name), name
+    assert (twin.task.stack.single_stage_body.num_blocks ==
+            own.task.stack.single_stage_body.num_blocks)
+    batch = lm.model_registry.GetParams(model, 'Train').input.batch_size
+    for mesh, microbatches in layouts:
+      shape = [int(n) for n in mesh.split('x')]
+      assert shape[0] == 1 and np.prod(shape) == 8, mesh
+      assert microbatches * shape[1] == batch, (mesh, microbatches)
 
 
 def test_the_largest_benchmark_checks_the_models_own_mesh(capsys):
@@ -375,11 +399,11 @@ def test_the_largest_benchmark_checks_the_models_own_mesh(capsys):
                        step_seconds_ceiling=1, mfu_ceiling=mfu),
         collective_bytes_sent_per_step={'model': {'all-reduce': gib}},
         collective_floor_per_step={'model': {'bytes': gib}},
-        collective_sent_over_floor={'model': 1.0})
+        collective_sent_over_floor={'model': 1.0}, links_per_axis=[1, 2, 1])
 
   plan = dict(candidates=[Candidate([8, 1, 4], 13.0, 0.50),
                           Candidate([16, 1, 2], 14.6, 0.58)],
-              recommended=1, total_weight_bytes=4 * 43e9,
+              recommended=1, total_weight_bytes=4 * 43e9, num_devices=32,
               tpu=dict(ici_bandwidth=4e11, ici_ports=4))
   checked = largest._Checked(plan, [8, 1, 4])  # pylint: disable=protected-access
   assert checked == 0
@@ -392,6 +416,7 @@ def test_the_largest_benchmark_checks_the_models_own_mesh(capsys):
   printed = capsys.readouterr().out
   assert 'The planner recommends mesh 16x1x2' in printed
   assert 'Its own mesh: mesh 8x1x4' in printed
+  assert 'Links per mesh axis on the 4x8 slice: 1x2x1.' in printed
   # Both candidates in one table, the faster calibrated step first.
   rows = largest._Candidates([plan])  # pylint: disable=protected-access
   assert rows[2].startswith('| 16x1x2 | - | 256 |') and '*' in rows[2]

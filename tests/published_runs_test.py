@@ -16,6 +16,7 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe.lingvo_support import flags_and_seeds
 from gpipe.lingvo_support import tpu_build
+from gpipe.plan import torus
 import params.lm as lm
 from params import published_runs
 
@@ -93,3 +94,16 @@ def test_fewer_chips_keep_the_per_chip_batch_and_layout():
     assert cfg.input.batch_size == published.per_device_batch * chips
     mesh = cfg.task.stack.device_mesh.shape
     assert mesh == (1, chips // published.model, published.model), run
+
+
+def test_fewer_chips_keep_the_links_of_the_published_pod():
+  """FSDP over all 256 chips of the pod spans both closed dimensions: 4
+  links; 128B's FSDP 16 x tensor 16 one closed dimension each: 2, 2. On
+  fewer chips the same figures: the plan stands in for the pod's step."""
+  want = {'16B': (1, 4, 1), '32B': (1, 4, 1), '64B': (1, 4, 1),
+          '128B': (1, 2, 2)}
+  for run, chips in published_runs.FEWER_CHIPS.items():
+    for on in (chips, published_runs.RUNS[run].chips):
+      cls = lm.model_registry.GetClass(f'lm.MaxText{run}OnV5e{on}')
+      assert torus.LinksPerAxis(cls.PublishedMeshShape()) == want[run], (
+          run, on)

@@ -49,6 +49,8 @@ The parts, from the top down (each imports only parts below it):
   traffic_floor  the least each mesh axis must carry, from the model's
               shapes
   roofline    the TPU generations and the step-time model
+  torus       the links a collective along each mesh axis drives, from
+              where the mesh lies on the slice (--slice)
   calibration the matrix units' efficiency, fitted on a measured run
 
 The step itself (where a model keeps its stack, the whole training step as

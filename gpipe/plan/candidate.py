@@ -31,6 +31,7 @@ from gpipe.plan.report import Plan
 from gpipe.plan import roofline
 from gpipe.plan import step_time as step_time_lib
 from gpipe.plan import targets
+from gpipe.plan import torus
 from gpipe.plan import traffic_floor
 from gpipe import schedule as schedule_lib
 from gpipe import sharding
@@ -347,6 +348,7 @@ class CandidateReport:
         'mesh_shape': list(self.mesh_shape),
         'fsdp_mesh_dims': list(self.gathered_over),
         'stage_axis': self.stage_axis,
+        'links_per_axis': list(self.chip.links_per_axis),
         'loops': self.LoopSummaries(),
         'outside_loops_by_mesh_axes': self.outside_by_mesh_axes,
         'collective_bytes_sent_per_step': self.sent_per_axis,
@@ -399,7 +401,8 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
     model_flops = model_flops_lib.ModelFlops(step)
   mesh = partitioned_step.StackMesh(stack_p, num_devices)
   return CandidateReport(candidate=candidate, schedule=sched,
-                         compiled=compiled, step=step, chip=chip,
+                         compiled=compiled, step=step,
+                         chip=torus.OnSlice(chip, mesh['mesh_shape']),
                          hbm_bytes=hbm_bytes, seconds=time.time() - start,
                          backward_schedule=stack_p.backward_schedule,
                          stream_io=stack_p.stream_io,

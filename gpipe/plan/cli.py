@@ -6,6 +6,7 @@ each with its reason); 1 when building or compiling a candidate fails for
 another reason (the model's own error, said with its message).
 """
 
+import dataclasses
 import json
 import sys
 import time
@@ -21,6 +22,7 @@ from gpipe.plan import flags
 from gpipe.plan import plot
 from gpipe.plan import roofline
 from gpipe.plan import targets
+from gpipe.plan import torus
 from gpipe.xla import partitioning
 from gpipe.xla import user_layer
 
@@ -66,6 +68,9 @@ def _Candidates(parser, args):
     num_devices = user_layer.CheckDevices(stack, args.num_devices)
   except ValueError as e:
     raise targets.PlanError(str(e)) from None
+  _CheckLinks(stack, args.links_per_axis)
+  meshes = _Meshes(stack, args.mesh, num_devices, args.circular_repeat)
+  _CheckSlice(stack, args, meshes, num_devices)
   m0 = stack.num_microbatches
   if m0 is None and not args.num_microbatches:
     raise targets.PlanError('The layer sets no num_microbatches; pass '
@@ -73,8 +78,7 @@ def _Candidates(parser, args):
   policy0 = param_checks.RematPolicy(stack)
   candidates = [
       targets.Candidate(m, r, policy, mesh, schedule, stream_io, fsdp)
-      for mesh in _Meshes(stack, args.mesh, num_devices,
-                          args.circular_repeat)
+      for mesh in meshes
       for fsdp in (args.fsdp_mesh_dim or [None])
       for schedule in (args.backward_schedule or [None])
       for stream_io in (args.stream_io or [None])
@@ -83,6 +87,45 @@ def _Candidates(parser, args):
       for m in (args.num_microbatches or [m0])
   ]
   return target, num_devices, candidates
+
+
+def _CheckLinks(stack, links_per_axis):
+  """--links_per_axis gives one figure per axis of the stack's mesh.
+
+  Raises:
+    targets.PlanError: it gives another number of them.
+  """
+  if links_per_axis is None:
+    return
+  rank = (np.ndim(stack.device_mesh)
+          if stack.pipeline_stage_mesh_dim is not None else 1)
+  if len(links_per_axis) != rank:
+    raise targets.PlanError(
+        f'--links_per_axis {",".join(map(str, links_per_axis))} gives '
+        f'{len(links_per_axis)} figures for a mesh of {rank} axes; give one '
+        'per axis.')
+
+
+def _CheckSlice(stack, args, meshes, num_devices):
+  """--slice has the devices, and every mesh candidate lies along it.
+
+  Raises:
+    targets.PlanError: it does not, or --links_per_axis is given too.
+  """
+  if args.slice is None:
+    return
+  if args.links_per_axis is not None:
+    raise targets.PlanError(
+        '--slice and --links_per_axis both say the links: give one.')
+  for mesh in meshes:
+    shape = mesh or (np.shape(stack.device_mesh)
+                     if stack.pipeline_stage_mesh_dim is not None else
+                     (num_devices,))
+    try:
+      torus.LinksPerAxis(shape, args.slice)
+    except ValueError as e:
+      raise targets.PlanError(f'--slice {targets.MeshName(args.slice)}: '
+                              f'{e}') from None
 
 
 def _OwnRepeat(stack, mesh):
@@ -141,7 +184,9 @@ def main(argv=None):
   except targets.PlanError as e:
     print(f'plan: error: {e}', file=sys.stderr)
     return 2
-  chip = roofline.CHIPS[args.tpu]
+  chip = dataclasses.replace(roofline.CHIPS[args.tpu],
+                             links_per_axis=tuple(args.links_per_axis or ()),
+                             slice_dims=tuple(args.slice or ()))
   hbm_bytes = args.hbm_gib * GIB if args.hbm_gib else chip.hbm_bytes
   start = time.time()
   try:

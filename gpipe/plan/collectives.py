@@ -17,8 +17,8 @@ A step's total is each loop's collectives times its trip count (one in a
 loop nested in it times that loop's too: `Collective.runs`), plus those
 outside the loops; the collective's mesh axes are those its groups span
 (`Collective.MeshAxes`), named `AxisName`. How long a collective takes
-(`Seconds`: a latency per ring step, its bytes over one link, its own HBM
-traffic) is what the roofline charges and the overlap schedules.
+(`Seconds`: a latency per ring step, its bytes over the links its axes
+drive at once, its own HBM traffic) is what the roofline charges and the overlap schedules.
 """
 
 from gpipe.xla import spmd_worker
@@ -45,27 +45,36 @@ def SentBytes(collective, num_devices):
 ICI_HOP_SECONDS = 1e-6
 
 
-def Seconds(collective, num_devices, chip, hop_seconds=ICI_HOP_SECONDS):
+def Seconds(collective, num_devices, chip, hop_seconds=ICI_HOP_SECONDS,
+            mesh_shape=None):
   """How long one run of `collective` holds its links: a latency of one
   hop per ring step (all-reduce 2 (n-1); all-gather, reduce-scatter,
-  all-to-all n-1; a permute 1), its bytes sent over one link in one
-  direction, and its result read and written in HBM (2 x wire bytes). The
-  roofline's collective time and the overlap's schedule both use it."""
+  all-to-all n-1; a permute 1), its bytes sent over the links its mesh axes
+  give it at once (`chip.Links`: one in one direction unless the chip says
+  more for an axis of `mesh_shape`; a permute's one neighbour, one), and
+  its result read and written in
+  HBM (2 x wire bytes). The roofline's collective time and the overlap's
+  schedule both use it."""
   n = collective.group_size or num_devices
   kind = collective.kind
   steps = (1 if kind == 'collective-permute' else
            (2 if kind == 'all-reduce' else 1) * max(n - 1, 0))
-  wire = SentBytes(collective, num_devices) / chip.link_bandwidth
+  # A permute sends to one neighbour: over one link, however many its
+  # axes have.
+  links = 1 if kind == 'collective-permute' else chip.Links(
+      collective.MeshAxes(mesh_shape or (num_devices,)))
+  wire = SentBytes(collective, num_devices) / (links * chip.link_bandwidth)
   hbm = 2 * collective.wire_bytes / chip.hbm_bandwidth
   return steps * hop_seconds + wire + hbm
 
 
-def StepSeconds(compiled, trips, chip, hop_seconds=ICI_HOP_SECONDS):
+def StepSeconds(compiled, trips, chip, hop_seconds=ICI_HOP_SECONDS,
+                mesh_shape=None):
   """Seconds of every collective of the step, one after another (each run
   counted: a loop's trips, and a nested loop's)."""
   return sum(
       Runs(c) * (1 if c.loop < 0 else trips.get(compiled.loops[c.loop], 1)) *
-      Seconds(c, compiled.num_devices, chip, hop_seconds)
+      Seconds(c, compiled.num_devices, chip, hop_seconds, mesh_shape)
       for c in compiled.collectives)
 
 

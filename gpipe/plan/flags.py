@@ -64,6 +64,18 @@ def _Shape(text):
   return tuple(_IntList(text))
 
 
+def _Slice(text):
+  """'4x8' -> (4, 8)."""
+  try:
+    dims = tuple(int(n) for n in text.split('x'))
+  except ValueError:
+    dims = ()
+  if not dims or min(dims) < 1:
+    raise argparse.ArgumentTypeError(
+        f'expected a slice shape like 4x8 or 16x16, got {text!r}')
+  return dims
+
+
 def _MeshList(text):
   """'8x1x4,4x2x4' -> [(8, 1, 4), (4, 2, 4)]."""
   meshes = []
@@ -129,6 +141,26 @@ def _BoolList(text):
   return [_BOOLS[v] for v in values]
 
 
+def _AddChipFlags(parser):
+  """The TPU the roofline models, and where the mesh lies on its slice."""
+  parser.add_argument('--tpu', choices=sorted(roofline.CHIPS), default='v6e',
+                      help='TPU generation of the roofline model')
+  parser.add_argument('--hbm_gib', type=_PositiveFloat, default=None,
+                      help='HBM per chip in GiB (default: the generation\'s)')
+  parser.add_argument('--links_per_axis', type=_Shape, default=None,
+                      metavar='1,4,1',
+                      help='per mesh axis, the ICI links (one direction '
+                      'each) a chip\'s collective along it drives at once, '
+                      'e.g. 1,4,1 for FSDP over a whole v5e pod (both '
+                      'dimensions closed); default 1 each, a slice with no '
+                      'wraparound (see gpipe.plan.torus)')
+  parser.add_argument('--slice', type=_Slice, default=None, metavar='4x8',
+                      help='the slice\'s ICI dimensions, e.g. 4x8 or 16x16 '
+                      'for a v5e pod: each candidate\'s links per mesh axis '
+                      'follow from its mesh laid on them (a v5e/v6e '
+                      'dimension closes at 16); instead of --links_per_axis')
+
+
 def Parse(argv=None):
   """(parser, parsed arguments) of python -m gpipe.plan."""
   parser = argparse.ArgumentParser(
@@ -155,10 +187,7 @@ def Parse(argv=None):
   parser.add_argument('--num_devices', type=_PositiveInt, default=None,
                       help='devices of the slice (default: num_stages, or '
                       'the size of device_mesh)')
-  parser.add_argument('--tpu', choices=sorted(roofline.CHIPS), default='v6e',
-                      help='TPU generation of the roofline model')
-  parser.add_argument('--hbm_gib', type=_PositiveFloat, default=None,
-                      help='HBM per chip in GiB (default: the generation\'s)')
+  _AddChipFlags(parser)
   parser.add_argument('--num_microbatches', type=_IntList, default=None,
                       help='candidates, e.g. 8,16,32 (default: the model\'s)')
   parser.add_argument('--circular_repeat', type=_IntList, default=None,

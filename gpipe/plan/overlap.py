@@ -217,7 +217,8 @@ class _Scheduler:
 
   def _CollectiveSeconds(self, c):
     """Latency + bytes sent over the link + its result's HBM traffic."""
-    return collectives.Seconds(c, self._num_devices, self._chip, self._hop)
+    return collectives.Seconds(c, self._num_devices, self._chip, self._hop,
+                               self._mesh)
 
 
 def _Priorities(seconds, follows, users):

@@ -49,7 +49,9 @@ not known here), so it is a lower bound of the traffic.
 
 The constants are the per-chip figures Google Cloud publishes for each
 generation; a link's one-way bandwidth is the chip's bidirectional ICI
-bandwidth / (2 x ICI ports).
+bandwidth / (2 x ICI ports). How many links in one direction a collective's
+ring drives at once depends on where the mesh lies on the slice
+(`Chip.links_per_axis`, gpipe.plan.torus): one, unless said otherwise.
 """
 
 import dataclasses
@@ -65,11 +67,24 @@ class Chip:
   hbm_bandwidth: float  # bytes per second
   ici_bandwidth: float  # bidirectional, per chip, bytes per second
   ici_ports: int
+  # Per mesh axis, the links (one direction each) a chip's collective along
+  # it drives at once (gpipe.plan.torus.LinksPerAxis); () for one each.
+  links_per_axis: tuple = ()
+  # The slice's dimensions, where each candidate's links follow from its
+  # mesh laid on them (gpipe.plan.torus.OnSlice); () for none.
+  slice_dims: tuple = ()
 
   @property
   def link_bandwidth(self):
     """One ICI link, one direction, bytes per second."""
     return self.ici_bandwidth / (2 * self.ici_ports)
+
+  def Links(self, axes):
+    """The links (one direction each) a collective along mesh `axes`
+    drives at once: the most any of them has (one where none is said:
+    an axis along one dimension of a slice without a wraparound link)."""
+    return max((self.links_per_axis[a] if a < len(self.links_per_axis)
+                else 1 for a in axes), default=1)
 
   def Describe(self):
     return (f'TPU {self.name}: {self.peak_flops / 1e12:g} TFLOP/s (bf16), '
@@ -77,7 +92,11 @@ class Chip:
             f'{self.hbm_bandwidth / 1e9:g} GB/s, ICI '
             f'{self.ici_bandwidth / 1e9:g} GB/s per chip over '
             f'{self.ici_ports} ports '
-            f'({self.link_bandwidth / 1e9:g} GB/s per link and direction)')
+            f'({self.link_bandwidth / 1e9:g} GB/s per link and direction)'
+            + (f', on a {"x".join(map(str, self.slice_dims))} slice'
+               if self.slice_dims else '')
+            + (f', links per mesh axis {"x".join(map(str, self.links_per_axis))}'
+               if self.links_per_axis else ''))
 
 
 CHIPS = {

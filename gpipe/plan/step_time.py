@@ -63,7 +63,8 @@ class StepTime:
     return roofline.Predict(
         r.chip, r.flops_per_device, sum(r.loop_flops),
         r.schedule.bubble_fraction, self.StepBytes(),
-        collectives.StepSeconds(self.tpu_runs, self._trips, r.chip),
+        collectives.StepSeconds(self.tpu_runs, self._trips, r.chip,
+                                mesh_shape=r.mesh_shape or None),
         r.model_flops, r.compiled.num_devices, hidden,
         matmul_flops=self.matmul_flops,
         calibration=(matmul_efficiency,

@@ -166,6 +166,20 @@ def test_collectives_on_two_axes_run_at_once_on_one_in_turn():
   assert _Hidden(one.Text(), mesh_shape=(2, 2)) == 0.0
 
 
+def test_an_axis_with_more_links_holds_them_for_less():
+  """The 2 s all-reduce along axis 1 of a [2, 2] mesh takes 1 s where the
+  chip drives 2 links along that axis; along axis 0 (1 link) still 2 s.
+  Beside a 1 s dot it now hides all of its 1 s a trip."""
+  wide = dataclasses.replace(_CHIP, links_per_axis=(1, 2))
+  for groups, seconds in [(_AXIS_1, 1.0), (_AXIS_0, 2.0)]:
+    text = _Body().Dot('y', 'a', 'b').AllReduce('ar', 'e', groups).Text()
+    assert _Schedules(text, wide, mesh_shape=(2, 2))['body'].collective == (
+        pytest.approx(seconds))
+    assert _Hidden(text, wide, mesh_shape=(2, 2)) == pytest.approx(3 * 1.0)
+    assert _Schedules(text, _CHIP, mesh_shape=(2, 2))['body'].collective == (
+        pytest.approx(2.0))
+
+
 def test_a_reduction_carried_to_the_next_iteration_hides_in_its_own():
   """The dot y (1 s) feeds a 2 s all-reduce whose sum only the root
   carries (the next iteration adds it in); the dot z (1 s) is

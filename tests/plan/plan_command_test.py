@@ -233,6 +233,48 @@ def test_plan_command_refuses_nonsense_numbers(flag, value, capsys,
   assert f'argument {flag}: expected' in err and 'above 0' in err, err
 
 
+def test_links_per_axis_divide_the_bytes_on_the_wire(capsys):
+  """The same plan with 1, 2 and 4 links along the stage axis: a
+  collective's hops and HBM traffic stay, its bytes on the wire take 1,
+  1/2 and 1/4 the time, so c1 - c2 = 2 (c2 - c4) exactly. On a 2x2 v5e
+  slice (no dimension closes) the 4 stages span both dimensions: 2 links,
+  c2 again."""
+  seconds = []
+  for extra in ((), ('--links_per_axis', '2'), ('--links_per_axis', '4'),
+                ('--slice', '2x2')):
+    assert plan.main(_Command('--num_devices', str(NUM_STAGES), '--tpu',
+                              'v5e', '--num_microbatches', '8', '--json',
+                              *extra)) == 0
+    report = json.loads(capsys.readouterr().out)
+    (candidate,) = report['candidates']
+    assert candidate['links_per_axis'] == (
+        [2] if '2x2' in extra else [int(n) for n in extra[1:]])
+    seconds.append(candidate['predicted']['collective_seconds'])
+  c1, c2, c4, on_slice = seconds
+  assert c1 > c2 > c4 > 0
+  assert c1 - c2 == pytest.approx(2 * (c2 - c4), rel=1e-9)
+  assert on_slice == pytest.approx(c2, rel=1e-12)
+
+
+def test_plan_command_wants_links_for_each_mesh_axis(capsys,
+                                                    nothing_compiled):
+  """The layer's stages are on a 1-D mesh: one figure, not three; a slice
+  with other devices than the plan's, or beside links given, is refused."""
+  assert plan.main(_Command('--links_per_axis', '1,4,1')) == 2
+  err = capsys.readouterr().err
+  assert ('plan: error: --links_per_axis 1,4,1 gives 3 figures for a mesh '
+          'of 1 axes; give one per axis.') in err, err
+  with pytest.raises(SystemExit):
+    plan.main(_Command('--links_per_axis', '0'))
+  assert 'expected positive integers' in capsys.readouterr().err
+  assert plan.main(_Command('--slice', '2x2', '--links_per_axis', '2')) == 2
+  assert ('--slice and --links_per_axis both say the links: give one.' in
+          capsys.readouterr().err)
+  assert plan.main(_Command('--slice', '4x2')) == 2
+  assert ('plan: error: --slice 4x2: mesh 4 has 4 devices, the slice 4x2 8: '
+          "give a mesh of the slice's chips.") in capsys.readouterr().err
+
+
 @pytest.mark.parametrize('name, why', [
     ('missing/plan.png', 'does not exist'), ('plan.jpg', 'expected a .png'),
 ])
