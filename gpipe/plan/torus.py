@@ -1,8 +1,9 @@
 """How many ICI links a chip's collective along each mesh axis drives at once.
 
 A TPU v5e or v6e chip has four ICI ports, one to each neighbour on a 2-D
-torus. A ring along a dimension that closes (its wraparound link: on
-v5e and v6e only a whole dimension of 16 chips, a pod's) sends half its
+torus (a v5p six, on a 3-D one). A ring along a dimension that closes (its
+wraparound link: on v5e and v6e only a whole dimension of 16 chips, a
+pod's; on v5p a multiple of 4, whole cubes) sends half its
 bytes each way at once: two links, one direction each. A dimension that
 does not close folds its ring back on itself, and the ring moves at one
 link's speed. A collective whose group spans several dimensions runs a
@@ -57,7 +58,8 @@ def LinksPerAxis(mesh_shape, slice_dims=POD_DIMS, closed=None):
   default every one of a pod's).
 
   Raises:
-    ValueError: the mesh does not have the slice's chips.
+    ValueError: the mesh does not have the slice's chips, or an axis of
+      it does not lie along the slice's dimensions in order.
   """
   closed = tuple(closed if closed is not None else [True] * len(slice_dims))
   if math.prod(mesh_shape) != math.prod(slice_dims):
