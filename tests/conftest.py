@@ -11,10 +11,9 @@ import pytest
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 # TensorFlow's oneDNN kernels (on by default on x86) change float32 results
-# on some CPUs: on one with AMX (2026-12-02) the demo's pipelined and
-# unrolled gradients differed by 1.26e-05 with them and 6e-08 without.
-# The tests compare float32 paths to ~1e-5: they run the kernels that
-# compute as written. Subprocesses (the commands' tests) inherit it.
+# on some CPUs beyond the tests' ~1e-5 (docs/testing.md, "oneDNN"): the
+# tests run the kernels that compute as written. Subprocesses (the
+# commands' tests) inherit it.
 os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 # The tests' jit steps are tiny: compiling them dominates. LLVM's machine-code
 # optimization level changes how fast the compiled code runs, not what the

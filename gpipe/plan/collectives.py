@@ -18,7 +18,8 @@ loop nested in it times that loop's too: `Collective.runs`), plus those
 outside the loops; the collective's mesh axes are those its groups span
 (`Collective.MeshAxes`), named `AxisName`. How long a collective takes
 (`Seconds`: a latency per ring step, its bytes over the links its axes
-drive at once, its own HBM traffic) is what the roofline charges and the overlap schedules.
+drive at once, its own HBM traffic) is what the roofline charges and the
+overlap schedules.
 """
 
 from gpipe.xla import spmd_worker
@@ -52,9 +53,8 @@ def Seconds(collective, num_devices, chip, hop_seconds=ICI_HOP_SECONDS,
   all-to-all n-1; a permute 1), its bytes sent over the links its mesh axes
   give it at once (`chip.Links`: one in one direction unless the chip says
   more for an axis of `mesh_shape`; a permute's one neighbour, one), and
-  its result read and written in
-  HBM (2 x wire bytes). The roofline's collective time and the overlap's
-  schedule both use it."""
+  its result read and written in HBM (2 x wire bytes). The roofline's
+  collective time and the overlap's schedule both use it."""
   n = collective.group_size or num_devices
   kind = collective.kind
   steps = (1 if kind == 'collective-permute' else

@@ -64,13 +64,19 @@ def _Shape(text):
   return tuple(_IntList(text))
 
 
+def _Dims(shape):
+  """'8x1x4' -> (8, 1, 4); () unless each is a positive integer."""
+  try:
+    dims = tuple(int(d) for d in shape.split('x'))
+  except ValueError:
+    return ()
+  return dims if dims and min(dims) >= 1 else ()
+
+
 def _Slice(text):
   """'4x8' -> (4, 8)."""
-  try:
-    dims = tuple(int(n) for n in text.split('x'))
-  except ValueError:
-    dims = ()
-  if not dims or min(dims) < 1:
+  dims = _Dims(text)
+  if not dims:
     raise argparse.ArgumentTypeError(
         f'expected a slice shape like 4x8 or 16x16, got {text!r}')
   return dims
@@ -80,11 +86,8 @@ def _MeshList(text):
   """'8x1x4,4x2x4' -> [(8, 1, 4), (4, 2, 4)]."""
   meshes = []
   for shape in (t for t in text.split(',') if t):
-    try:
-      dims = tuple(int(d) for d in shape.split('x'))
-    except ValueError:
-      dims = ()
-    if not dims or min(dims) < 1:
+    dims = _Dims(shape)
+    if not dims:
       raise argparse.ArgumentTypeError(
           f'expected mesh shapes like 8x1x4,4x2x4, got {text!r}')
     meshes.append(dims)

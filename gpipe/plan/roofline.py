@@ -93,10 +93,13 @@ class Chip:
             f'{self.ici_bandwidth / 1e9:g} GB/s per chip over '
             f'{self.ici_ports} ports '
             f'({self.link_bandwidth / 1e9:g} GB/s per link and direction)'
-            + (f', on a {"x".join(map(str, self.slice_dims))} slice'
-               if self.slice_dims else '')
-            + (f', links per mesh axis {"x".join(map(str, self.links_per_axis))}'
-               if self.links_per_axis else ''))
+            + _Said(', on a {} slice', self.slice_dims)
+            + _Said(', links per mesh axis {}', self.links_per_axis))
+
+
+def _Said(text, dims):
+  """text with dims as '4x8' in it; '' without dims."""
+  return text.format('x'.join(map(str, dims))) if dims else ''
 
 
 CHIPS = {
