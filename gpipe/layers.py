@@ -6,11 +6,12 @@ iteration each stage works on a different microbatch, passing its result to
 the next stage through a buffer of shape [S, microbatch, ...]::
 
     iteration i:   input[i] --> [stage 0 | stage 1 | ... | stage S-1] --> out
-                                  ^    buffer shifts right by one    |
-                                  +------- (circular: rotates) ------+
+                                  ^   buffer rotates right by one    |
+                                  +- (circular: the wrapped slot is -+
+                                      read; linear: dropped)
 
 With the stage dim of the weights and of the buffer split over devices, the
-XLA SPMD partitioner turns the shift into one collective-permute per
+XLA SPMD partitioner turns the rotation into one collective-permute per
 iteration. On one device the same layer runs unpartitioned and computes
 exactly what running the S * R layers one after another computes.
 

@@ -22,8 +22,8 @@ iterations, R circular repeats):
   buffer [S, mb, ...]              stage dim split     shift = 1 permute
   stored stage inputs              stage dim split     no gather in the loop
     ([T, S, mb, ...] 'reverse';
-    the rings [S, 2RS-1, mb, ...]
-    '1f1b')
+    the rings [S, 2h(RS-1)+1,
+    mb, ...] '1f1b')
     with ring_split_mesh_dim       and one dim over    1/n per device, an
                                    that axis           entry gathered to read
   outputs [M, mb, ...]             replicated          leave the pipeline

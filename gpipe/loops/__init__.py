@@ -1,5 +1,7 @@
-"""The loops' machinery under gpipe.recurrent (internal): nothing here
-knows about stages or microbatches.
+"""The loops' machinery under gpipe.recurrent (internal): while loops, the
+traced cell they run, what the backward pass stores. It knows no
+schedule: only remat's policies name stage-shaped data (a stage's slice of
+the stacked weights is recomputed, never stored), and no microbatches.
 
     while_loops    while loops of exactly n iterations, XLA-friendly
     compiled_loops a loop a Session runs as one XLA computation; whether

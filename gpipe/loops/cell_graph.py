@@ -1,6 +1,6 @@
 """One loop iteration and its gradient, traced once, imported into the loops.
 
-The pipeline loop (gpipe.recurrent) runs the same cell in two while loops:
+gpipe.recurrent's loop runs the same cell in two while loops:
 forward, and backward in reverse order. Both use one graph, traced once:
 
     placeholders: theta, state, inputs[t], d_state, d_extras

@@ -387,7 +387,8 @@ def BubbleFiller(x, num_stages):
 # whenever the schedule says it reads one: always when linear (the wrapped
 # slot is dropped), in the first S iterations of each R * S block when
 # circular (otherwise it keeps the wrapped slot: the microbatch's next
-# repeat). `reads` ([S] bools, the schedule's StageRow) says where. The
+# repeat). `reads` ([S] bools, each stage's StageWork.reads in the schedule's
+# row) says where. The
 # loop io says which of the two the fresh input is (its StageInputs).
 
 

@@ -1,9 +1,11 @@
-"""Running every stage of one loop iteration: a StageRunner, four kinds.
+"""Running every stage of one loop iteration: a StageRunner, three kinds.
 
 In each iteration all S stages compute, each on its own slot of the
 [S, ...] buffer with its own weights, microbatch, repeat and step seed. A
-layer picks its runner once (`For`); the runner says what the loop may ask
-of it (`StageRunner`'s attributes) and runs the stages (`Run`):
+layer picks its runner on every call (`RunnerFor`, from its layout and
+placement: whether graphs are being built for the SPMD partitioner is
+known only then); the runner says what the loop may ask of it
+(`StageRunner`'s attributes) and runs the stages (`Run`):
 
   * `OneByOne` (one device, no partitioner): the stages one after
     another on their slices, results stacked back to [S, ...]. The manual-

@@ -17,7 +17,9 @@ rows of all iterations; a slot is only stage s's share of an [S, ...]
 tensor; a phase is iterations [begin, end) run as one loop.
 
 Linear schedule (R == 1): T = M + S - 1. Stage 0 reads microbatch `i` at
-iteration `i`; the buffer shifts one stage per iteration. S=3, M=4::
+iteration `i`; the buffer rotates one stage per iteration (the slot the
+last stage wraps round to stage 0 is dropped for the fresh input). S=3,
+M=4::
 
     iteration   0  1  2  3  4  5
     stage 0     0  1  2  3  .  .
@@ -230,7 +232,8 @@ class Schedule:
   def StageZeroReadsInput(self, iteration):
     """True where stage 0 takes a fresh microbatch instead of the buffer.
 
-    Linear: always (the buffer shifts in zeros). Circular: in the first h S
+    Linear: always (the slot the rotation brings round from the last stage
+    is dropped). Circular: in the first h S
     iterations of each R h S block; otherwise it takes the last stage's
     output.
     """

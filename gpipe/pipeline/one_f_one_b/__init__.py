@@ -10,7 +10,8 @@ drawn by `python -m gpipe.schedule --backward_schedule 1f1b`):
     forward wave    each stage runs iteration j's forward again, from the
                     pipeline's inputs (gpipe.pipeline.iteration.Step),
                     and pushes its stage input [S, mb, ...] into a ring of
-                    2 R S - 1 entries
+                    2 h (R S - 1) + 1 entries (h: the schedule's hop, 2
+                    with delayed sends; OneFOneB.ring_size)
     backward wave   each stage differentiates the call whose output
                     gradient has come back one stage on (the last layer's:
                     the layer's output gradient), its input read back from

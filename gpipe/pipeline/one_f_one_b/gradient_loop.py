@@ -24,9 +24,7 @@ With a LastStageLoss (gpipe.pipeline.stage_ends) the loop is the
 whole pass (`RunWithLoss`): no output gradient comes in, the last stage's
 call scores its microbatch inside the cell and is differentiated from
 that, and the forward wave also sums what the forward loop would have
-returned:
-
-the loss's sums and the body's summaries over the iterations
+returned: the loss's sums and the body's summaries over the iterations
 (GradientCarry.loss, .summaries).
 """
 
