@@ -7,7 +7,9 @@ Plans MaxText's four published TPU v5e runs (params/published_runs.py:
 16B, 32B, 64B, 128B, each with its per-chip batch, sequence, remat and
 FSDP x tensor layout) as `lm.MaxText<run>OnV5e<chips>`, on their own
 v5e-256 (`--chips own`) or on fewer chips with the per-chip step kept
-(`--chips fewer`, the default: params.published_runs.FEWER_CHIPS). Then it
+(`--chips fewer`, the default: params.published_runs.FEWER_CHIPS; 128B
+there at 16 of its 64 layers, FEWER_LAYERS: all of them are out of this
+host's memory to compile). Then it
 fits the matrix units' efficiency (gpipe.plan.calibration.Fit) so that the
 16B run's calibrated step gives its published 61.10 % MFU, and with that
 one figure predicts the other three's MFU, printed beside what was
@@ -38,9 +40,9 @@ import time
 GIB = 2**30
 
 
-def _Report(run, chips):
-  """The CandidateReport of `run` planned on `chips` (its model's own
-  candidate), and the wall seconds it took."""
+def _Report(name, chips):
+  """The CandidateReport of the registered run `name` planned on `chips`
+  (its model's own candidate), and the wall seconds it took."""
   # pylint: disable=g-import-not-at-top
   from gpipe.plan import candidate as candidate_lib
   from gpipe.plan import roofline
@@ -48,7 +50,6 @@ def _Report(run, chips):
   from gpipe.plan import torus
   import params.lm
   # pylint: enable=g-import-not-at-top
-  name = f'lm.MaxText{run}OnV5e{chips}'
   target = targets.ModelTarget(name)
   stack = target.stack_params
   # The links its mesh had on the run's own pod, whatever the chips planned.
@@ -61,7 +62,7 @@ def _Report(run, chips):
                                  stack.remat_policy)], chips,
       chip, chip.hbm_bytes,
       log=lambda m: print(m, file=sys.stderr, flush=True))
-  return name, plan.reports[0], time.time() - start
+  return plan.reports[0], time.time() - start
 
 
 def _AllHiddenMfu(prediction, efficiency):
@@ -77,14 +78,15 @@ def _Row(run, name, report, efficiency, seconds, hidden_efficiency):
   """One Markdown row: the run, its planned figures at `efficiency`, and
   its MFU with every collective hidden at `hidden_efficiency`."""
   # pylint: disable=g-import-not-at-top
+  import params.lm
   from params import published_runs
   # pylint: enable=g-import-not-at-top
   published = published_runs.RUNS[run]
   p = report.Predicted(efficiency)
   n = report.compiled.num_devices
   tokens = published.per_device_batch * published_runs.SEQ_LEN * n
-  counted = published_runs.CountedFlops(published_runs.MaxTextDims(
-      published.scale), tokens)
+  counted = published_runs.CountedFlops(
+      params.lm.model_registry.GetClass(name).Dims(), tokens)
   counted_mfu = counted / (n * p.peak_flops * p.step_seconds_calibrated)
   error = p.mfu_calibrated / published.mfu - 1
   all_hidden = _AllHiddenMfu(p, hidden_efficiency)
@@ -143,9 +145,13 @@ def main(argv=None):
             'collectives left of all (s) | peak (GiB) | plan (s) |\n|' +
             '---|' * 16)
   for k, run in enumerate(args.only.split(',')):
-    chips = (published_runs.RUNS[run].chips if args.chips == 'own' else
-             published_runs.FEWER_CHIPS[run])
-    name, report, seconds = _Report(run, chips)
+    if args.chips == 'own':
+      chips = published_runs.RUNS[run].chips
+      name = 'lm.' + published_runs.RunName(run, chips)
+    else:
+      chips = published_runs.FEWER_CHIPS[run]
+      name = 'lm.' + published_runs.FewerChipsName(run)
+    report, seconds = _Report(name, chips)
     fitted_here = efficiency is None
     if fitted_here:
       published_mfu = published_runs.RUNS[run].mfu

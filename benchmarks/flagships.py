@@ -54,12 +54,14 @@ def Plan(model, tpu, hbm_gib, candidates=None, layer='gpipe',
 
 HEADER = ('| M | R | bubble | weights GiB | optim GiB | temp GiB | peak GiB | '
           'fits | FLOP/dev / (unp/8) | calibrated step s | MFU calibrated | '
-          'MFU at peak, no overlap |\n' + '|---' * 12 + '|')
+          'ceiling | no overlap | overlapped |\n' + '|---' * 14 + '|')
 
 
 def Row(c):
   """A candidate's HEADER row: the step and MFU the planner's calibrated
-  roofline predicts, and the at-peak, no-overlap MFU beside."""
+  roofline predicts, and beside them the MFU at peak: the ceiling (every
+  collective hidden), with no collective hidden, and as a schedule hides
+  them."""
   b = c['per_device_bytes']
   p = c['predicted']
   return (f"| {c['num_microbatches']} | {c['circular_repeat']} | "
@@ -67,7 +69,9 @@ def Row(c):
           f"{b['optimizer'] / GIB:.3f} | {b['temp'] / GIB:.2f} | "
           f"{b['peak'] / GIB:.2f} | {'yes' if c['fits'] else 'NO'} | "
           f"{c['flops_ratio']:.3f} | {p['step_seconds_calibrated']:.2f} | "
-          f"{100 * p['mfu_calibrated']:.0f} % | {100 * p['mfu']:.0f} % |")
+          f"{100 * p['mfu_calibrated']:.1f} % | "
+          f"{100 * p['mfu_ceiling']:.1f} % | {100 * p['mfu']:.1f} % | "
+          f"{100 * p['mfu_overlapped']:.1f} % |")
 
 
 def _Report(model, tpu, hbm_gib, candidates, quick):

@@ -210,8 +210,9 @@ def _PrintChecked(plan, checked):
     c = plan['candidates'][best]
     print(f"\nThe planner recommends mesh "
           f"{'x'.join(map(str, c['mesh_shape']))}: predicted "
-          f"{c['predicted_step_seconds']:.2f} s, "
-          f"{100 * c['predicted']['mfu']:.0f} % MFU, peak "
+          f"{c['predicted']['step_seconds_calibrated']:.2f} s, "
+          f"{100 * c['predicted']['mfu_calibrated']:.1f} % MFU "
+          "(calibrated), peak "
           f"{c['per_device_bytes']['peak'] / GIB:.2f} GiB. The targets "
           "below are checked on the model's own mesh.")
   if checked is None:

@@ -122,6 +122,7 @@ class MaxTextRun(base_model_params.SingleTaskModelParams):
   chips the data axis shrinks with them."""
   RUN = '16B'
   CHIPS = None
+  LAYERS = None  # None: the run's own; else the layers planned
 
   @classmethod
   def Run(cls):
@@ -136,7 +137,8 @@ class MaxTextRun(base_model_params.SingleTaskModelParams):
 
   @classmethod
   def Dims(cls):
-    return MaxTextDims(cls.Run().scale)
+    dims = MaxTextDims(cls.Run().scale)
+    return dict(dims, num_layers=cls.LAYERS or dims['num_layers'])
 
   @classmethod
   def PublishedMeshShape(cls):
@@ -171,19 +173,39 @@ class MaxTextRun(base_model_params.SingleTaskModelParams):
 # data axis shrunk (16B to 64B: FSDP 16, 15/16 of the slice's gathered
 # bytes a chip; 128B: tensor 16 x FSDP 4).
 FEWER_CHIPS = {'16B': 16, '32B': 16, '64B': 16, '128B': 64}
+# The layers a run is planned with on FEWER_CHIPS where all of them are
+# out of this host's memory to compile (128B: 16 of its 64; each layer's
+# work and collectives a chip as in the whole run, the tied table's share
+# of the step four times as large).
+FEWER_LAYERS = {'128B': 16}
+
+
+def RunName(run, chips, layers=None):
+  """MaxText<run>OnV5e<chips>[At<layers>Layers]: a registered run's name."""
+  return f'MaxText{run}OnV5e{chips}' + (f'At{layers}Layers' if layers else '')
+
+
+def FewerChipsName(run):
+  """The name `run` is planned under on FEWER_CHIPS (at FEWER_LAYERS where
+  it has the run), e.g. MaxText16BOnV5e16, MaxText128BOnV5e64At16Layers."""
+  return RunName(run, FEWER_CHIPS[run], FEWER_LAYERS.get(run))
 
 
 def RunClasses(module):
-  """{name: model params class} of every run on its slice and on
-  FEWER_CHIPS, named MaxText<run>OnV5e<chips> (e.g. MaxText16BOnV5e256),
+  """{name: model params class} of every run on its slice, on FEWER_CHIPS
+  and, where FEWER_LAYERS has it, on FEWER_CHIPS at fewer layers (RunName),
   to register in `module` (params/lm.py: lm.MaxText16BOnV5e256)."""
   classes = {}
   for run, published in RUNS.items():
-    for chips in (published.chips, FEWER_CHIPS[run]):
-      name = f'MaxText{run}OnV5e{chips}'
+    layouts = [(published.chips, None), (FEWER_CHIPS[run], None)]
+    if run in FEWER_LAYERS:
+      layouts.append((FEWER_CHIPS[run], FEWER_LAYERS[run]))
+    for chips, layers in layouts:
+      name = RunName(run, chips, layers)
+      depth = f', {layers} of its layers' if layers else ''
       classes[name] = type(name, (MaxTextRun,), dict(
-          RUN=run, CHIPS=chips, __module__=module, __doc__=(
+          RUN=run, CHIPS=chips, LAYERS=layers, __module__=module, __doc__=(
               f"MaxText's published {run} v5e run ({published.mfu:.2%} MFU "
-              f'measured on {published.chips} chips), planned on {chips}: '
-              'params/published_runs.py.')))
+              f'measured on {published.chips} chips), planned on {chips}'
+              f'{depth}: params/published_runs.py.')))
   return classes

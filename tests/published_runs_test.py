@@ -107,3 +107,21 @@ def test_fewer_chips_keep_the_links_of_the_published_pod():
       cls = lm.model_registry.GetClass(f'lm.MaxText{run}OnV5e{on}')
       assert torus.LinksPerAxis(cls.PublishedMeshShape()) == want[run], (
           run, on)
+
+
+def test_fewer_layers_keep_each_layer_and_the_run():
+  """128B planned at 16 of its 64 layers: only the depth differs from the
+  full run on as many chips (width, heads, feed-forward, batch, mesh,
+  links); the counted FLOPs are the shallow model's."""
+  assert published_runs.FewerChipsName('128B') == 'MaxText128BOnV5e64At16Layers'
+  assert published_runs.FewerChipsName('16B') == 'MaxText16BOnV5e16'
+  shallow = lm.model_registry.GetClass('lm.MaxText128BOnV5e64At16Layers')
+  whole = lm.model_registry.GetClass('lm.MaxText128BOnV5e64')
+  assert shallow.Dims() == dict(whole.Dims(), num_layers=16)
+  assert whole.Dims()['num_layers'] == 64
+  assert shallow.Mesh().device_mesh.shape == whole.Mesh().device_mesh.shape
+  assert shallow.PublishedMeshShape() == whole.PublishedMeshShape()
+  cfg = lm.model_registry.GetParams('lm.MaxText128BOnV5e64At16Layers',
+                                    'Train')
+  assert cfg.input.batch_size == 64
+  assert cfg.task.stack.single_stage_body.num_blocks == 16

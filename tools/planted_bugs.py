@@ -406,6 +406,11 @@ BUGS = (
         "                         chip=torus.OnSlice(chip, mesh['mesh_shape']),",
         '                         chip=chip,',
         ('tests/plan/plan_command_test.py', '-k', 'links')),
+    Bug('fewer-layers-not-applied', "a run planned at fewer layers keeps "
+        "all of them", 'params/published_runs.py',
+        "    return dict(dims, num_layers=cls.LAYERS or dims['num_layers'])",
+        '    return dims',
+        ('tests/published_runs_test.py', '-k', 'fewer_layers')),
     Bug('reduce-scatter-charged-whole',
         "XLA:CPU's sliced all-reduce charged as an all-reduce",
         'gpipe/xla/reduce_scatters.py',
