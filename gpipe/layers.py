@@ -85,6 +85,11 @@ __all__ = [
 _NotConvertedByAutograph = tf.autograph.experimental.do_not_convert
 
 
+# The pipeline's loops by backward_schedule (checked by param_checks).
+_LOOPS = {'reverse': pipeline_loop.RunReverse,
+          '1f1b': one_f_one_b.RunOneFOneB}
+
+
 class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
   """Pipelines S stages (x R circular repeats) of a body layer.
 
@@ -399,9 +404,8 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
       except vectorized_stages.CannotVectorize as e:
         self._layer_by_layer.CannotVectorize(e)
     spec, io_kind = loop_choices.Decide(spec, theta, mb_leaves)
-    run = (one_f_one_b.RunOneFOneB if spec.backward_schedule == '1f1b' else
-           pipeline_loop.RunReverse)
-    return run(spec, io_kind, theta, mb_leaves, state_leaves, var_values)
+    return _LOOPS[spec.backward_schedule](spec, io_kind, theta, mb_leaves,
+                                          state_leaves, var_values)
 
   def _LoopSpec(self, sched, fn_name, args, states, mb_kwargs,
                 kwargs_no_batch, loss=None, first_stage=None):
