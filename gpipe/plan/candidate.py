@@ -15,6 +15,7 @@ model's or XLA's error, and MakePlan raises it as a CandidateError.
 import dataclasses
 import functools
 import re
+import subprocess
 import time
 
 import numpy as np
@@ -363,13 +364,15 @@ class CandidateReport:
 
 
 def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
-                  depth_param='num_blocks', log=None, model_flops=None):
+                  depth_param='num_blocks', log=None, model_flops=None,
+                  compile_timeout=1800):
   """Lowers, partitions and compiles one candidate; a CandidateReport.
 
   `log` (if given) is told once the candidate is built, before its compile:
   a candidate skipped while building is never said to be compiling.
   `model_flops`: a model_flops.ModelFlops (the same for every candidate
   of a target); None: a new one, of this candidate's step.
+  `compile_timeout`: seconds each of its compiles may take.
   """
   start = time.time()
   with tpu_build.AsOnTpu():  # Lingvo's layers annotate their weights when built for one
@@ -391,12 +394,14 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
   def UnpartitionedFlops():
     with tpu_build.AsOnTpu():
       unpartitioned = partitioning.LowerFromShapes(Unpartitioned, step.specs)
-    return partitioning.CompileFromShapes(unpartitioned, 1).Cost('flops')
+    return partitioning.CompileFromShapes(
+        unpartitioned, 1, timeout=compile_timeout).Cost('flops')
 
   with tpu_build.AsOnTpu():
     partitioned = partitioning.LowerFromShapes(Partitioned, step.specs)
   compiled = partitioning.CompileFromShapes(partitioned, num_devices,
-                                            aliases=step.aliases)
+                                            aliases=step.aliases,
+                                            timeout=compile_timeout)
   if model_flops is None:
     model_flops = model_flops_lib.ModelFlops(step)
   mesh = partitioned_step.StackMesh(stack_p, num_devices)
@@ -426,6 +431,9 @@ class CandidateError(RuntimeError):
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     if description:
       summary = description
+    elif isinstance(error, subprocess.TimeoutExpired):
+      summary = (f'the compile took longer than {error.timeout / 60:g} '
+                 'minutes: give it more with --compile_timeout_minutes')
     elif re.search(r'^F\d{4} ', str(error), re.M):
       summary = user_layer.PartitionerMessage(error)
     else:
@@ -453,8 +461,10 @@ def CheckCandidate(target, candidate):
 
 
 def MakePlan(target, candidates, num_devices, chip, hbm_bytes,
-             depth_param='num_blocks', log=None):
+             depth_param='num_blocks', log=None, compile_timeout=1800):
   """Plans every candidate; those gpipe refuses are skipped with the reason.
+
+  `compile_timeout`: seconds one candidate's compile may take.
 
   Raises:
     CandidateError: building or compiling a valid candidate failed.
@@ -465,7 +475,8 @@ def MakePlan(target, candidates, num_devices, chip, hbm_bytes,
       CheckCandidate(target, candidate)
       reports.append(PlanCandidate(
           target, candidate, num_devices, chip, hbm_bytes, depth_param, log,
-          model_flops=reports[0].model_flops_fn if reports else None))
+          model_flops=reports[0].model_flops_fn if reports else None,
+          compile_timeout=compile_timeout))
     except targets.PlanError as e:
       skipped.append((candidate, str(e).splitlines()[0]))
     except Exception as e:  # pylint: disable=broad-except

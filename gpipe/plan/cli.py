@@ -192,7 +192,8 @@ def main(argv=None):
   try:
     plan = candidate_lib.MakePlan(
         target, candidates, num_devices, chip, hbm_bytes, args.depth_param,
-        log=lambda m: print(m, file=sys.stderr, flush=True))
+        log=lambda m: print(m, file=sys.stderr, flush=True),
+        compile_timeout=60 * args.compile_timeout_minutes)
   except candidate_lib.CandidateError as e:
     print(f'plan: error: building or compiling {e}', file=sys.stderr)
     if args.verbose:

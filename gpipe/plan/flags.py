@@ -222,6 +222,10 @@ def Parse(argv=None):
   parser.add_argument('--depth_param', default='num_blocks',
                       help='stage-body param holding its depth, scaled to '
                       'keep S x R x depth fixed as circular_repeat varies')
+  parser.add_argument('--compile_timeout_minutes', type=_PositiveFloat,
+                      default=30, help='the longest one candidate\'s compile '
+                      'may take before it is stopped (a large model\'s '
+                      'whole batch at once may need more)')
   parser.add_argument('--verbose', action='store_true',
                       help='also show TensorFlow, XLA and Lingvo logs')
   parser.add_argument('--json', action='store_true',

@@ -18,6 +18,7 @@ plan_test.py (--params tests.plan.plan_test.LayerParams):
 
 import json
 import re
+import subprocess
 
 import pytest
 
@@ -351,3 +352,26 @@ if __name__ == '__main__':
 if __name__ == '__main__':
   import sys  # pylint: disable=g-import-not-at-top
   sys.exit(pytest.main([__file__]))
+
+
+def test_a_compile_over_its_time_is_said_with_the_flag_to_give_more(
+    capsys, monkeypatch):
+  """--compile_timeout_minutes reaches every compile of a candidate; one
+  that outlives it is an error of one line naming the flag."""
+  given = []
+
+  def SlowCompile(proto, num_devices, aliases=(), timeout=None):
+    given.append(timeout)
+    raise subprocess.TimeoutExpired(['spmd_worker'], timeout)
+
+  monkeypatch.setattr(candidate_lib.partitioning, 'CompileFromShapes',
+                      SlowCompile)
+  status = plan.main(_Command('--num_microbatches', '8',
+                              '--compile_timeout_minutes', '0.5'))
+  err = capsys.readouterr().err.strip().splitlines()
+  assert status == 1
+  assert given == [30.0], given
+  assert err[-2] == (
+      'plan: error: building or compiling M=8 R=1 recompute: TimeoutExpired: '
+      'the compile took longer than 0.5 minutes: give it more with '
+      '--compile_timeout_minutes'), err
