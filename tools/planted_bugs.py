@@ -411,6 +411,12 @@ BUGS = (
         "    return dict(dims, num_layers=cls.LAYERS or dims['num_layers'])",
         '    return dims',
         ('tests/published_runs_test.py', '-k', 'fewer_layers')),
+    Bug('compile-timeout-not-passed', "the plan's compile keeps its "
+        "default time, whatever --compile_timeout_minutes says",
+        'gpipe/plan/candidate.py',
+        '                                            timeout=compile_timeout)',
+        '                                            timeout=1800)',
+        ('tests/plan/plan_command_test.py', '-k', 'compile_over')),
     Bug('reduce-scatter-charged-whole',
         "XLA:CPU's sliced all-reduce charged as an all-reduce",
         'gpipe/xla/reduce_scatters.py',
