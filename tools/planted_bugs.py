@@ -414,8 +414,8 @@ BUGS = (
     Bug('compile-timeout-not-passed', "the plan's compile keeps its "
         "default time, whatever --compile_timeout_minutes says",
         'gpipe/plan/candidate.py',
-        '                                            timeout=compile_timeout)',
-        '                                            timeout=1800)',
+        'aliases=step.aliases, timeout=compile_timeout)',
+        'aliases=step.aliases, timeout=1800)',
         ('tests/plan/plan_command_test.py', '-k', 'compile_over')),
     Bug('reduce-scatter-charged-whole',
         "XLA:CPU's sliced all-reduce charged as an all-reduce",

@@ -399,11 +399,11 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
 
   with tpu_build.AsOnTpu():
     partitioned = partitioning.LowerFromShapes(Partitioned, step.specs)
-  compiled = partitioning.CompileFromShapes(partitioned, num_devices,
-                                            aliases=step.aliases,
-                                            timeout=compile_timeout)
+  compiled = partitioning.CompileFromShapes(
+      partitioned, num_devices, aliases=step.aliases, timeout=compile_timeout)
   if model_flops is None:
-    model_flops = model_flops_lib.ModelFlops(step)
+    model_flops = _Guarded(model_flops_lib.ModelFlops(
+        step, timeout=compile_timeout), candidate, target)
   mesh = partitioned_step.StackMesh(stack_p, num_devices)
   return CandidateReport(candidate=candidate, schedule=sched,
                          compiled=compiled, step=step,
@@ -412,10 +412,25 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
                          backward_schedule=stack_p.backward_schedule,
                          stream_io=stack_p.stream_io,
                          model_flops_fn=model_flops,
-                         unpartitioned_flops_fn=UnpartitionedFlops,
+                         unpartitioned_flops_fn=_Guarded(
+                             UnpartitionedFlops, candidate, target),
                          model_shape=traffic_floor.ShapeOf(
                              step, mesh['stage_axis']),
                          **mesh)
+
+
+def _Guarded(compile_fn, candidate, target):
+  """compile_fn (a one-device compile for FLOPs, run when a report is
+  printed), failing with a CandidateError as the candidate's compile does."""
+  def Run():
+    try:
+      return compile_fn()
+    except CandidateError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      raise CandidateError(candidate, e, target.DescribeError(e)) from e
+
+  return Run
 
 
 class CandidateError(RuntimeError):

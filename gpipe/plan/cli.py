@@ -194,6 +194,8 @@ def main(argv=None):
         target, candidates, num_devices, chip, hbm_bytes, args.depth_param,
         log=lambda m: print(m, file=sys.stderr, flush=True),
         compile_timeout=60 * args.compile_timeout_minutes)
+    # The report compiles the unpartitioned step for its FLOPs when asked.
+    return _PrintPlan(plan, args, start)
   except candidate_lib.CandidateError as e:
     print(f'plan: error: building or compiling {e}', file=sys.stderr)
     if args.verbose:
@@ -201,6 +203,10 @@ def main(argv=None):
     else:
       print('(--verbose shows the traceback)', file=sys.stderr)
     return 1
+
+
+def _PrintPlan(plan, args, start):
+  """Prints the plan as --json and --plot ask; the exit status."""
   if args.json:
     report = plan.ToJson()
     report['wall_seconds'] = time.time() - start

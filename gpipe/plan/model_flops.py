@@ -21,22 +21,24 @@ class ModelFlops:
   device, collectives) never compiles it.
   """
 
-  def __init__(self, step):
+  def __init__(self, step, timeout=1800):
     self._step = step
+    self._timeout = timeout
     self._flops = None
 
   def __call__(self):
     if self._flops is None:
-      self._flops = 3 * ForwardFlops(self._step)
+      self._flops = 3 * ForwardFlops(self._step, self._timeout)
     return self._flops
 
 
-def ForwardFlops(step):
+def ForwardFlops(step, timeout=1800):
   """XLA's FLOPs of the step's forward pass (its loss), compiled for one
   device with every pipelined stack run as the plain stack
   (gpipe.pipeline.unrolled.Everywhere): the model's own work, with no
   bubble and nothing recomputed. MFU counts 3 x these (a backward pass
-  is twice its forward), as PaLM's and MaxText's MFU do.
+  is twice its forward), as PaLM's and MaxText's MFU do. `timeout`: the
+  seconds its compile may take.
   """
   specs = [a.spec for a in step.weight_args + step.input_args]
 
@@ -46,4 +48,5 @@ def ForwardFlops(step):
 
   with tpu_build.AsOnTpu():
     proto = partitioning.LowerFromShapes(Forward, specs)
-  return partitioning.CompileFromShapes(proto, 1).Cost('flops')
+  return partitioning.CompileFromShapes(proto, 1,
+                                        timeout=timeout).Cost('flops')

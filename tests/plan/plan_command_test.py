@@ -375,3 +375,30 @@ def test_a_compile_over_its_time_is_said_with_the_flag_to_give_more(
       'plan: error: building or compiling M=8 R=1 recompute: TimeoutExpired: '
       'the compile took longer than 0.5 minutes: give it more with '
       '--compile_timeout_minutes'), err
+
+
+def test_the_unpartitioned_compile_over_its_time_is_said_too(capsys,
+                                                             monkeypatch):
+  """The one-device compile (the unpartitioned step's FLOPs, run when the
+  report is printed) that outlives its time: the same one line, no
+  traceback."""
+  compile_from_shapes = candidate_lib.partitioning.CompileFromShapes
+
+  def SlowOnOneDevice(proto, num_devices, aliases=(), timeout=None):
+    if num_devices == 1:
+      raise subprocess.TimeoutExpired(['spmd_worker'], timeout)
+    return compile_from_shapes(proto, num_devices, aliases, timeout)
+
+  monkeypatch.setattr(candidate_lib.partitioning, 'CompileFromShapes',
+                      SlowOnOneDevice)
+  for json_flag in ((), ('--json',)):
+    status = plan.main(_Command('--num_microbatches', '8',
+                                '--compile_timeout_minutes', '2', *json_flag))
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert status == 1, json_flag
+    assert err[-2] == (
+        'plan: error: building or compiling M=8 R=1 recompute: '
+        'TimeoutExpired: the compile took longer than 2 minutes: give it '
+        'more with --compile_timeout_minutes'), err
+    assert 'Traceback' not in captured.err and captured.out == '', json_flag
