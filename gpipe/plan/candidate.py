@@ -370,8 +370,8 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
 
   `log` (if given) is told once the candidate is built, before its compile:
   a candidate skipped while building is never said to be compiling.
-  `model_flops`: a model_flops.ModelFlops (the same for every candidate
-  of a target); None: a new one, of this candidate's step.
+  `model_flops`: a callable of the model's FLOPs, shared by a target's
+  candidates; None: a new model_flops.ModelFlops of this candidate's step.
   `compile_timeout`: seconds each of its compiles may take.
   """
   start = time.time()
