@@ -40,9 +40,10 @@ import time
 GIB = 2**30
 
 
-def _Report(name, chips):
+def _Report(name, chips, compile_timeout):
   """The CandidateReport of the registered run `name` planned on `chips`
-  (its model's own candidate), and the wall seconds it took."""
+  (its model's own candidate), and the wall seconds it took;
+  `compile_timeout`: the seconds each of its compiles may take."""
   # pylint: disable=g-import-not-at-top
   from gpipe.plan import candidate as candidate_lib
   from gpipe.plan import roofline
@@ -61,7 +62,8 @@ def _Report(name, chips):
       target, [targets.Candidate(stack.num_microbatches, 1,
                                  stack.remat_policy)], chips,
       chip, chip.hbm_bytes,
-      log=lambda m: print(m, file=sys.stderr, flush=True))
+      log=lambda m: print(m, file=sys.stderr, flush=True),
+      compile_timeout=compile_timeout)
   return plan.reports[0], time.time() - start
 
 
@@ -129,6 +131,8 @@ def main(argv=None):
   parser.add_argument('--all_hidden_efficiency', type=float, default=None,
                       help='with --efficiency: the previous run\'s fit with '
                       'every collective hidden')
+  parser.add_argument('--compile_timeout_minutes', type=float, default=30,
+                      help='minutes each compile of a run may take')
   args = parser.parse_args(argv)
   # pylint: disable=g-import-not-at-top
   import gpipe  # pylint: disable=unused-import
@@ -151,7 +155,8 @@ def main(argv=None):
     else:
       chips = published_runs.FEWER_CHIPS[run]
       name = 'lm.' + published_runs.FewerChipsName(run)
-    report, seconds = _Report(name, chips)
+    report, seconds = _Report(name, chips,
+                              60 * args.compile_timeout_minutes)
     fitted_here = efficiency is None
     if fitted_here:
       published_mfu = published_runs.RUNS[run].mfu
