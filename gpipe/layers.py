@@ -403,8 +403,8 @@ class PipelinedLayer(per_stage_states.PerStageStates, base_layer.BaseLayer):
         return result
       except vectorized_stages.CannotVectorize as e:
         self._layer_by_layer.CannotVectorize(e)
-    spec, io_kind = loop_choices.Decide(spec, theta, mb_leaves)
-    return _LOOPS[spec.backward_schedule](spec, io_kind, theta, mb_leaves,
+    spec = loop_choices.Decide(spec, theta, mb_leaves)
+    return _LOOPS[spec.backward_schedule](spec, theta, mb_leaves,
                                           state_leaves, var_values)
 
   def _LoopSpec(self, sched, fn_name, args, states, mb_kwargs,

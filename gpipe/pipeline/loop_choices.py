@@ -1,6 +1,6 @@
 """What the layer decides for a loop before it runs it: the remat policy
 and skip_bubbles where the params leave them to it, and how the loop reads
-and writes (its io's kind).
+and writes (its io's kind, spec.io_kind).
 
     remat_policy=None   'save_dots' on one device with the reverse
                         backward, for a body of at least
@@ -28,12 +28,11 @@ from gpipe.pipeline import streamed_io
 
 
 def Decide(spec, theta, mb_leaves):
-  """(spec with remat_policy and skip_bubbles decided, the loop io's class,
-  which the loop builds from the spec it runs)."""
-  decided = dataclasses.replace(
+  """The spec with remat_policy, skip_bubbles and io_kind decided."""
+  return dataclasses.replace(
       spec, remat_policy=ChosenRematPolicy(spec, theta, mb_leaves),
-      skip_bubbles=SkipsBubbles(spec, theta, mb_leaves))
-  return decided, IoKind(spec)
+      skip_bubbles=SkipsBubbles(spec, theta, mb_leaves),
+      io_kind=spec.io_kind or IoKind(spec))
 
 
 # remat_policy=None keeps the dots' outputs (save_dots) on one device for a

@@ -61,6 +61,9 @@ class LoopSpec:
       microbatched, [M, ...]) the last stage takes, '1f1b' only; None.
     first_stage: a gpipe.pipeline.stage_ends.FirstStageInput (its inputs
       microbatched) stage 0 makes its inputs with, with `loss` only; None.
+    io_kind: the class of the loop's io (gpipe.pipeline.loop_io), which
+      the loop builds from this spec; None: as loop_choices.IoKind
+      decides.
   """
   schedule: schedule_lib.Schedule
   body: stage_call.Body
@@ -82,6 +85,7 @@ class LoopSpec:
   ring_split_mesh_dim: Optional[int] = None
   loss: Optional[stage_ends.LastStageLoss] = None
   first_stage: Optional[stage_ends.FirstStageInput] = None
+  io_kind: Optional[type] = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

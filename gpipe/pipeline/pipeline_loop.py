@@ -30,14 +30,13 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-def RunReverse(spec: loop_spec.LoopSpec, io_kind, theta, mb_leaves,
-               state_leaves, var_values) -> loop_spec.LoopResult:
+def RunReverse(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
+               var_values) -> loop_spec.LoopResult:
   """The loop whose gradient runs in reverse (gpipe.recurrent).
 
   Args:
-    spec: the LoopSpec, its remat_policy and skip_bubbles decided
+    spec: the LoopSpec, its remat_policy, skip_bubbles and io_kind decided
       (gpipe.pipeline.loop_choices.Decide).
-    io_kind: the loop io's class (gpipe.pipeline.loop_io).
     theta: the stage-stacked weights, placed, [S, (R,) ...] each.
     mb_leaves: the [M, mb, ...] tensor leaves of the microbatched inputs.
     state_leaves: the [T, S, ...] padded per-stage state leaves.
@@ -45,7 +44,7 @@ def RunReverse(spec: loop_spec.LoopSpec, io_kind, theta, mb_leaves,
   """
   place = spec.placement
   sched = spec.schedule
-  io = io_kind(spec)
+  io = spec.io_kind(spec)
   # The inputs as the io keeps them: [M, mb, ...] per leaf on every device
   # (WholeIo), or [K, S, mb, ...] streams (StreamedIo).
   native = io.ToNative(mb_leaves)

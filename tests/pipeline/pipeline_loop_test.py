@@ -54,7 +54,7 @@ def _Spec(sched, x_mb, remat_policy='recompute'):
       args=nest.TensorLeaves((x_mb,)), states=[], mb_kwargs={},
       kwargs_no_batch={}, base_seed=tf.constant(0, tf.int64),
       global_step=None, var_names=(),
-      remat_policy=remat_policy)
+      remat_policy=remat_policy, io_kind=loop_io.WholeIo)
 
 
 @pytest.mark.parametrize('s,m,r,store', [
@@ -66,7 +66,7 @@ def test_loop_runs_every_layer_on_every_microbatch_in_order(s, m, r, store):
   with tf.Graph().as_default():
     x = tf.constant(x_np, tf.float32)
     w = tf.constant(0.9)
-    res = pipeline_loop.RunReverse(_Spec(sched, x, store), loop_io.WholeIo,
+    res = pipeline_loop.RunReverse(_Spec(sched, x, store),
                                    py_utils.NestedMap(w=w), [x], [], [])
     (out,) = res.outputs
     want = []

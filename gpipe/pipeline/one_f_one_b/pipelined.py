@@ -23,7 +23,7 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-def RunOneFOneB(spec, io_kind, theta, mb_leaves, state_leaves,
+def RunOneFOneB(spec, theta, mb_leaves, state_leaves,
                 var_values) -> loop_spec.LoopResult:
   """The 1f1b pipeline (with spec.loss: `losses`, its sums, and no
   outputs).
@@ -31,8 +31,8 @@ def RunOneFOneB(spec, io_kind, theta, mb_leaves, state_leaves,
   Args: as gpipe.pipeline.pipeline_loop.RunReverse's.
   """
   if spec.loss is not None:
-    return _Scored(spec, io_kind, theta, mb_leaves, state_leaves, var_values)
-  io = io_kind(spec)
+    return _Scored(spec, theta, mb_leaves, state_leaves, var_values)
+  io = spec.io_kind(spec)
   native = io.ToNative(mb_leaves)  # [M, mb, ...] or [K, S, mb, ...] a leaf
   cell = cell_lib.StageCell(spec, theta, io.Filler(native), state_leaves,
                             var_values)
@@ -43,14 +43,14 @@ def RunOneFOneB(spec, io_kind, theta, mb_leaves, state_leaves,
       aux_loss=result.aux, summaries=result.summaries, vars=result.vars)
 
 
-def _Scored(spec, io_kind, theta, mb_leaves, state_leaves, var_values):
+def _Scored(spec, theta, mb_leaves, state_leaves, var_values):
   """With a LastStageLoss: the ends' weights read for the loop
   (stage_ends.ForTheLoop), the ScoringCell, the gradient loop alone."""
   loss, first_stage = stage_ends.ForTheLoop(
       (spec.loss, spec.first_stage), spec.runner, spec.placement,
       spec.schedule.num_stages)
   spec = dataclasses.replace(spec, loss=loss, first_stage=first_stage)
-  io = io_kind(spec)
+  io = spec.io_kind(spec)
   native = io.ToNative(mb_leaves)  # as for RunOneFOneB; made: [1, ...]
   cell = cell_lib.ScoringCell(spec, theta, io.Filler(native), state_leaves,
                               var_values)
