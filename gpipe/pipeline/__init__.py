@@ -10,6 +10,8 @@ modules below it; one FProp call walks them in this order
     layouts            where the body's weights live: stacked, per stage,
                        Lingvo's stage-parallel layout
     unrolled           unroll: the S * R layers one after another
+    layer_loop         the same layers as one loop over the layer index
+                       (the FLOP count's: one layer's compile)
     per_stage_states   per-stage states (decoding) and one iteration's
                        stage calls, for callers that drive their own loop
     loop_choices       what the layer decides before a loop runs: the

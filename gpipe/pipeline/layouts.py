@@ -45,6 +45,7 @@ class StackedLayout:
 
   body_param = 'single_stage_body'
   stage_parallel = False
+  layers_by_index = True  # LayerTheta takes tensor indices (layer_loop)
 
   def __init__(self, params, repeats):
     self.num_stages = params.num_stages
@@ -167,6 +168,8 @@ class PerStageLayout(StackedLayout):
   sees the stacked layout: they are stacked outside it, once per step.
   """
 
+  layers_by_index = False  # a child per stage, named by its Python index
+
   def _ChildName(self, stage):
     return 'body_iter_%05d' % stage
 
@@ -229,6 +232,7 @@ class StageParallelLayout(StackedLayout):
 
   body_param = 'stage_parallel_body'
   stage_parallel = True
+  layers_by_index = False  # the body runs every stage at once
 
   def CreateChildren(self, layer):
     with self.repeats.VariablePrefix():

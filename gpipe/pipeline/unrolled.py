@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from gpipe import microbatch
 from gpipe import nest
+from gpipe.pipeline import layer_loop
 from gpipe.pipeline import side_outputs
 from gpipe.pipeline import stage_call
 from lingvo.core import py_utils
@@ -24,21 +25,31 @@ _everywhere = threading.local()
 
 
 @contextlib.contextmanager
-def Everywhere():
+def Everywhere(as_loop=False):
   """Inside, every PipelinedLayer call without per-stage states runs this
   path, as unroll='always' does: the plain stack's computation, with no
-  bubble and nothing recomputed (gpipe.plan counts a model's FLOPs so)."""
-  before = Forced()
-  _everywhere.on = True
+  bubble and nothing recomputed (gpipe.plan counts a model's FLOPs so).
+
+  as_loop: run each stack's layers as one loop over the layer index where
+  they can (gpipe.pipeline.layer_loop): the same FLOPs at one layer's
+  compile, for counting them.
+  """
+  before = getattr(_everywhere, 'mode', None)
+  _everywhere.mode = 'loop' if as_loop else 'unrolled'
   try:
     yield
   finally:
-    _everywhere.on = before
+    _everywhere.mode = before
 
 
 def Forced():
   """Whether calls run unrolled whatever their Params say (Everywhere)."""
-  return getattr(_everywhere, 'on', False)
+  return getattr(_everywhere, 'mode', None) is not None
+
+
+def _AsLoop():
+  """Whether Everywhere(as_loop=True) asks for the stacks' layers as a loop."""
+  return getattr(_everywhere, 'mode', None) == 'loop'
 
 
 def CheckPerLayerStates(per_layer_states, num_layers):
@@ -113,6 +124,10 @@ def RunUnrolled(layout, body, fn_name, theta, args, kwargs, kwargs_no_batch,
     (outputs tuple, per-layer state lists updated, carried values updated).
   """
   num_stages = layout.num_stages
+  if _AsLoop() and layer_loop.Runs(layout, per_layer_states, carried):
+    return (layer_loop.RunLayerLoop(layout, body, fn_name, theta, args,
+                                    kwargs, kwargs_no_batch),
+            per_layer_states, carried)
   caught = summaries or StageSummaries(num_stages)
   per_layer_states = CheckPerLayerStates(per_layer_states,
                                          num_stages * layout.repeats.count)

@@ -3,7 +3,9 @@
 3 x the FLOPs of the step's forward pass, compiled for one device with
 every pipelined stack run as the plain stack: no bubble, nothing
 recomputed. Counting them is a compile of its own, so it is done once
-per plan and only when a prediction asks for it.
+per plan and only when a prediction asks for it; each stack's layers run
+as one loop over the layer index (gpipe.pipeline.layer_loop), so that
+compile is of one layer, not of all of them.
 """
 
 from gpipe.lingvo_support import tpu_build
@@ -32,18 +34,20 @@ class ModelFlops:
     return self._flops
 
 
-def ForwardFlops(step, timeout=1800):
+def ForwardFlops(step, timeout=1800, as_loop=True):
   """XLA's FLOPs of the step's forward pass (its loss), compiled for one
   device with every pipelined stack run as the plain stack
   (gpipe.pipeline.unrolled.Everywhere): the model's own work, with no
   bubble and nothing recomputed. MFU counts 3 x these (a backward pass
   is twice its forward), as PaLM's and MaxText's MFU do. `timeout`: the
-  seconds its compile may take.
+  seconds its compile may take. `as_loop`: each stack's layers as one
+  loop (the same FLOPs, and two per layer for the loop's counter); False:
+  every layer built into the module.
   """
   specs = [a.spec for a in step.weight_args + step.input_args]
 
   def Forward(*args):
-    with sharding.SpmdPartitioning(False), unrolled.Everywhere():
+    with sharding.SpmdPartitioning(False), unrolled.Everywhere(as_loop):
       return step.Loss(*args)
 
   with tpu_build.AsOnTpu():
