@@ -77,6 +77,10 @@ FLAGSHIPS = (
     ('lm.CopyLMPod8x2OnMesh', 'v6e', 32, (('1x4x2', 16),)),
     ('lm.CopyLMPod8x2AdafactorOnMesh', 'v5e', 16, (('1x4x2', 8),)),
 )
+# Each compile's limit: the 32-chip model's no-pipeline layout's
+# partitioned step took 38 minutes to build and compile here (2026-12-03), over
+# gpipe.plan's default 30.
+COMPILE_TIMEOUT = ['--compile_timeout_minutes', '60']
 TARGETS = dict(mfu=0.5, peak=0.9, weights=1.1, flops=1.1, bubble=0.1,
                least_floor=0.95, floor=1.25)
 
@@ -241,7 +245,7 @@ def _Report(model, num_devices, gpipe_params, least_params, meshes):
   print(f'## {model} on {num_devices} x {HBM_GIB} GiB (TPU v5e roofline)\n')
   plan, error, seconds = flagships.Plan(
       model, 'v5e', HBM_GIB, num_devices=num_devices,
-      extra=['--slice', SLICES[num_devices]] +
+      extra=['--slice', SLICES[num_devices], *COMPILE_TIMEOUT] +
       (['--mesh', ','.join(meshes)] if meshes else []))
   if plan is None:
     print(f'Not planned: {error}\n')
@@ -272,8 +276,8 @@ def _FlagshipReport(model, tpu, hbm_gib, layouts):
   `layouts` without a pipeline, one table."""
   print(f'## {model} on 8 x {hbm_gib} GiB (TPU {tpu} roofline, '
         f'{SLICES[8]} slice)\n')
-  plan, error, seconds = flagships.Plan(model, tpu, hbm_gib,
-                                        extra=['--slice', SLICES[8]])
+  plan, error, seconds = flagships.Plan(
+      model, tpu, hbm_gib, extra=['--slice', SLICES[8], *COMPILE_TIMEOUT])
   if plan is None:
     print(f'Not planned: {error}\n')
     return
@@ -292,8 +296,8 @@ def _NoPipelinePlans(model, num_devices, layouts, tpu='v5e',
   for mesh, microbatches in layouts:
     plan, error, seconds = flagships.Plan(
         model, tpu, hbm_gib, num_devices=num_devices,
-        extra=['--slice', SLICES[num_devices], '--mesh', mesh,
-               '--fsdp_mesh_dim', '1', '--num_microbatches',
+        extra=['--slice', SLICES[num_devices], *COMPILE_TIMEOUT,
+               '--mesh', mesh, '--fsdp_mesh_dim', '1', '--num_microbatches',
                str(microbatches), '--circular_repeat', '1'])
     if plan is None:
       print(f'No pipeline on {mesh}: not planned: {error}\n')
