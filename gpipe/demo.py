@@ -36,6 +36,15 @@ _OLD_SPELLINGS = {'--skip-check': '--skip_check',
                   '--skip-decode': '--skip_decode'}
 
 
+# The check's float32 tolerance under the kernels the user's TensorFlow
+# runs: oneDNN's (on by default on x86) block the whole batch's and a
+# microbatch's matmuls differently, and on a CPU with AMX the demo's
+# gradients differed by 1.26e-05 pipelined vs unrolled (6e-08 without
+# them, docs/testing.md "oneDNN"). The suite checks the same equality at
+# 1e-5 with oneDNN off (tests/conftest.py).
+_CHECK_RTOL = 1e-4
+
+
 def _Args(argv=None):
   from gpipe import flag_spellings  # pylint: disable=g-import-not-at-top
   from gpipe import quiet  # pylint: disable=g-import-not-at-top
@@ -169,7 +178,7 @@ def main(argv=None):
     print(f'pipelined vs unrolled at step {step}: {comparison.Describe()} '
           f'[{time.time() - began:.1f} s]', flush=True)
     checks.append(comparison)
-    if not comparison.Matches():
+    if not comparison.Matches(rtol=_CHECK_RTOL):
       raise SystemExit('MISMATCH: the pipelined model differs from the '
                        'unrolled one.')
 
