@@ -41,8 +41,8 @@ def ForwardFlops(step, timeout=1800, as_loop=True):
   bubble and nothing recomputed. MFU counts 3 x these (a backward pass
   is twice its forward), as PaLM's and MaxText's MFU do. `timeout`: the
   seconds its compile may take. `as_loop`: each stack's layers as one
-  loop (the same FLOPs, and two per layer for the loop's counter); False:
-  every layer built into the module.
+  loop (the same FLOPs, and a few scalar ones a layer for its index,
+  gpipe.pipeline.layer_loop); False: every layer built into the module.
   """
   specs = [a.spec for a in step.weight_args + step.input_args]
 
