@@ -38,10 +38,10 @@ _OLD_SPELLINGS = {'--skip-check': '--skip_check',
 
 # The check's float32 tolerance under the kernels the user's TensorFlow
 # runs: oneDNN's (on by default on x86) block the whole batch's and a
-# microbatch's matmuls differently, and on a CPU with AMX the demo's
-# gradients differed by 1.26e-05 pipelined vs unrolled (6e-08 without
-# them, docs/testing.md "oneDNN"). The suite checks the same equality at
-# 1e-5 with oneDNN off (tests/conftest.py).
+# microbatch's matmuls differently, and on some CPUs the pipelined and
+# unrolled gradients then differ beyond 1e-5 (docs/testing.md, "oneDNN",
+# has the figures). The suite checks the same equality at 1e-5 with
+# oneDNN off (tests/conftest.py).
 _CHECK_RTOL = 1e-4
 
 

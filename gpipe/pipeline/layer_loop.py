@@ -1,9 +1,9 @@
 """The plain stack as a loop over its layers: its FLOPs at one layer's compile.
 
 `unrolled.RunUnrolled` builds every one of the S * R logical layers into
-the graph, so the forward pass XLA compiles grows with the layers: for a
-96-block model on one device (gpipe.plan.model_flops) that compile
-outlived half an hour. Run here, the same layers are one loop of S * R
+the graph, so the forward pass XLA compiles grows with the layers: for
+the largest pod LM on one device (gpipe.plan.model_flops) that compile
+outlived the planner (docs/flagships.md has the times). Run here, the same layers are one loop of S * R
 iterations over the layer index, each iteration taking its layer's
 weights by that index out of the stage-stacked [S, (R,) ...] weights:
 
@@ -14,9 +14,8 @@ XLA compiles one layer, and its cost analysis, counted per iteration
 plus a few scalar ones an iteration for the index. Where elementwise work
 weighs (a narrow model), the two counts part by how XLA:CPU fuses: its
 fusions copy cheap producers into each consumer, more often across an
-unrolled stack (lm.LargestMeshSmall, width 32: 33.4 M unrolled, 30.8 M
-as the loop, 29.8 M in the module before optimization); on the pod LMs
-they agree to 1e-5.
+unrolled stack, which then counts more; on the pod LMs, whose matmuls
+dominate, the two agree (docs/flagships.md has both comparisons).
 
 It computes what the unrolled stack computes, with what a count needs
 and no more: the layers' aux losses are summed in the loop and added to
@@ -59,6 +58,8 @@ def RunLayerLoop(layout, body, fn_name, theta, args, kwargs, kwargs_no_batch):
       rebuilt[i] = t
     return tf.nest.pack_sequence_as(tuple(args), rebuilt)
 
+  # Carried: layer [] int32; tensors, the inputs' tensor leaves, each its
+  # input's shape [b, ...] (a layer keeps its inputs' shapes); aux_sum [].
   def Layer(layer, tensors, aux_sum):
     stage, repeat = layer % num_stages, layer // num_stages
     res = stage_call.CallStage(
