@@ -4,6 +4,7 @@ With pytest-xdist each worker records its own largest errors; the workers
 send them to the controller, which reports the largest of all.
 """
 
+import gc
 import os
 import sys
 
@@ -21,6 +22,13 @@ os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 # runs); docs/testing.md says what it saves. Benchmarks use the default.
 os.environ['XLA_FLAGS'] = ' '.join(
     [os.environ.get('XLA_FLAGS', ''), '--xla_backend_optimization_level=0'])
+
+# Building graphs makes Python objects by the million (TensorFlow's ops,
+# Lingvo's params): at the default thresholds (700, 10, 10) the collector
+# runs thousands of times a module, about 8 % of a worker's time
+# (docs/testing.md, "Where the time goes"); what a test leaves is still
+# collected, less often.
+gc.set_threshold(50_000, 20, 20)
 
 _WORKER_ERRORS = []
 
