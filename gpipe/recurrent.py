@@ -42,7 +42,6 @@ from gpipe.loops import cell_graph
 from gpipe.loops import compiled_loops
 from gpipe.loops import deferred_dots
 from gpipe.loops import kept_extras as kept_extras_lib
-from gpipe.loops import made_after
 from gpipe.loops import remat
 from gpipe.loops import tensor_lists
 from gpipe.loops import while_loops
@@ -144,6 +143,12 @@ class Undo:
   """
   unstored: Any
   fn: Callable
+
+  def Before(self, after, inputs_t):
+    """The state before an iteration (structured like state0; only the
+    unstored entries mean anything) from the state after it and the
+    iteration's inputs: a call back into the loop's owner (`fn`)."""
+    return self.fn(after, inputs_t)
 
 
 class _Loops:
@@ -289,10 +294,8 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
   d_states entries may be None (the caller reads no past state of that
   entry): no [T, ...] gradient of the states is then made at all. A state
   entry the forward loop did not keep (`undo`) is carried from `final`
-  down, each iteration undone.
-
-  Returns gradients for (theta, state0, inputs, captures), flat; None for
-  the entries that are not differentiable.
+  down, each iteration undone. Returns gradients for (theta, state0,
+  inputs, captures), flat; None for the entries that are not differentiable.
   """
   (flat_theta, flat_state0, flat_inputs, flat_stacked, flat_d_states,
    flat_d_extras) = map(tf.nest.flatten, (theta, state0, inputs, stacked_states,
@@ -303,7 +306,9 @@ def _BackwardLoop(cell, theta, state0, inputs, captures, num_iterations,
   n_th, n_st, n_in, n_cap = (len(diff['theta']), len(diff['state']),
                              len(diff['inputs']), len(diff['captures']))
   unkept = [i for i, h in enumerate(flat_stacked) if h is None]
-  sums = deferred_dots.WeightGradientSums(cell, flat_theta, num_iterations)
+  theta_diff = [flat_theta[i] for i in diff['theta']]
+  sums = deferred_dots.WeightGradientSums(cell.DeferredDots(), theta_diff,
+                                          num_iterations)
 
   # Loop variables, t = T-1..0 (int32 []): d_state, the gradient of the
   # state after iteration t, each like its differentiable state entry;
@@ -373,8 +378,7 @@ def _BackwardStart(diff, num_iterations, d_final, flat_d_states,
       flat_d_final[i] +
       _PastStateGradient(flat_d_states[i], last, flat_d_final[i])
       for i in diff['state']
-  ] + sums.Initial(
-      lambda w: made_after.ZerosAfter(w, flat_d_final + flat_d_extras)) +
+  ] + sums.Initial(flat_d_final + flat_d_extras) +
           [tf.zeros_like(captures[i]) for i in diff['captures']] +
           [tensor_lists.Reserve(s, num_iterations) for s in input_specs] +
           unkept_final)
@@ -404,7 +408,7 @@ def _Undone(undo, state0, inputs, flat_after, inputs_t):
   unstored entries), from the state after it."""
   if undo is None:
     return [None] * len(flat_after)
-  return tf.nest.flatten(undo.fn(
+  return tf.nest.flatten(undo.Before(
       tf.nest.pack_sequence_as(state0, flat_after),
       tf.nest.pack_sequence_as(inputs, inputs_t)))
 

@@ -255,7 +255,7 @@ class CellGraph:
              (list(self.stored) if with_stored else []))
     input_map = self._InputMap(theta, state, inputs_t, captures)
     values = graph_import.Import(self._GraphDef(), input_map, names, 'cell',
-                                 self._SpecOf)
+                                 self._graph)
     n_state, n_extras = len(self._flat_new), len(extras_wanted)
     new_state = tf.nest.pack_sequence_as(self._structure[1],
                                          values[:n_state])
@@ -303,7 +303,7 @@ class CellGraph:
       names.extend(self._deferred[j].operands if j in self._deferred else
                    [g.name])
     values = graph_import.Import(self._GraphDef(), input_map, names,
-                                 'cell_grad', self._SpecOf)
+                                 'cell_grad', self._graph)
     grads = []
     for j in range(len(self._grads)):
       n = 2 if j in self._deferred else 1
@@ -322,10 +322,6 @@ class CellGraph:
         if op.type == 'ReadVariableOp':
           fed.setdefault(op.outputs[0].name, captures[i])
     return fed
-
-  def _SpecOf(self, name):
-    t = self._graph.get_tensor_by_name(name)
-    return t.dtype, t.shape
 
 
 # Stateful random ops draw anew each time they run. (Their stateless

@@ -25,6 +25,7 @@ from typing import AbstractSet, Optional, Tuple
 
 import tensorflow as tf
 
+from gpipe.loops import made_after
 from gpipe.loops import tensor_lists
 
 # How large one iteration's two operands may be, as a fraction of the
@@ -84,9 +85,11 @@ class WeightGradientSums:
   loop variables: the accumulators (each its weight's shape), then the
   operands' TensorLists (T entries, each one iteration's operand)."""
 
-  def __init__(self, cell, flat_theta, num_iterations):
-    self._deferred = cell.DeferredDots()
-    self._theta = [flat_theta[i] for i in cell.differentiable['theta']]
+  def __init__(self, deferred, theta, num_iterations):
+    """deferred: the cell's DeferredDots ({index into theta: DeferredDot});
+    theta: the differentiable weights, flat, in the cell's order."""
+    self._deferred = deferred
+    self._theta = list(theta)
     self._summed = [j for j in range(len(self._theta))
                     if j not in self._deferred]
     self._kept = sorted(self._deferred)  # the operand lists' order
@@ -94,10 +97,12 @@ class WeightGradientSums:
     self._num_iterations = num_iterations
     self.size = len(self._summed) + len(self._specs)
 
-  def Initial(self, zeros_like):
-    """The loop variables' initial values; zeros_like(weight) starts an
-    accumulator."""
-    return ([zeros_like(self._theta[j]) for j in self._summed] +
+  def Initial(self, incoming):
+    """The loop variables' initial values: each accumulator zeros of its
+    weight's shape, made once a tensor of `incoming` (the loop's incoming
+    gradients) exists (made_after.ZerosAfter)."""
+    return ([made_after.ZerosAfter(self._theta[j], incoming)
+             for j in self._summed] +
             [tensor_lists.Reserve(s, self._num_iterations)
              for s in self._specs])
 

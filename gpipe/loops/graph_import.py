@@ -22,12 +22,14 @@ def _TensorName(ref):
   return op, f'{op}:{index or 0}'
 
 
-def _Prune(graph_def, output_names, cut_names, spec_of):
+def _Prune(graph_def, output_names, cut_names, source):
   """The nodes `output_names` need, not looking past `cut_names` tensors.
 
   Every cut tensor reached becomes a placeholder of its own (its consumers
   read that), so nothing upstream of it is kept; control edges to a node
-  with a cut output are dropped (its values come from outside).
+  with a cut output are dropped (its values come from outside). `source`
+  is the tf.Graph graph_def was made from: each stand-in takes its cut
+  tensor's dtype and shape from there.
 
   Returns:
     (pruned GraphDef, {placeholder tensor name: cut tensor name}).
@@ -74,7 +76,8 @@ def _Prune(graph_def, output_names, cut_names, spec_of):
         ref = fed[tensor]
       copy.input.append(ref)
   for tensor, name in fed.items():
-    _AddStandIn(pruned, name, *spec_of(tensor))
+    cut = source.get_tensor_by_name(tensor)
+    _AddStandIn(pruned, name, cut.dtype, cut.shape)
   return pruned, {f'{name}:0': tensor for tensor, name in fed.items()}
 
 
@@ -97,13 +100,13 @@ def _AddStandIn(graph_def, name, dtype, shape):
         tf.make_tensor_proto([], dtype=dtype, shape=[0]))
 
 
-def Import(graph_def, input_map, output_names, name, spec_of):
+def Import(graph_def, input_map, output_names, name, source):
   """Imports what `output_names` need, `input_map` tensors substituted.
 
   An output that is itself substituted is its substitute. Values from other
   graphs (outer graphs of a loop body) are captured by an identity.
   """
-  pruned, fed = _Prune(graph_def, output_names, set(input_map), spec_of)
+  pruned, fed = _Prune(graph_def, output_names, set(input_map), source)
   feeds = {ph: tf.identity(input_map[t]) for ph, t in fed.items()}
   wanted = [n for n in output_names if n not in input_map]
   imported = importer.import_graph_def(

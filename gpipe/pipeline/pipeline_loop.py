@@ -17,6 +17,8 @@ gpipe.pipeline.one_f_one_b instead (the layer chooses:
 gpipe.layers.PipelinedLayer._RunLoop).
 """
 
+import functools
+
 import tensorflow as tf
 
 from gpipe.pipeline import loop_spec
@@ -138,7 +140,7 @@ def _PhaseLoop(spec, io, handoff, undo, phase, loop_theta, state0, inputs):
                          microbatches=loop_theta.microbatches)
   _, final, extras = recurrent.Recurrent(
       loop_theta, state0, inputs,
-      lambda th, st, inp: _Iteration(spec, io, handoff, phase, th, st, inp),
+      functools.partial(_Iteration, spec, io, handoff, phase),
       remat_policy=spec.remat_policy,
       manual_boundary=sharding.ManualBoundary.For(spec.runner.manual_mesh),
       kept_extras={'outputs': kept},
