@@ -63,14 +63,14 @@ def Step(cell, io, handoff, iteration, row, native, buffer, var_values,
     state_slots: the per-stage state leaves of iteration i, [S, ...].
   """
   place = io.placement
-  fresh, reading = io.Read(native, reading, iteration)  # stage 0's, per leaf
+  fresh, reading = io.Read(native, reading, row)  # stage 0's, per leaf
   stage_in = [place.SplitStages(io.StageInputs(row.reads,
                                                place.SplitStages(b), f))
               for b, f in zip(handoff.Ready(buffer), fresh)]  # [S, mb, ...]
   done = cell.Run(stage_in, var_values, row, state_slots)
   buffer = handoff.Next(buffer, done.outputs)  # [S, mb, ...] per leaf
   if writing is not None:  # the last stage's output, where it finishes one
-    writing = io.Write(writing, iteration, done.outputs)
+    writing = io.Write(writing, row, done.outputs)
   return IterationResult(stage_in=stage_in, done=done, buffer=buffer,
                          reading=reading, writing=writing)
 
@@ -274,21 +274,19 @@ class StageRange:
 def Tables(rows):
   """Rows of the schedule's typed work (a Schedule's Rows, or OneFOneB's
   BackwardRows) as a NestedMap of [T, S] tensors, each field in the dtype
-  its metadata names (int32, step seeds int64, flags bool)."""
+  its metadata names (int32, step seeds int64, flags bool): the one way a
+  loop gets the schedule's facts."""
   return NestedMap({
       name: tf.constant(table, dtype)
       for name, (dtype, table) in schedule_lib.FieldTables(rows).items()})
 
 
-def StageTables(sched):
-  """Schedule.Rows as [T, S] tensors a field."""
-  return Tables(sched.Rows())
-
-
-def RowAt(sched, iteration):
-  """The schedule's row `iteration` (a scalar tensor) as [S] tensors, for
-  callers that drive their own loop."""
-  return StageTables(sched).Transform(lambda t: tf.gather(t, iteration))
+def RowAt(tables, index, place=None):
+  """Row `index` (int32 []) of Tables: [S] tensors a field; with a
+  placement, replicated (each device takes its own stage's entries). The
+  one way to get a row, but a loop's own slicing of its [T, S] inputs."""
+  row = tables.Transform(lambda t: tf.gather(t, index))
+  return row if place is None else row.Transform(place.ReplicateBookkeeping)
 
 
 def StagesAt(spec, row, args, var_values, first_stage=0):

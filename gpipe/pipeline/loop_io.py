@@ -35,7 +35,6 @@ import tensorflow as tf
 from gpipe.loops import tensor_lists
 from gpipe import nest
 from gpipe.pipeline import stage_ends
-from gpipe import schedule as schedule_lib
 from lingvo.core import py_utils
 
 NestedMap = py_utils.NestedMap
@@ -74,8 +73,9 @@ class LoopInputs(abc.ABC):
     """The reading state before iteration 0."""
 
   @abc.abstractmethod
-  def Read(self, native, reading, iteration):
-    """(stage 0's fresh input per leaf, reading) at `iteration`."""
+  def Read(self, native, reading, row):
+    """(stage 0's fresh input per leaf, reading) at the iteration of `row`
+    (the schedule's row, [S] per field)."""
 
   @abc.abstractmethod
   def StartWritingGradients(self, like):
@@ -117,9 +117,9 @@ class LoopIo(LoopInputs):
     """The outputs' writing state before iteration 0."""
 
   @abc.abstractmethod
-  def Write(self, writing, iteration, outputs):
-    """writing with the last stage's outputs [S, mb, ...] of `iteration`,
-    where it finishes a microbatch."""
+  def Write(self, writing, row, outputs):
+    """writing with the last stage's outputs [S, mb, ...] of the row's
+    iteration, where it finishes a microbatch (row.last_layer)."""
 
   @abc.abstractmethod
   def FinishWriting(self, writing, like):
@@ -195,11 +195,10 @@ class WholeIo(LoopIo):
     del native
     return []
 
-  def Read(self, native, reading, iteration):
-    """(stage 0's fresh input per leaf, reading) at `iteration`."""
-    sched = self._spec.schedule
+  def Read(self, native, reading, row):
+    """(stage 0's fresh input per leaf, reading) at the row's iteration."""
     return [self._place.ReplicateOverStages(
-        StageZeroInput(x, sched, iteration, self._place.splits_stage_dim))
+        StageZeroInput(x, row, self._place.splits_stage_dim))
             for x in native], reading
 
   def StartWriting(self, like):
@@ -209,11 +208,9 @@ class WholeIo(LoopIo):
                                  self._spec.schedule.num_microbatches + 1)
             for x in like]
 
-  def Write(self, writing, iteration, outputs):
-    finishes = self._spec.schedule.OutputIndexPerIteration()
+  def Write(self, writing, row, outputs):
     num_mb = self._spec.schedule.num_microbatches
-    m = tf.gather(Constant([num_mb if f < 0 else f for f in finishes]),
-                  iteration)
+    m = tf.where(row.last_layer[-1], row.microbatch[-1], num_mb)  # M: none
     return [tensor_lists.SetEntry(l, m, self._LastSlot(o))
             for l, o in zip(writing, outputs)]
 
@@ -287,10 +284,10 @@ class MadeAtStageZero(LoopInputs):
     del native
     return []
 
-  def Read(self, native, reading, iteration):
+  def Read(self, native, reading, row):
     """Zeros, each stage's [S, ...] (the cell makes stage 0's input where
     it reads one; a constant needs no collective)."""
-    del iteration
+    del row
     num_stages = self._spec.schedule.num_stages
     return [self._place.SplitStages(
         tf.zeros([num_stages] + x.shape.as_list()[1:], x.dtype))
@@ -313,9 +310,10 @@ class MadeAtStageZero(LoopInputs):
 # inside the loop.
 
 
-def StageZeroInput(x, schedule: schedule_lib.Schedule, iteration,
-                   split=True):
-  """[M, ...] -> [...]: what stage 0 reads at `iteration` (a scalar tensor).
+def StageZeroInput(x, row, split=True):
+  """[M, ...] -> [...]: what stage 0 reads at the iteration of `row` (the
+  schedule's row, [S] per field): microbatch row.microbatch[0] where stage
+  0 runs its first layer (row.first_layer[0]).
 
   Read inside the loop, so that no [T, ...] copy of the inputs is ever
   made. An iteration where stage 0 reads no fresh microbatch (bubbles, and
@@ -328,11 +326,10 @@ def StageZeroInput(x, schedule: schedule_lib.Schedule, iteration,
   """
   if not nest.IsTensor(x):
     return x
-  index = schedule.InputIndexPerIteration()
-  m = tf.gather(tf.constant(index, tf.int32), iteration)  # M: none
-  is_filler = tf.equal(m, schedule.num_microbatches)
-  return _ReadMicrobatch(x, tf.where(is_filler, 0, m),
-                         tf.where(is_filler, -1, m), split)
+  reads = row.first_layer[0]
+  m = row.microbatch[0]
+  return _ReadMicrobatch(x, tf.where(reads, m, 0), tf.where(reads, m, -1),
+                         split)
 
 
 def _ReadMicrobatch(x, m, grad_m, split):
@@ -466,10 +463,6 @@ def LastStageOutputs(finished, place):
                          axis=1), Grad
 
   return LastSlot(finished)
-
-
-def Constant(table):
-  return tf.constant(table, tf.int32)
 
 
 def IsStage(num_stages, stage, like):

@@ -84,7 +84,8 @@ class PerStageStates:
       res = spec.runner.Run(
           spec, self._LoopTheta(theta),
           iteration_lib.StagesAt(
-              spec, iteration_lib.RowAt(sched, iteration), args, var_values))
+              spec, iteration_lib.RowAt(iteration_lib.Tables(sched.Rows()),
+                                        iteration), args, var_values))
       side_outputs.AddIteration(res, self.params.num_stages)
       outputs = self._layout.AfterAssigning(self, spec.var_names, res.vars,
                                             res.outputs)

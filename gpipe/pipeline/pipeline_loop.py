@@ -76,7 +76,7 @@ def RunReverse(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
   # once here, not in every iteration) and the per-stage states.
   inputs = NestedMap(
       iteration=tf.range(sched.num_iterations, dtype=tf.int32),  # [T]
-      row=iteration.StageTables(sched),  # [T, S] per field
+      row=iteration.Tables(sched.Rows()),  # [T, S] per field
       states=[place.SplitStages(x, 1) for x in state_leaves])  # [T, S, ...]
   pieces = []
   for phase in _Phases(spec):
@@ -126,7 +126,9 @@ def _PhaseLoop(spec, io, handoff, undo, phase, loop_theta, state0, inputs):
   microbatch), so a phase finishes a run of k consecutive ones: its outputs
   are [k, S, ...] (a loop keeps at least one; a spare one is dropped).
   """
-  finished = spec.schedule.OutputIndexPerIteration()[phase.begin:phase.end]
+  # Per iteration, the microbatch the last stage finishes, or -1.
+  finished = [row[-1].microbatch if row[-1].last_layer else -1
+              for row in spec.schedule.Rows()[phase.begin:phase.end]]
   done = [m for m in finished if m >= 0]
   first = done[0] if done else 0
   kept = recurrent.Kept(tuple(m - first if m >= 0 else -1 for m in finished),

@@ -118,8 +118,11 @@ class StreamedIo(loop_io.LoopIo):
     return self._place.SplitStages(rotation.RotateStages(
         column, 1, self._place.splits_stage_dim))
 
-  def _At(self, table, iteration):
-    return tf.gather(loop_io.Constant(table), iteration)
+  def _ColumnWhere(self, row, stage, flag):
+    """The column of the microbatch `stage` works on, -1 unless
+    row.<flag>[stage] (int32 [])."""
+    k = self._streams.num_columns
+    return tf.where(getattr(row, flag)[stage], row.microbatch[stage] % k, -1)
 
   # -- The reverse schedule's loop (gpipe.pipeline.pipeline_loop, via
   # recurrent).
@@ -135,8 +138,8 @@ class StreamedIo(loop_io.LoopIo):
 
     def Undo(after, inputs):
       before = after.copy()
-      before.reading = self.UndoRead(after.reading, inputs.iteration)
-      before.writing = self.UndoWrite(after.writing, inputs.iteration)
+      before.reading = self.UndoRead(after.reading, inputs.row)
+      before.writing = self.UndoWrite(after.writing, inputs.row)
       return before
 
     return [], streams, Undo
@@ -155,11 +158,11 @@ class StreamedIo(loop_io.LoopIo):
     """The input streams, [K, S, mb, ...] per leaf."""
     return list(native)
 
-  def Read(self, native, reading, iteration):
+  def Read(self, native, reading, row):
     """(each stage's entry of the column stage 0 reads [S, ...], reading
     with that column rotated towards stage 0)."""
     del native
-    k = self._At(self._streams.ReadColumns(), iteration)  # int32 [], -1: none
+    k = self._ColumnWhere(row, 0, 'first_layer')  # int32 [], -1: none
     fresh, new = [], []
     for stream in reading:
       column = self._Column(stream, k)
@@ -168,10 +171,10 @@ class StreamedIo(loop_io.LoopIo):
       new.append(self._SetColumn(stream, k, advanced))
     return fresh, new
 
-  def UndoRead(self, reading, iteration):
-    """The streams before Read at `iteration` (the reverse loop's
+  def UndoRead(self, reading, row):
+    """The streams before Read at the row's iteration (the reverse loop's
     gradient recovers them instead of storing them)."""
-    k = self._At(self._streams.ReadColumns(), iteration)  # int32 [], -1: none
+    k = self._ColumnWhere(row, 0, 'first_layer')  # int32 [], -1: none
     out = []
     for stream in reading:
       column = self._Column(stream, k)
@@ -186,10 +189,10 @@ class StreamedIo(loop_io.LoopIo):
         [self._streams.num_columns] + x.shape.as_list(), x.dtype))
             for x in like]
 
-  def Write(self, writing, iteration, outputs):
+  def Write(self, writing, row, outputs):
     """The last stage's outputs into their column's last entry, the column
     rotated towards stage 0 first."""
-    k = self._At(self._streams.WriteColumns(), iteration)
+    k = self._ColumnWhere(row, -1, 'last_layer')
     out = []
     for stream, o in zip(writing, outputs):
       column = self._Column(stream, k)
@@ -199,10 +202,10 @@ class StreamedIo(loop_io.LoopIo):
                                  tf.where(k >= 0, written, column)))
     return out
 
-  def UndoWrite(self, writing, iteration):
-    """The streams before Write at `iteration`: the entry written was
-    empty (zero) before, as every column's first entry is."""
-    k = self._At(self._streams.WriteColumns(), iteration)
+  def UndoWrite(self, writing, row):
+    """The streams before Write at the row's iteration: the entry written
+    was empty (zero) before, as every column's first entry is."""
+    k = self._ColumnWhere(row, -1, 'last_layer')
     out = []
     for stream in writing:
       column = self._Column(stream, k)
@@ -219,12 +222,6 @@ class StreamedIo(loop_io.LoopIo):
 
   # -- The 1f1b backward wave.
 
-  def _GradientColumn(self, row, stage, flag):
-    """The column of the microbatch `stage` differentiates, -1 unless
-    row.<flag>[stage]."""
-    k = self._streams.num_columns
-    return tf.where(getattr(row, flag)[stage], row.microbatch[stage] % k, -1)
-
   def StartReadingGradients(self, d_native):
     """The output gradients' streams, [K, S, mb, ...] per leaf."""
     return [self._PlaceStream(d) for d in d_native]
@@ -232,7 +229,7 @@ class StreamedIo(loop_io.LoopIo):
   def ReadGradient(self, reading, row):
     """(each leaf's [S, ...] column, the last stage's entry the output
     gradient it needs, reading with the column rotated first)."""
-    k = self._GradientColumn(row, -1, 'last_layer')
+    k = self._ColumnWhere(row, -1, 'last_layer')
     d_out, new = [], []
     for stream in reading:
       column = self._Column(stream, k)
@@ -248,7 +245,7 @@ class StreamedIo(loop_io.LoopIo):
   def WriteGradient(self, writing, row, d_inputs):
     """Stage 0's input gradient into its column's first entry, the column
     then rotated towards stage 0."""
-    k = self._GradientColumn(row, 0, 'first_layer')
+    k = self._ColumnWhere(row, 0, 'first_layer')
     out = []
     for stream, d in zip(writing, d_inputs):
       column = self._Column(stream, k)

@@ -254,13 +254,17 @@ class Schedule:
     """What `stage` does at `iteration` (Python ints), a StageWork."""
     microbatch = min(max(self.MicrobatchId(iteration, stage), 0),
                      self.num_microbatches - 1)
+    valid = bool(self.IsValid(iteration, stage))
+    layer = self.LayerId(iteration, stage)
     return StageWork(
         microbatch=microbatch,
         repeat=self.RepeatId(iteration, stage),
         seed_offset=self.StepSeedOffset(self.LayerId(iteration, stage),
                                         microbatch),
-        valid=bool(self.IsValid(iteration, stage)),
-        reads=stage == 0 and bool(self.StageZeroReadsInput(iteration)))
+        valid=valid,
+        reads=stage == 0 and bool(self.StageZeroReadsInput(iteration)),
+        first_layer=valid and layer == 0,
+        last_layer=valid and layer == self.num_layers - 1)
 
   def Rows(self) -> List[Tuple[StageWork, ...]]:
     """The table: T rows of S StageWork, row i what iteration i runs."""
@@ -336,23 +340,9 @@ class Schedule:
     return [[w.microbatch if w.valid else 0 for w in row]
             for row in self.Rows()]
 
-  def InputIndexPerIteration(self):
-    """For each iteration, the microbatch stage 0 reads, or M for none."""
-    table = [self.num_microbatches] * self.num_iterations
-    for m in range(self.num_microbatches):
-      table[self.InputIteration(m)] = m
-    return table
-
   def OutputIterations(self):
     """For each microbatch, the iteration whose last-stage output is final."""
     return [self.OutputIteration(m) for m in range(self.num_microbatches)]
-
-  def OutputIndexPerIteration(self):
-    """For each iteration, the microbatch the last stage finishes, or -1."""
-    table = [-1] * self.num_iterations
-    for m in range(self.num_microbatches):
-      table[self.OutputIteration(m)] = m
-    return table
 
   def Table(self):
     """[T][S] of (microbatch, repeat) tuples, or None on bubbles."""

@@ -30,8 +30,8 @@ class BackwardWork(StageWork):
   call's input and which gradients are the layer's."""
   iteration: int = Field('int32')  # the call's forward iteration (bubble: 0)
   ring_index: int = Field('int32')  # where the forward wave put its input
-  last_layer: bool = Field('bool')  # its output gradient is the layer's
-  first_layer: bool = Field('bool')  # its input gradient is the layer's
+  # (first_layer, last_layer: StageWork's, the call's: its input gradient,
+  # its output gradient, is the layer's.)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,10 +157,10 @@ class OneFOneB:
     work = sched.WorkAt(iteration, stage)
     layer = sched.LayerId(iteration, stage)
     return BackwardWork(
-        **dict(vars(work), valid=valid and work.valid), iteration=iteration,
-        ring_index=iteration % self.ring_size,
-        last_layer=valid and layer == sched.num_layers - 1,
-        first_layer=valid and layer == 0)
+        **dict(vars(work), valid=valid and work.valid,
+               last_layer=valid and layer == sched.num_layers - 1,
+               first_layer=valid and layer == 0),
+        iteration=iteration, ring_index=iteration % self.ring_size)
 
   def BackwardRows(self) -> List[Tuple[BackwardWork, ...]]:
     """The backward wave's table: a row of S BackwardWork per backward

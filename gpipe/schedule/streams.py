@@ -52,12 +52,13 @@ class Streams:
     return [(s - self.WritesPerColumn(k)) % s for k in range(self.num_columns)]
 
   def ReadColumns(self):
-    """Per forward iteration, the column stage 0 reads (-1: none)."""
-    return [-1 if m == self.schedule.num_microbatches else self.Column(m)
-            for m in self.schedule.InputIndexPerIteration()]
+    """Per forward iteration, the column stage 0 reads (-1: none): its
+    microbatch's where its row says first_layer."""
+    return [self.Column(row[0].microbatch) if row[0].first_layer else -1
+            for row in self.schedule.Rows()]
 
   def WriteColumns(self):
     """Per forward iteration, the column the last stage's output goes to
-    (-1: none)."""
-    return [-1 if m < 0 else self.Column(m)
-            for m in self.schedule.OutputIndexPerIteration()]
+    (-1: none): its microbatch's where its row says last_layer."""
+    return [self.Column(row[-1].microbatch) if row[-1].last_layer else -1
+            for row in self.schedule.Rows()]

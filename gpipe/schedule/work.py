@@ -26,13 +26,18 @@ class StageWork:
   each field declares its tensor's dtype once, beside it, in its metadata
   (no TensorFlow here; FieldTables hands the names on). The loops read
   their work from those [T, S] tensors, a row per iteration, rather than
-  compute it in the graph (gpipe.pipeline.iteration.Tables makes them).
+  compute it in the graph (gpipe.pipeline.iteration.Tables makes them):
+  which microbatch stage 0 takes in (its microbatch where first_layer),
+  which one the last stage finishes (where last_layer), each stage's
+  repeat and step seed, all from here.
   """
   microbatch: int = Field('int32')  # clamped into [0, M) (a bubble's: any)
   repeat: int = Field('int32')  # its circular repeat
   seed_offset: int = Field('int64')  # StepSeedOffset: grows with L M
   valid: bool = Field('bool')  # False on a bubble
   reads: bool = Field('bool')  # takes a fresh microbatch (stage 0 only)
+  first_layer: bool = Field('bool')  # runs the microbatch's first layer
+  last_layer: bool = Field('bool')  # its output is the microbatch's final
 
 
 def FieldTables(

@@ -8,15 +8,24 @@ import gpipe  # pylint: disable=unused-import
 import tensorflow as tf
 from gpipe.pipeline import loop_io
 from gpipe import schedule as schedule_lib
+from lingvo.core import py_utils
+
+
+def _Row(sched, i):
+  """The schedule's row i as the loops see it: [S] tensors a field."""
+  return py_utils.NestedMap({
+      name: tf.constant(table[i], dtype) for name, (dtype, table) in
+      schedule_lib.FieldTables(sched.Rows()).items()})
 
 
 def test_a_non_tensor_input_passes_through():
-  assert loop_io.StageZeroInput(None, schedule_lib.Schedule(2, 2), 0) is None
+  sched = schedule_lib.Schedule(2, 2)
+  assert loop_io.StageZeroInput(None, _Row(sched, 0)) is None
 
 
 def _StageZeroInputs(x, sched, split=True):
   """StageZeroInput at every iteration, stacked: [T, ...]."""
-  return tf.stack([loop_io.StageZeroInput(x, sched, tf.constant(i), split)
+  return tf.stack([loop_io.StageZeroInput(x, _Row(sched, i), split)
                    for i in range(sched.num_iterations)])
 
 

@@ -139,7 +139,8 @@ def test_stage_inputs_follow_the_schedule(s, m, r, split):
     got = []
     for i in range(sched.num_iterations):
       y = loop_io.WithFreshMicrobatch(
-          iteration.RowAt(sched, tf.constant(i)).reads, rotated, fresh,
+          iteration.RowAt(iteration.Tables(sched.Rows()),
+                          tf.constant(i)).reads, rotated, fresh,
           split)
       got.append((y,) + tuple(tf.gradients(y, [fresh, rotated],
                                            grad_ys=[cot])))

@@ -203,10 +203,10 @@ def _StreamsDeliverInOrderAndEndHome(s, m, r, d=False):
   assert reads == list(range(m))
   # Outputs, written at the last stage.
   stream = [[None] * k_columns for _ in range(s)]
-  for i, k in enumerate(streams.WriteColumns()):
+  for row, k in zip(sched.Rows(), streams.WriteColumns()):
     if k >= 0:
       column = _Rotate(Column(stream, k))
-      column[-1] = sched.OutputIndexPerIteration()[i]
+      column[-1] = row[-1].microbatch
       SetColumn(stream, k, column)
   assert Home(stream) == expected
   # Backward wave: output gradients read at the last stage, input

@@ -245,7 +245,8 @@ def _FieldTablesMatchSimulator(s, m, r, d=False):
   tables = schedule.FieldTables(sched.Rows())
   assert {name: dtype for name, (dtype, _) in tables.items()} == {
       'microbatch': 'int32', 'repeat': 'int32', 'seed_offset': 'int64',
-      'valid': 'bool', 'reads': 'bool'}
+      'valid': 'bool', 'reads': 'bool', 'first_layer': 'bool',
+      'last_layer': 'bool'}
   tables = {name: table for name, (_, table) in tables.items()}
   for name, table in tables.items():
     assert len(table) == sim.num_iterations and all(
@@ -273,7 +274,10 @@ def _PerMicrobatchFunctionsMatchSimulator(s, m, r, d=False):
     assert sched.InputIteration(mb) == sim.input_iteration[mb], mb
     assert sched.OutputIteration(mb) == sim.output_iteration[mb], mb
   assert sched.OutputIterations() == sim.output_iteration
-  assert sched.InputIndexPerIteration() == sim.input_index
+  # Per iteration, the microbatch stage 0 takes in (M: none), from the rows.
+  rows = sched.Rows()
+  assert [row[0].microbatch if row[0].first_layer else m
+          for row in rows] == sim.input_index
   for i in range(sim.num_iterations):
     assert bool(sched.StageZeroReadsInput(i)) == sim.reads_input[i], i
   # The last stage's output at OutputIteration is that microbatch's last layer.
@@ -283,7 +287,15 @@ def _PerMicrobatchFunctionsMatchSimulator(s, m, r, d=False):
   finishes = [sim.table[i][s - 1][0]
               if sim.table[i][s - 1] and sim.table[i][s - 1][1] == r - 1
               else -1 for i in range(sim.num_iterations)]
-  assert sched.OutputIndexPerIteration() == finishes
+  assert [row[-1].microbatch if row[-1].last_layer else -1
+          for row in rows] == finishes
+  # first_layer and last_layer are the calls of layers 0 and L - 1 alone.
+  for i, row in enumerate(rows):
+    for stage, work in enumerate(row):
+      cell = sim.table[i][stage]
+      layer = None if cell is None else cell[1] * s + stage
+      assert work.first_layer == (layer == 0), (i, stage)
+      assert work.last_layer == (layer == r * s - 1), (i, stage)
 
 
 def _NumpyGridsMatchInts(s, m, r, d=False):

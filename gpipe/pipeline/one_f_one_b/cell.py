@@ -40,7 +40,7 @@ class StageCell:
   Attributes:
     spec: the loop_spec.LoopSpec.
     tables: the schedule's rows as [T, S] tensors per field
-      (iteration.StageTables).
+      (iteration.Tables).
     state0: NestedMap(buffer=[S, mb, ...] per leaf, vars=[S, (R,) ...] per
       variable): the first iteration's.
     graph: the CellGraph.
@@ -52,7 +52,7 @@ class StageCell:
     self.spec = spec
     self.aux_added = False
     place = spec.placement
-    self.tables = iteration.StageTables(spec.schedule)
+    self.tables = iteration.Tables(spec.schedule.Rows())
     self.state0 = NestedMap(
         buffer=filler,
         vars=[place.SplitStages(tf.stop_gradient(v)) for v in var_values])
@@ -178,10 +178,3 @@ class BoundCell:
 def CellFields(row):
   """What the cell reads of a row or table (backward rows say more)."""
   return NestedMap({n: row[n] for n in _CELL_FIELDS})
-
-
-def Row(tables, index, place):
-  """Row `index` (int32 []) of [T, S] tables: [S] per field, replicated
-  (each device takes its own stage's entries)."""
-  return NestedMap({n: place.ReplicateBookkeeping(tf.gather(t, index))
-                    for n, t in tables.items()})

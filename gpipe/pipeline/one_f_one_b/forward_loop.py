@@ -25,12 +25,13 @@ NestedMap = py_utils.NestedMap
 FORWARD_LOOP = 'one_f_one_b_forward'
 
 
-def ForwardLoop(cell, io, theta, native, state_leaves, var_values, captures):
+def ForwardLoop(cell: cell_lib.StageCell, io, theta, native, state_leaves,
+                var_values, captures):
   """The T forward iterations, keeping the outputs, the aux loss, the
   summaries and states per iteration, and no activation.
 
   Args:
-    cell: the cell_lib.StageCell.
+    cell: the stage work, traced with its gradient.
     io: the loop io (gpipe.pipeline.loop_io.LoopIo).
     theta: the stage-stacked weights, [S, (R,) ...].
     native: the inputs as io.ToNative made them.
@@ -65,7 +66,7 @@ def ForwardLoop(cell, io, theta, native, state_leaves, var_values, captures):
 
   def Body(i, carry):
     stepped = iteration.Step(
-        bound, io, handoff, i, cell_lib.Row(cell.tables, i, place), native,
+        bound, io, handoff, i, iteration.RowAt(cell.tables, i, place), native,
         carry.buffer, carry.vars, carry.reading, writing=carry.writing,
         state_slots=[x[i] for x in states])
     done = stepped.done

@@ -188,7 +188,7 @@ class GradientLoop:
         self._cell.Bind(self._theta, self._captures,
                         with_extras=self._loss is not None, with_stored=True),
         self._io, self._handoff, j,
-        cell_lib.Row(self._cell.tables, j, self._place), self._native,
+        iteration.RowAt(self._cell.tables, j, self._place), self._native,
         carry.buffer, carry.vars, carry.reading,
         state_slots=[x[j] for x in self._states])
     done = stepped.done
@@ -216,8 +216,8 @@ class GradientLoop:
     """Each stage differentiates the call schedule.OneFOneB gives it."""
     place = self._place
     per_stage = place.SplitStages
-    row = cell_lib.Row(self._backward_tables, j - self._waves.delay,
-                       place)  # [S] per field
+    row = iteration.RowAt(self._backward_tables, j - self._waves.delay,
+                          place)  # [S] per field
     indices = per_stage(row.ring_index)  # [S]: each stage's own
     # Each entry [S, ...]: the input (and what the policy kept) of the call
     # each stage differentiates.
