@@ -437,6 +437,16 @@ BUGS = (
         "            c, kind='reduce-scatter' if is_sliced else 'all-reduce',",
         "            c, kind='all-reduce',",
         ('tests/xla/reduce_scatters_test.py',)),
+    Bug('rows-last-layer-a-repeat-early', "the rows say a microbatch is "
+        'finished one repeat before its last layer',
+        'gpipe/schedule/__init__.py',
+        'last_layer=valid and layer == self.num_layers - 1)',
+        'last_layer=valid and layer >= self.num_layers - self.num_stages)',
+        ('tests/schedule/schedule_test.py', '-k', 'R2 and not delayed')),
+    Bug('stage-zero-reads-each-rotation', 'stage 0 takes in a microbatch '
+        'wherever it may read, not where it runs the first layer',
+        'gpipe/pipeline/loop_io.py', '  reads = row.first_layer[0]\n',
+        '  reads = row.reads[0]\n', ('tests/pipeline/loop_io_test.py',)),
     # -- What the pages show and the commands print. -------------------------
     Bug('docs-stale-check-output', 'a command prints what no page shows',
         'gpipe/xla/partitioned_step.py',
