@@ -10,14 +10,17 @@ slot 0 what the last stage made (a linear pipeline drops it, a circular
 one feeds it to the microbatch's next repeat)::
 
     buffer        [ y2 | y0 | y1 ]   carried in, [S, mb, ...] per leaf
-    1 read        io.Read: stage 0's fresh input at iteration i
+    1 read        io.Read: stage 0's fresh input (row i says which)
     2 stage in    io.StageInputs: [ x  | y0 | y1 ], x where row.reads
     3 run         cell.Run -> RunStages: every stage's call, a bubble's
                   output its input (MaskBubbles)
     outputs       [ y0'| y1'| y2']
     4 hand on     handoff.Next (rotation): slot s <- stage s - 1
-    5 write       io.Write: the last stage's output, where it finishes one
     buffer        [ y2'| y0'| y1']   carried out
+
+The loop that runs the iteration takes the outputs on from there (the last
+stage's, where it finishes a microbatch: Step's docstring says how each
+loop does).
 
 With delayed sends the buffer carries the outputs one iteration longer:
 step 4 rotates the previous iteration's outputs, beside step 3's calls,
@@ -41,25 +44,28 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-def Step(cell, io, handoff, iteration, row, native, buffer, var_values,
-         reading, writing=None, state_slots=()) -> 'IterationResult':
-  """One iteration over the buffer: read, stage inputs, run, hand on, write.
+def Step(cell, io, handoff, row, native, buffer, var_values, reading,
+         state_slots=()) -> 'IterationResult':
+  """One iteration over the buffer: read, stage inputs, run, hand on.
+
+  The loop that runs it hands the outputs on (done.outputs): the 1f1b
+  forward loop writes them (io.Write), the reverse loop gives them to its
+  io (io.ReverseLoopOutputs), the 1f1b gradient loop's forward wave drops
+  them.
 
   Args:
     cell: runs the stages' work: a DirectCell, or the 1f1b loops' traced
       one (gpipe.pipeline.one_f_one_b.cell); its Run gives MaskedStages.
-    io: the loop's inputs and outputs (gpipe.pipeline.loop_io: a
-      LoopInputs; to write, a LoopIo).
+    io: how stage 0 reads (gpipe.pipeline.loop_io: a LoopInputs).
     handoff: how the outputs reach the next stages (rotation.HandoffFor
       the schedule), which also says what `buffer` holds.
-    iteration: int32 [], i, replicated.
-    row: the schedule's row i (Tables), [S] per field, replicated.
+    row: the schedule's row of the iteration (Tables), [S] per field,
+      replicated.
     native: the loop's inputs as io.ToNative made them.
     buffer: the handoff's carry: [S, mb, ...] per leaf, the last
       iteration's outputs rotated (delayed: and then those in flight).
     var_values: [S, (R,) ...] per carried non-trainable variable.
     reading: io's input state ([] where it has none).
-    writing: io's output state, or None: nothing is written.
     state_slots: the per-stage state leaves of iteration i, [S, ...].
   """
   place = io.placement
@@ -69,10 +75,8 @@ def Step(cell, io, handoff, iteration, row, native, buffer, var_values,
               for b, f in zip(handoff.Ready(buffer), fresh)]  # [S, mb, ...]
   done = cell.Run(stage_in, var_values, row, state_slots)
   buffer = handoff.Next(buffer, done.outputs)  # [S, mb, ...] per leaf
-  if writing is not None:  # the last stage's output, where it finishes one
-    writing = io.Write(writing, row, done.outputs)
   return IterationResult(stage_in=stage_in, done=done, buffer=buffer,
-                         reading=reading, writing=writing)
+                         reading=reading)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,14 +89,11 @@ class IterationResult:
     buffer: the next iteration's buffer (the handoff's carry):
       done.outputs rotated, or (delayed) the last ones rotated and these.
     reading: the io's input state after this iteration's read.
-    writing: the io's output state after this iteration's write (None
-      where nothing is written).
   """
   stage_in: List[tf.Tensor]
   done: 'MaskedStages'
   buffer: List[tf.Tensor]
   reading: List[tf.Tensor]
-  writing: Optional[List[tf.Tensor]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -105,8 +105,9 @@ class LoopIo(LoopInputs):
     carries, how to undo an iteration's changes to them, or None)."""
 
   @abc.abstractmethod
-  def KeptOutputs(self, outputs):
-    """What a reverse-loop iteration keeps as extras for the outputs."""
+  def ReverseLoopOutputs(self, writing, row, outputs):
+    """A reverse-loop iteration's outputs [S, mb, ...] handed to the io:
+    (writing after it, what the iteration keeps as extras)."""
 
   @abc.abstractmethod
   def ReverseNativeOutputs(self, kept, writing):
@@ -181,9 +182,12 @@ class WholeIo(LoopIo):
     del filler
     return native, NestedMap(reading=[], writing=[]), None
 
-  def KeptOutputs(self, outputs):
-    """What an iteration keeps as extras for the outputs."""
-    return [self._LastSlot(o) for o in outputs]
+  def ReverseLoopOutputs(self, writing, row, outputs):
+    """(writing, unchanged: there is none, the last stage's outputs kept
+    as extras: recurrent.Kept keeps those of the iterations that finish a
+    microbatch, which ReverseNativeOutputs hands on)."""
+    del row
+    return writing, [self._LastSlot(o) for o in outputs]
 
   def ReverseNativeOutputs(self, kept, writing):
     del writing

@@ -173,19 +173,18 @@ def _Iteration(spec: loop_spec.LoopSpec, io, handoff, phase, loop_theta,
   cell = iteration.DirectCell(
       spec, iteration.StageRange.Of(phase, spec.schedule.num_stages),
       loop_theta.weights)
+  row = inp.row.Transform(place.ReplicateBookkeeping)  # [S] per field
   stepped = iteration.Step(
-      cell, io, handoff,
-      place.ReplicateBookkeeping(inp.iteration),  # i, int32 []
-      inp.row.Transform(place.ReplicateBookkeeping),  # [S] per field
-      loop_theta.microbatches, state.buffer, state.vars, state.reading,
-      writing=state.writing, state_slots=inp.states)
+      cell, io, handoff, row, loop_theta.microbatches, state.buffer,
+      state.vars, state.reading, state_slots=inp.states)
   done = stepped.done
+  writing, kept = io.ReverseLoopOutputs(state.writing, row, done.outputs)
   new_state = NestedMap(
       buffer=stepped.buffer,  # the handoff's carry
       vars=done.vars,  # [S, (R,) ...] per variable
-      reading=stepped.reading, writing=stepped.writing)  # the io's
+      reading=stepped.reading, writing=writing)  # the io's
   extras = NestedMap(
-      outputs=io.KeptOutputs(done.outputs),  # [S or 1, mb, ...] per leaf
+      outputs=kept,  # [S or 1, mb, ...] per leaf (none with stream_io)
       aux_loss=place.ReplicateBookkeeping(tf.reduce_sum(done.aux)),  # []
       summaries=done.summaries,  # {name: ([S], [S])}
       states=done.states)  # [S, ...] per state leaf

@@ -144,9 +144,9 @@ class StreamedIo(loop_io.LoopIo):
 
     return [], streams, Undo
 
-  def KeptOutputs(self, outputs):
-    del outputs
-    return []
+  def ReverseLoopOutputs(self, writing, row, outputs):
+    """(the streams with the outputs written, nothing kept as extras)."""
+    return self.Write(writing, row, outputs), []
 
   def ReverseNativeOutputs(self, kept, writing):
     del kept

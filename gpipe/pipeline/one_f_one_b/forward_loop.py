@@ -65,14 +65,15 @@ def ForwardLoop(cell: cell_lib.StageCell, io, theta, native, state_leaves,
               for s in extras_spec.states])
 
   def Body(i, carry):
+    row = iteration.RowAt(cell.tables, i, place)  # [S] per field
     stepped = iteration.Step(
-        bound, io, handoff, i, iteration.RowAt(cell.tables, i, place), native,
-        carry.buffer, carry.vars, carry.reading, writing=carry.writing,
-        state_slots=[x[i] for x in states])
+        bound, io, handoff, row, native, carry.buffer, carry.vars,
+        carry.reading, state_slots=[x[i] for x in states])
     done = stepped.done
     return i + 1, NestedMap(
-        buffer=stepped.buffer, vars=done.vars,
-        reading=stepped.reading, writing=stepped.writing,
+        buffer=stepped.buffer, vars=done.vars, reading=stepped.reading,
+        # The last stage's outputs, where it finishes a microbatch.
+        writing=io.Write(carry.writing, row, done.outputs),
         aux=tensor_lists.SetEntry(carry.aux, i, place.ReplicateBookkeeping(
             tf.reduce_sum(done.aux))),
         summaries=tf.nest.map_structure(

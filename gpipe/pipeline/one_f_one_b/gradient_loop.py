@@ -187,7 +187,7 @@ class GradientLoop:
     stepped = iteration.Step(
         self._cell.Bind(self._theta, self._captures,
                         with_extras=self._loss is not None, with_stored=True),
-        self._io, self._handoff, j,
+        self._io, self._handoff,
         iteration.RowAt(self._cell.tables, j, self._place), self._native,
         carry.buffer, carry.vars, carry.reading,
         state_slots=[x[j] for x in self._states])
