@@ -31,7 +31,7 @@ gpipe.pipeline unless named; docs/how-it-works.md walks through it):
                        one_f_one_b: a forward loop of its own over the
                        same iteration, the gradient in forward order
                        (backward_schedule='1f1b')
-      each iteration   iteration.Step: read (loop_io), every stage once,
+      each iteration   iteration.Iterate: read (loop_io), every stage once,
                        bubbles masked, rotate
     reassemble         gpipe.microbatch     [M, mb, ...] -> [B, ...]
 

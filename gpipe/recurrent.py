@@ -67,7 +67,7 @@ def Recurrent(theta: Any,
               manual_boundary: Optional[Any] = None,
               kept_extras: Optional[Dict[str, 'Kept']] = None,
               return_states: bool = True,
-              data_state: Optional[Any] = None,
+              activation_state: Optional[Any] = None,
               undo: Optional['Undo'] = None,
               defer_weight_dots: bool = False,
               name: str = 'recurrent') -> Tuple[Any, Any, Any]:
@@ -92,7 +92,7 @@ def Recurrent(theta: Any,
     return_states: False: the states after each iteration are kept for the
       backward loop only, and not returned (None instead), so that no
       [T, ...] gradient of them is ever made.
-    data_state: bools shaped like state0: which entries carry data whose
+    activation_state: bools shaped like state0: which entries carry data whose
       functions are activations the remat policy may store (default all;
       see cell_graph.CellGraph).
     undo: an Undo, or None: state entries the forward loop keeps no
@@ -123,7 +123,8 @@ def Recurrent(theta: Any,
     num_iterations = _NumIterations(inputs)
     with record.VariableWatcher() as watcher:
       cell = cell_graph.CellGraph(cell_fn, theta, state0, inputs,
-                                  remat_policy, manual_boundary, data_state,
+                                  remat_policy, manual_boundary,
+                                  activation_state,
                                   defer_weight_dots=defer_weight_dots)
     loops = _Loops(cell, (theta, state0, inputs), num_iterations,
                    kept_extras_lib.FlatKept(cell.extras_spec, kept_extras),

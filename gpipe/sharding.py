@@ -8,7 +8,7 @@ partition. Nothing here depends on a flag saying "TPU".
 What each tensor of the loop gets, with `shard_stages_1d` (the stage dim over
 num_stages devices) or `pipeline_stage_mesh_dim` (the stage dim over one axis
 of `device_mesh`); `Unplaced` and its two subclasses below decide it, each
-row in one of their methods (S stages, M microbatches of mb rows, T loop
+line in one of their methods (S stages, M microbatches of mb examples, T loop
 iterations, R circular repeats):
 
   tensor                           annotation          why
@@ -440,21 +440,21 @@ class OverMeshAxis(Unplaced):
                          self._mesh_dim)
 
   def ReplicateLoopDim(self, x):
-    """An [M, rows, ...] tensor with its loop dim and rows whole on every
+    """An [M, mb, ...] tensor with its loop dim and examples whole on every
     device; later dims are left to the other axes (a model axis).
 
     Rows left open get split by propagation over whichever axis comes
     first, the stage axis included; stage 0's read of them then needs a
-    resharding permute on every iteration. Whole rows cost nothing to
+    resharding permute on every iteration. Whole examples cost nothing to
     split again inside the stage, where the body's own annotations split
     the batch over a data axis. A stage axis of one device (no pipeline)
-    has nothing to split them over: the rows stay open, for the data axis
+    has nothing to split them over: the examples stay open, for the data axis
     to split (whole, every chip would hold the whole batch).
     """
     return self._WholeIn(x, 2 if self.num_stages > 1 else 1)
 
   def ReplicateOverStages(self, x):
-    """Stage 0's read of one microbatch, whole in its rows (as its source,
+    """Stage 0's read of one microbatch, whole in its examples (as its source,
     ReplicateLoopDim); its gradient is left to the partitioner: a body
     that splits the batch over a data axis gives it split, and
     replicating it would all-gather it on every backward iteration."""

@@ -302,8 +302,8 @@ def test_the_1f1b_loops_share_their_cell_and_nothing_else():
 
 def test_modules_open_with_their_entry_point():
   """recurrent.py's first public definition is Recurrent, the iteration's
-  is Step, each loop's its loop."""
-  firsts = {'recurrent.py': 'Recurrent', 'pipeline/iteration.py': 'Step',
+  is Iterate, each loop's its loop."""
+  firsts = {'recurrent.py': 'Recurrent', 'pipeline/iteration.py': 'Iterate',
             'pipeline/pipeline_loop.py': 'RunReverse',
             'pipeline/one_f_one_b/pipelined.py': 'RunOneFOneB',
             'pipeline/one_f_one_b/forward_loop.py': 'ForwardLoop',

@@ -56,14 +56,14 @@ _CASES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class Step:
+class Entry:
   number: int
   name: str
   calls_back_up: bool
 
 
 def _Lists():
-  """{heading: [Step]} of the route's numbered lists."""
+  """{heading: [Entry]} of the route's numbered lists."""
   text = _PAGE.read_text()
   route = text.split('\n## The route\n', 1)[1].split('\n## ', 1)[0]
   lists, heading = {}, None
@@ -74,7 +74,7 @@ def _Lists():
     match = _STEP.match(line)
     if match:
       lists[heading].append(
-          Step(int(match.group(1)), match.group(2), bool(match.group(3))))
+          Entry(int(match.group(1)), match.group(2), bool(match.group(3))))
   return lists
 
 
@@ -237,15 +237,15 @@ def test_every_call_back_up_is_a_step_that_says_so():
 
 def test_the_order_check_sees_a_step_back():
   entered = _Entered('reverse', 'forward')
-  step = _FirstEntry('gpipe.pipeline.iteration.Step', entered)
+  step = _FirstEntry('gpipe.pipeline.iteration.Iterate', entered)
   assert step is not None
   assert _FirstEntry('gpipe.pipeline.pipeline_loop.RunReverse', entered,
                      step) is None
 
 
 def test_the_recorder_sees_a_call_back_up():
-  """The 1f1b loops hand Step a cell from above it (one_f_one_b.cell):
-  Step's call of its Run is a call back up."""
-  assert any(caller == 'gpipe.pipeline.iteration.Step' and
+  """The 1f1b loops hand Iterate a cell from above it (one_f_one_b.cell):
+  Iterate's call of its Run is a call back up."""
+  assert any(caller == 'gpipe.pipeline.iteration.Iterate' and
              callee.startswith('gpipe.pipeline.one_f_one_b.cell.')
              for caller, callee in _Traced('1f1b').up)

@@ -67,14 +67,14 @@ class CellGraph:
     stored: names of the activations the forward loop stores.
 
   Activations are the tensors that depend on the float state and inputs;
-  `data_state` (bools shaped like state0) may leave out state entries that
+  `activation_state` (bools shaped like state0) may leave out state entries that
   carry no data (e.g. the pipeline's non-trainable values): what depends
   only on them and on theta is weight-like, recomputed rather than stored.
   """
 
   def __init__(self, cell_fn, theta, state0, inputs, policy,
-               manual_boundary=None, data_state=None, keeps_new_state=True,
-               defer_weight_dots=False):
+               manual_boundary=None, activation_state=None,
+               keeps_new_state=True, defer_weight_dots=False):
     self._structure = (theta, state0, inputs)
     self._defer_weight_dots = defer_weight_dots
     graph = func_graph_lib.FuncGraph('recurrent_cell')
@@ -117,8 +117,8 @@ class CellGraph:
     self._flat_extras = flat_extras
     self._grads = None
     self._graph_def, self._graph_def_ops = None, None
-    is_data = ([True] * len(flat_state) if data_state is None else
-               tf.nest.flatten(data_state))
+    is_data = ([True] * len(flat_state) if activation_state is None else
+               tf.nest.flatten(activation_state))
     self._activations = _ActivationsOf(
         [flat_state[i] for i in self.differentiable['state'] if is_data[i]] +
         [flat_inputs[i] for i in self.differentiable['inputs']],

@@ -22,7 +22,7 @@ modules below it; one FProp call walks them in this order
     one_f_one_b        backward_schedule='1f1b': the same iteration, its
                        gradient in forward order (a subpackage: its loops,
                        their cell, rings and per-stage entries)
-    iteration          one iteration, read top to bottom (Step): read,
+    iteration          one iteration, read top to bottom (Iterate): read,
                        stage inputs, every stage's call with bubbles
                        masked, rotate, write
     streamed_io        stream_io: inputs and outputs split over the stages

@@ -19,7 +19,7 @@ one feeds it to the microbatch's next repeat)::
     buffer        [ y2'| y0'| y1']   carried out
 
 The loop that runs the iteration takes the outputs on from there (the last
-stage's, where it finishes a microbatch: Step's docstring says how each
+stage's, where it finishes a microbatch: Iterate's docstring says how each
 loop does).
 
 With delayed sends the buffer carries the outputs one iteration longer:
@@ -44,8 +44,8 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-def Step(cell, io, handoff, row, native, buffer, var_values, reading,
-         state_slots=()) -> 'IterationResult':
+def Iterate(cell, io, handoff, row, held, buffer, var_values, reading,
+         stage_states=()) -> 'IterationResult':
   """One iteration over the buffer: read, stage inputs, run, hand on.
 
   The loop that runs it hands the outputs on (done.outputs): the 1f1b
@@ -61,19 +61,19 @@ def Step(cell, io, handoff, row, native, buffer, var_values, reading,
       the schedule), which also says what `buffer` holds.
     row: the schedule's row of the iteration (Tables), [S] per field,
       replicated.
-    native: the loop's inputs as io.ToNative made them.
+    held: the loop's inputs as io.Hold made them.
     buffer: the handoff's carry: [S, mb, ...] per leaf, the last
       iteration's outputs rotated (delayed: and then those in flight).
     var_values: [S, (R,) ...] per carried non-trainable variable.
     reading: io's input state ([] where it has none).
-    state_slots: the per-stage state leaves of iteration i, [S, ...].
+    stage_states: the per-stage state leaves of iteration i, [S, ...].
   """
   place = io.placement
-  fresh, reading = io.Read(native, reading, row)  # stage 0's, per leaf
+  fresh, reading = io.Read(held, reading, row)  # stage 0's, per leaf
   stage_in = [place.SplitStages(io.StageInputs(row.reads,
                                                place.SplitStages(b), f))
               for b, f in zip(handoff.Ready(buffer), fresh)]  # [S, mb, ...]
-  done = cell.Run(stage_in, var_values, row, state_slots)
+  done = cell.Run(stage_in, var_values, row, stage_states)
   buffer = handoff.Next(buffer, done.outputs)  # [S, mb, ...] per leaf
   return IterationResult(stage_in=stage_in, done=done, buffer=buffer,
                          reading=reading)
@@ -81,7 +81,7 @@ def Step(cell, io, handoff, row, native, buffer, var_values, reading,
 
 @dataclasses.dataclass(frozen=True)
 class IterationResult:
-  """One iteration (Step); every list has a tensor per buffer leaf.
+  """One iteration (Iterate); every list has a tensor per buffer leaf.
 
   Attributes:
     stage_in: [S, mb, ...] what each stage ran on.
@@ -110,9 +110,9 @@ class DirectCell:
   stages: 'StageRange'
   theta: object
 
-  def Run(self, stage_in, var_values, row, state_slots) -> 'MaskedStages':
+  def Run(self, stage_in, var_values, row, stage_states) -> 'MaskedStages':
     return RunStages(self.spec, self.stages, self.theta, row, stage_in,
-                     state_slots, var_values)
+                     stage_states, var_values)
 
 
 # -- 3: every stage's call, bubbles masked.
@@ -145,7 +145,7 @@ class MaskedStages:
   stored: Optional[List[tf.Tensor]] = None
 
 
-def RunStages(spec, stages, theta, row, stage_in, state_slots,
+def RunStages(spec, stages, theta, row, stage_in, stage_states,
               var_values) -> MaskedStages:
   """Every stage's call on its input, bubbles masked.
 
@@ -156,13 +156,13 @@ def RunStages(spec, stages, theta, row, stage_in, state_slots,
     row: the schedule's row of the iteration (Tables), [S] per field,
       replicated.
     stage_in: the buffer leaves' stage inputs, [S, ...] each.
-    state_slots: the per-stage state leaves of this iteration, [S, ...].
+    stage_states: the per-stage state leaves of this iteration, [S, ...].
     var_values: the carried non-trainable values, [S, (R,) ...].
   """
   per_stage = spec.placement.SplitStages  # [S] vectors live with their stages
   args = spec.args.Rebuild(stage_in)
   num_args = len(args)
-  args += tuple(tf.nest.pack_sequence_as(spec.states, state_slots))
+  args += tuple(tf.nest.pack_sequence_as(spec.states, stage_states))
   res = _RunRange(spec, stages, theta, row, args, list(var_values))
   valid = per_stage(row.valid)
   outs, state_outs = res.outputs[:num_args], res.outputs[num_args:]
@@ -184,7 +184,7 @@ def RunStages(spec, stages, theta, row, stage_in, state_slots,
           for name, value, weight in res.summaries
       },
       states=[per_stage(SelectStages(valid, new, old))
-              for new, old in zip(tf.nest.flatten(state_outs), state_slots)],
+              for new, old in zip(tf.nest.flatten(state_outs), stage_states)],
       aux_added=res.aux is not None)
 
 

@@ -42,8 +42,8 @@ NestedMap = py_utils.NestedMap
 
 class LoopInputs(abc.ABC):
   """How a loop reads its inputs and writes their gradients: what the
-  forward loops (gpipe.pipeline.iteration.Step) and the 1f1b
-  gradient loop ask of every kind. `native` is the inputs as the kind keeps
+  forward loops (gpipe.pipeline.iteration.Iterate) and the 1f1b
+  gradient loop ask of every kind. `held` is the inputs as the kind keeps
   them; `reading` and `writing` its loop state ([] where it carries none).
   """
 
@@ -56,11 +56,11 @@ class LoopInputs(abc.ABC):
     return self._place
 
   @abc.abstractmethod
-  def ToNative(self, mb_leaves):
+  def Hold(self, mb_leaves):
     """The [M, mb, ...] input leaves as this kind keeps them."""
 
   @abc.abstractmethod
-  def Filler(self, native):
+  def Filler(self, held):
     """The first buffer, [S, mb, ...] per leaf: real data in every slot."""
 
   @abc.abstractmethod
@@ -69,11 +69,11 @@ class LoopInputs(abc.ABC):
     taking what Read gave it where reads ([S] bools) says."""
 
   @abc.abstractmethod
-  def StartReading(self, native):
+  def StartReading(self, held):
     """The reading state before iteration 0."""
 
   @abc.abstractmethod
-  def Read(self, native, reading, row):
+  def Read(self, held, reading, row):
     """(stage 0's fresh input per leaf, reading) at the iteration of `row`
     (the schedule's row, [S] per field)."""
 
@@ -96,11 +96,11 @@ class LoopIo(LoopInputs):
   gradients: the kinds that hand outputs back (WholeIo, StreamedIo)."""
 
   @abc.abstractmethod
-  def Outputs(self, native):
+  def Outputs(self, held):
     """The loop's written outputs -> [M, mb, ...] leaves."""
 
   @abc.abstractmethod
-  def ReverseLoopParts(self, native, filler):
+  def ReverseLoopParts(self, held, filler):
     """(what the reverse loop reads as theta, the state entries it
     carries, how to undo an iteration's changes to them, or None)."""
 
@@ -110,7 +110,7 @@ class LoopIo(LoopInputs):
     (writing after it, what the iteration keeps as extras)."""
 
   @abc.abstractmethod
-  def ReverseNativeOutputs(self, kept, writing):
+  def ReverseHeldOutputs(self, kept, writing):
     """The reverse loop's outputs as Outputs takes them."""
 
   @abc.abstractmethod
@@ -127,7 +127,7 @@ class LoopIo(LoopInputs):
     """The written outputs, as Outputs takes them."""
 
   @abc.abstractmethod
-  def StartReadingGradients(self, d_native):
+  def StartReadingGradients(self, d_held):
     """The output gradients' reading state (1f1b's gradient loop)."""
 
   @abc.abstractmethod
@@ -144,91 +144,90 @@ class WholeIo(LoopIo):
     return WithFreshMicrobatch(reads, buffer, fresh,
                                                self._place.splits_stage_dim)
 
-  def ToNative(self, mb_leaves):
+  def Hold(self, mb_leaves):
     """The [M, ...] input leaves as the loop reads them."""
     return [self._place.ReplicateLoopDim(x) for x in mb_leaves]
 
-  def Filler(self, native):
+  def Filler(self, held):
     """The first buffer [S, ...] per leaf: real data in every slot."""
     return [self._place.SplitStages(
         BubbleFiller(x, self._spec.schedule.num_stages))
-            for x in native]
+            for x in held]
 
-  def Outputs(self, native):
+  def Outputs(self, held):
     """[M, S, ...] finished stage outputs ([M, 1, ...] on a whole stage
-    dim: _LastSlot) -> [M, ...] leaves."""
+    dim: _KeptOfOutput) -> [M, ...] leaves."""
     return [self._place.ReplicateLoopDim(
-        LastStageOutputs(x, self._place)) for x in native]
+        LastStageOutputs(x, self._place)) for x in held]
 
-  def _LastSlot(self, x):
+  def _KeptOfOutput(self, x):
     """What is kept of an [S, ...] output: every slot split over devices
     (each device keeps its own, the last stage's taken out by an all-reduce:
     LastStageOutputs), the last slot alone [1, ...] on a whole stage dim."""
     return x if self._place.splits_stage_dim else x[-1:]
 
-  def _FirstSlot(self, x):
-    """What is kept of an [S, ...] input gradient: as _LastSlot, stage
+  def _KeptOfInputGradient(self, x):
+    """What is kept of an [S, ...] input gradient: as _KeptOfOutput, stage
     0's slot alone on a whole stage dim."""
     return x if self._place.splits_stage_dim else x[:1]
 
   # -- The reverse schedule's loop (gpipe.pipeline.pipeline_loop, via
   # recurrent).
 
-  def ReverseLoopParts(self, native, filler):
+  def ReverseLoopParts(self, held, filler):
     """(what the loop reads as theta, the state entries it carries, how to
     undo an iteration's changes to them): here the microbatches, read one
     an iteration, and no state; the outputs leave as the loop's kept
     outputs."""
     del filler
-    return native, NestedMap(reading=[], writing=[]), None
+    return held, NestedMap(reading=[], writing=[]), None
 
   def ReverseLoopOutputs(self, writing, row, outputs):
     """(writing, unchanged: there is none, the last stage's outputs kept
     as extras: recurrent.Kept keeps those of the iterations that finish a
-    microbatch, which ReverseNativeOutputs hands on)."""
+    microbatch, which ReverseHeldOutputs hands on)."""
     del row
-    return writing, [self._LastSlot(o) for o in outputs]
+    return writing, [self._KeptOfOutput(o) for o in outputs]
 
-  def ReverseNativeOutputs(self, kept, writing):
+  def ReverseHeldOutputs(self, kept, writing):
     del writing
     return kept
 
   # -- The forward loop (the 1f1b pass and its gradient's forward wave).
 
-  def StartReading(self, native):
-    del native
+  def StartReading(self, held):
+    del held
     return []
 
-  def Read(self, native, reading, row):
+  def Read(self, held, reading, row):
     """(stage 0's fresh input per leaf, reading) at the row's iteration."""
     return [self._place.ReplicateOverStages(
         StageZeroInput(x, row, self._place.splits_stage_dim))
-            for x in native], reading
+            for x in held], reading
 
   def StartWriting(self, like):
     """Kept outputs [M + 1, S, ...] per leaf (entry M: iterations that
     finish none; [M + 1, 1, ...] on a whole stage dim), as TensorLists."""
-    return [tensor_lists.Reserve(self._LastSlot(x),
+    return [tensor_lists.Reserve(self._KeptOfOutput(x),
                                  self._spec.schedule.num_microbatches + 1)
             for x in like]
 
   def Write(self, writing, row, outputs):
     num_mb = self._spec.schedule.num_microbatches
     m = tf.where(row.last_layer[-1], row.microbatch[-1], num_mb)  # M: none
-    return [tensor_lists.SetEntry(l, m, self._LastSlot(o))
+    return [tensor_lists.SetEntry(l, m, self._KeptOfOutput(o))
             for l, o in zip(writing, outputs)]
 
   def FinishWriting(self, writing, like):
     num_mb = self._spec.schedule.num_microbatches
     return [self._place.SplitStages(
-                tensor_lists.Stack(l, self._LastSlot(x), num_mb + 1)[:num_mb],
-                1)
+        tensor_lists.Stack(l, self._KeptOfOutput(x), num_mb + 1)[:num_mb], 1)
             for l, x in zip(writing, like)]
 
   # -- The 1f1b backward wave.
 
-  def StartReadingGradients(self, d_native):
-    return [self._place.SplitStages(d, 1) for d in d_native]
+  def StartReadingGradients(self, d_held):
+    return [self._place.SplitStages(d, 1) for d in d_held]
 
   def ReadGradient(self, reading, row):
     """(d outputs per leaf [S, ...] or, on a whole stage dim, [1, ...],
@@ -238,7 +237,7 @@ class WholeIo(LoopIo):
     return [self._place.SplitStages(tf.gather(d, m)) for d in reading], reading
 
   def StartWritingGradients(self, like):
-    return [tensor_lists.Reserve(self._FirstSlot(x),
+    return [tensor_lists.Reserve(self._KeptOfInputGradient(x),
                                  self._spec.schedule.num_microbatches + 1)
             for x in like]
 
@@ -246,7 +245,7 @@ class WholeIo(LoopIo):
     """Stage 0's input gradient, where its layer is the first."""
     num_mb = self._spec.schedule.num_microbatches
     m = tf.where(row.first_layer[0], row.microbatch[0], num_mb)
-    return [tensor_lists.SetEntry(l, m, self._FirstSlot(d))
+    return [tensor_lists.SetEntry(l, m, self._KeptOfInputGradient(d))
             for l, d in zip(writing, d_inputs)]
 
   def FinishWritingGradients(self, writing, like):
@@ -255,7 +254,7 @@ class WholeIo(LoopIo):
     return [
         self._place.ReplicateLoopDim(
             self._place.SplitStages(
-                tensor_lists.Stack(l, self._FirstSlot(x), num_mb + 1),
+                tensor_lists.Stack(l, self._KeptOfInputGradient(x), num_mb + 1),
                 1)[:num_mb, 0])
         for l, x in zip(writing, like)
     ]
@@ -266,7 +265,7 @@ class MadeAtStageZero(LoopInputs):
   microbatch's inputs inside the loop's cell, from per-example inputs the
   cell reads by microbatch, so nothing is read here, no input gradient is
   written (it goes into the first stage's weights) and, with a
-  LastStageLoss, no output is written either. `native` is one
+  LastStageLoss, no output is written either. `held` is one
   microbatch's inputs [1, ...] per leaf, as the first stage makes them:
   the buffer's first value (real data) and stage 0's stand-in read, which
   the cell replaces."""
@@ -276,26 +275,26 @@ class MadeAtStageZero(LoopInputs):
     [S, mb, ...]) where reads: the cell makes the real ones."""
     return WithFreshColumn(reads, buffer, fresh)
 
-  def ToNative(self, mb_leaves):
+  def Hold(self, mb_leaves):
     return [tf.stop_gradient(x) for x in mb_leaves]
 
-  def Filler(self, native):
+  def Filler(self, held):
     spec = self._spec
-    return stage_ends.FirstStageFiller(spec.first_stage, native, spec.runner,
+    return stage_ends.FirstStageFiller(spec.first_stage, held, spec.runner,
                                        self._place, spec.schedule.num_stages)
 
-  def StartReading(self, native):
-    del native
+  def StartReading(self, held):
+    del held
     return []
 
-  def Read(self, native, reading, row):
+  def Read(self, held, reading, row):
     """Zeros, each stage's [S, ...] (the cell makes stage 0's input where
     it reads one; a constant needs no collective)."""
     del row
     num_stages = self._spec.schedule.num_stages
     return [self._place.SplitStages(
         tf.zeros([num_stages] + x.shape.as_list()[1:], x.dtype))
-            for x in native], reading
+            for x in held], reading
 
   def StartWritingGradients(self, like):
     del like
@@ -386,7 +385,7 @@ def BubbleFiller(x, num_stages):
 # stage (see RotateStages): slot s holds what stage s - 1 produced, and slot
 # 0 what the last stage produced. Stage 0 takes the fresh microbatch
 # whenever the schedule says it reads one: always when linear (the wrapped
-# slot is dropped), in the first S iterations of each R * S block when
+# slot is dropped), in the first S iterations of each segment's R * S when
 # circular (otherwise it keeps the wrapped slot: the microbatch's next
 # repeat). `reads` ([S] bools, each stage's StageWork.reads in the schedule's
 # row) says where. The

@@ -164,6 +164,6 @@ def TakeStageSlice(value, stage, repeat, repeats):
 
 def PutStageSlice(value, stage, repeat, new, repeats):
   """The [S, (R,) ...] value with that stage's (repeat's) slice replaced."""
-  row = repeats.Put(value[stage], repeat, new)
-  rows = [row if s == stage else value[s] for s in range(value.shape[0])]
-  return tf.stack(rows)
+  slot = repeats.Put(value[stage], repeat, new)
+  slots = [slot if s == stage else value[s] for s in range(value.shape[0])]
+  return tf.stack(slots)

@@ -1,7 +1,7 @@
 """The pipeline loop with the reverse backward: T iterations over a rotating
 [S, mb, ...] buffer, and a gradient loop over them in reverse.
 
-    for i in 0..T-1:       gpipe.pipeline.iteration.Step, a DirectCell:
+    for i in 0..T-1:       gpipe.pipeline.iteration.Iterate, a DirectCell:
                            read, stage inputs, every stage's call (bubbles
                            masked), rotate; the last stage's outputs kept
                            at the iterations that finish a microbatch
@@ -49,19 +49,20 @@ def RunReverse(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
   io = spec.io_kind(spec)
   # The inputs as the io keeps them: [M, mb, ...] per leaf on every device
   # (WholeIo), or [K, S, mb, ...] streams (StreamedIo).
-  native = io.ToNative(mb_leaves)
-  filler = io.Filler(native)  # the first buffer, [S, mb, ...] per leaf
+  held = io.Hold(mb_leaves)
+  filler = io.Filler(held)  # the first buffer, [S, mb, ...] per leaf
   # Carried: the buffer, the body's non-trainable variables (see
   # gpipe.pipeline.non_trainable_vars) and with stream_io the streams.
   # Without, the microbatches are read inside the loop, one an iteration
-  # (no [T, ...] copy of them). The iteration index comes in as an input and each iteration's
-  # aux loss goes out as an extra, summed afterwards: loop-carried scalars
-  # are what the partitioner tends to mis-shard. The loop keeps the last
-  # stage's output only from the iteration that finishes each microbatch,
-  # [M, 1, ...] on the last stage's device (or in its stream), and returns
+  # (no [T, ...] copy of them). The iteration index comes in as an input
+  # and each iteration's aux loss goes out as an extra, summed afterwards:
+  # loop-carried scalars are what the partitioner tends to mis-shard. The
+  # loop keeps the last stage's output only from the iteration that
+  # finishes each microbatch, [M, 1, ...] on the last stage's device (or in
+  # its stream), and returns
   # no history of the buffer: the backward loop reads it, nothing else
   # does, so no [T, S, ...] gradient of it is ever made.
-  microbatches, streams, undo = io.ReverseLoopParts(native, filler)
+  microbatches, streams, undo = io.ReverseLoopParts(held, filler)
   handoff = rotation.HandoffFor(sched, place)
   state = NestedMap(
       buffer=handoff.Start(filler),  # [S, mb, ...] per leaf (delayed: 2)
@@ -86,7 +87,7 @@ def RunReverse(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
   summaries = {name: tuple(_Concat([e.summaries[name] for e in pieces]))
                for name in pieces[0].summaries}
   return loop_spec.LoopResult(
-      outputs=io.Outputs(io.ReverseNativeOutputs(
+      outputs=io.Outputs(io.ReverseHeldOutputs(
           _Concat([e.outputs for e in pieces]), state.writing)),
       states=[place.SplitStages(x, 1)
               for x in _Concat([e.states for e in pieces])],
@@ -133,7 +134,7 @@ def _PhaseLoop(spec, io, handoff, undo, phase, loop_theta, state0, inputs):
   first = done[0] if done else 0
   kept = recurrent.Kept(tuple(m - first if m >= 0 else -1 for m in finished),
                         max(len(done), 1))
-  marks = lambda entries, mark: [mark] * len(entries)
+  alike = lambda entries, mark: [mark] * len(entries)
   # The phase's loop takes the weights of its stages only: inside, each
   # weight's gradient is then the body's own dot (deferred where it reads
   # few rows) rather than the gradient of a slice of it.
@@ -151,15 +152,15 @@ def _PhaseLoop(spec, io, handoff, undo, phase, loop_theta, state0, inputs):
       # their dots read few rows (more memory, which partitioned is not
       # to spare).
       defer_weight_dots=not spec.placement.splits_stage_dim,
-      data_state=NestedMap(buffer=marks(state0.buffer, True),
-                           vars=marks(state0.vars, False),
-                           reading=marks(state0.reading, True),
-                           writing=marks(state0.writing, False)),
+      activation_state=NestedMap(buffer=alike(state0.buffer, True),
+                                 vars=alike(state0.vars, False),
+                                 reading=alike(state0.reading, True),
+                                 writing=alike(state0.writing, False)),
       undo=None if undo is None else recurrent.Undo(
-          NestedMap(buffer=marks(state0.buffer, False),
-                    vars=marks(state0.vars, False),
-                    reading=marks(state0.reading, True),
-                    writing=marks(state0.writing, True)), undo))
+          NestedMap(buffer=alike(state0.buffer, False),
+                    vars=alike(state0.vars, False),
+                    reading=alike(state0.reading, True),
+                    writing=alike(state0.writing, True)), undo))
   if not done:
     extras.outputs = [x[:0] for x in extras.outputs]
   return final, extras
@@ -167,16 +168,16 @@ def _PhaseLoop(spec, io, handoff, undo, phase, loop_theta, state0, inputs):
 
 def _Iteration(spec: loop_spec.LoopSpec, io, handoff, phase, loop_theta,
                state, inp):
-  """One loop iteration (gpipe.pipeline.iteration.Step): the phase's
+  """One loop iteration (gpipe.pipeline.iteration.Iterate): the phase's
   stages run on their slots, the others pass their input on."""
   place = spec.placement
   cell = iteration.DirectCell(
       spec, iteration.StageRange.Of(phase, spec.schedule.num_stages),
       loop_theta.weights)
   row = inp.row.Transform(place.ReplicateBookkeeping)  # [S] per field
-  stepped = iteration.Step(
+  stepped = iteration.Iterate(
       cell, io, handoff, row, loop_theta.microbatches, state.buffer,
-      state.vars, state.reading, state_slots=inp.states)
+      state.vars, state.reading, stage_states=inp.states)
   done = stepped.done
   writing, kept = io.ReverseLoopOutputs(state.writing, row, done.outputs)
   new_state = NestedMap(

@@ -21,10 +21,10 @@ leave the last stage:
                   stage S-1: y_m = f(x_m)  sums += loss.fn(weights, y_m, ..)
                                            dy_m = d loss.fn / d y_m -> back
 
-loss.fn must be a sum over the rows it is given (a cross entropy summed
+loss.fn must be a sum over the examples it is given (a cross entropy summed
 over tokens, a count of correct ones), so that the sums over microbatches
-are the batch's; first_stage.fn must treat rows independently (an
-embedding lookup), so that a microbatch's inputs are the batch's rows.
+are the batch's; first_stage.fn must treat examples independently (an
+embedding lookup), so that a microbatch's inputs are the batch's examples.
 
 Partitioned, each device computes both for its own stage in the manual
 region (the others' results are masked off), on its own copy of their
@@ -59,8 +59,8 @@ class FirstStageInput:
 
   Attributes:
     fn: (weights, inputs) -> the layer's positional inputs (a tuple, or
-      one structure for one input) for the rows of `inputs` (one
-      microbatch's slices, or the batch), rows treated independently.
+      one structure for one input) for the examples of `inputs` (one
+      microbatch's slices, or the batch), examples treated independently.
     weights: NestedMap of the tensors fn reads (e.g. an embedding table),
       not stage-stacked: the pipeline differentiates them too.
     inputs: NestedMap of per-example tensors [B, ...] (token ids).
@@ -81,8 +81,8 @@ class LastStageLoss:
 
   Attributes:
     fn: (weights, outputs, inputs) -> NestedMap of float32 scalars, each a
-      sum over the rows of `outputs` (the layer's outputs, in their
-      structure; one microbatch's, or the batch's); `inputs` the rows'
+      sum over the examples of `outputs` (the layer's outputs, in their
+      structure; one microbatch's, or the batch's); `inputs` the examples'
       slices of `inputs` below.
     weights: NestedMap of the tensors fn reads besides (e.g. a softmax),
       not stage-stacked: the pipeline differentiates them too.
@@ -111,7 +111,7 @@ class LastStageLoss:
       if value.shape.rank != 0 or not value.dtype.is_floating:
         raise ValueError(
             f'LastStageLoss.fn\'s {key!r} must be a float scalar (a sum over '
-            f'the rows), got {value.dtype.name}{value.shape}.')
+            f'the examples), got {value.dtype.name}{value.shape}.')
       checked[key] = tf.cast(value, tf.float32)
     return checked
 
@@ -185,7 +185,7 @@ def _PerDevice(fn, weights, mb_inputs, stage_values, flags, microbatch_ids,
                mesh, placement, out):
   """_AtOneStage partitioned: fn in the manual region, each device's own.
 
-  Each device takes its own microbatch's rows of the inputs (whole on
+  Each device takes its own microbatch's examples of the inputs (whole on
   every device) inside the region: gathered outside, by every stage's id
   at once, they would be resharded by a collective."""
   device_mesh, mesh_dim = mesh

@@ -40,7 +40,7 @@ class StreamedIo(loop_io.LoopIo):
   def _PlaceStream(self, x):
     return self._place.SplitStages(x, 1)
 
-  def ToNative(self, mb_leaves):
+  def Hold(self, mb_leaves):
     """[M, ...] (split over the stages) -> [K, S, ...] streams, padded with
     copies of microbatch 0 (what bubbles compute on: real data)."""
     pad = (self._streams.padded_microbatches -
@@ -56,15 +56,15 @@ class StreamedIo(loop_io.LoopIo):
       out.append(self._PlaceStream(tf.transpose(x, perm)))
     return out
 
-  def Filler(self, native):
+  def Filler(self, held):
     """The first buffer [S, ...] per leaf: each stage's first microbatch
     (real data, on its own device)."""
-    return [self._place.SplitStages(tf.stop_gradient(x[0])) for x in native]
+    return [self._place.SplitStages(tf.stop_gradient(x[0])) for x in held]
 
-  def Outputs(self, native):
+  def Outputs(self, held):
     """[K, S, ...] output streams (home layout) -> [M, ...] (split over
     the stages)."""
-    return [self.FromStream(x) for x in native]
+    return [self.FromStream(x) for x in held]
 
   def FromStream(self, stream):
     """[K, S, ...] streams in their home layout -> [M, ...]."""
@@ -127,13 +127,13 @@ class StreamedIo(loop_io.LoopIo):
   # -- The reverse schedule's loop (gpipe.pipeline.pipeline_loop, via
   # recurrent).
 
-  def ReverseLoopParts(self, native, filler):
+  def ReverseLoopParts(self, held, filler):
     """(what the loop reads as theta, the state entries it carries, how to
     undo an iteration's changes to them): the streams, which the loop
     carries but keeps no history of; its gradient undoes each iteration's
     rotations instead (recurrent.Undo)."""
     streams = NestedMap(
-        reading=self.StartReading(native),  # [K, S, mb, ...] per leaf
+        reading=self.StartReading(held),  # [K, S, mb, ...] per leaf
         writing=self.StartWriting(filler))  # [K, S, mb, ...] per leaf
 
     def Undo(after, inputs):
@@ -148,20 +148,20 @@ class StreamedIo(loop_io.LoopIo):
     """(the streams with the outputs written, nothing kept as extras)."""
     return self.Write(writing, row, outputs), []
 
-  def ReverseNativeOutputs(self, kept, writing):
+  def ReverseHeldOutputs(self, kept, writing):
     del kept
     return self.FinishWriting(writing, None)
 
   # -- The forward loop.
 
-  def StartReading(self, native):
+  def StartReading(self, held):
     """The input streams, [K, S, mb, ...] per leaf."""
-    return list(native)
+    return list(held)
 
-  def Read(self, native, reading, row):
+  def Read(self, held, reading, row):
     """(each stage's entry of the column stage 0 reads [S, ...], reading
     with that column rotated towards stage 0)."""
-    del native
+    del held
     k = self._ColumnWhere(row, 0, 'first_layer')  # int32 [], -1: none
     fresh, new = [], []
     for stream in reading:
@@ -222,9 +222,9 @@ class StreamedIo(loop_io.LoopIo):
 
   # -- The 1f1b backward wave.
 
-  def StartReadingGradients(self, d_native):
+  def StartReadingGradients(self, d_held):
     """The output gradients' streams, [K, S, mb, ...] per leaf."""
-    return [self._PlaceStream(d) for d in d_native]
+    return [self._PlaceStream(d) for d in d_held]
 
   def ReadGradient(self, reading, row):
     """(each leaf's [S, ...] column, the last stage's entry the output

@@ -68,7 +68,7 @@ class OneFOneB:
     forward wave   iteration j of the forward schedule again (j < T); each
                    stage pushes its input into its ring of `ring_size`;
     backward wave  each stage the backward of one layer call whose output
-                   gradient has come back: stage s at backward step
+                   gradient has come back: stage s at backward iteration
                    k = j - delay takes the forward call (k, S - 1 - s)
                    mirrored, i.e. its microbatch at repeat
                    R - 1 - RepeatId(k, S - 1 - s).
@@ -109,7 +109,7 @@ class OneFOneB:
   def WorkAt(self, j, stage):
     """What `stage` does in iteration j, a GradientWork: the forward wave
     runs iteration j of the forward loop (j < T), the backward wave
-    backward step k = j - delay (0 <= k < T)."""
+    backward iteration k = j - delay (0 <= k < T)."""
     t, k = self.schedule.num_iterations, j - self.delay
     return GradientWork(
         forward=self.schedule.WorkAt(j, stage) if j < t else None,
@@ -139,7 +139,7 @@ class OneFOneB:
 
   def BackwardIteration(self, k, stage):
     """The forward iteration whose call of `stage` the backward wave runs
-    at backward step k (iteration k + delay), or None on a bubble."""
+    at backward iteration k (iteration k + delay), or None on a bubble."""
     sched = self.schedule
     mirror = sched.num_stages - 1 - stage
     if not sched.IsValid(k, mirror):
@@ -149,7 +149,7 @@ class OneFOneB:
     return sched.LayerIteration(sched.MicrobatchId(k, mirror), layer)
 
   def BackwardWorkAt(self, k, stage):
-    """What `stage`'s backward wave does at backward step k: BackwardWork."""
+    """What `stage`'s backward wave does at backward iteration k: BackwardWork."""
     sched = self.schedule
     iteration = self.BackwardIteration(k, stage)
     valid = iteration is not None

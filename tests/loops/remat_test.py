@@ -122,13 +122,13 @@ def test_a_product_of_weights_and_a_non_data_state_is_not_stored():
     scaled = tf.multiply(theta, state['v'], name='scaled')
     return dict(x=tf.tanh(tf.matmul(state['x'], scaled)), v=state['v']), {}
 
-  def StoredShapes(data_state):
+  def StoredShapes(activation_state):
     with tf.Graph().as_default():
       cell = cell_graph.CellGraph(
           Cell, tf.zeros([D, D]), dict(x=tf.zeros([ROWS, D]),
                                        v=tf.zeros([D, D])),
           dict(iteration=tf.zeros([4], tf.int32)), remat.For('save_all'),
-          data_state=data_state)
+          activation_state=activation_state)
       return sorted(tuple(s.shape) for s in cell.StoredSpecs())
 
   assert StoredShapes(None) == [(D, D)]

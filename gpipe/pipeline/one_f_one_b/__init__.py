@@ -8,7 +8,7 @@ each wave runs, the picture and the ring's size: gpipe.schedule.OneFOneB,
 drawn by `python -m gpipe.schedule --backward_schedule 1f1b`):
 
     forward wave    each stage runs iteration j's forward again, from the
-                    pipeline's inputs (gpipe.pipeline.iteration.Step),
+                    pipeline's inputs (gpipe.pipeline.iteration.Iterate),
                     and pushes its stage input [S, mb, ...] into a ring of
                     2 h (R S - 1) + 1 entries (h: the schedule's hop, 2
                     with delayed sends; OneFOneB.ring_size)

@@ -4,7 +4,7 @@ gradient, which the forward loop and both waves of the gradient loop share.
     StageCell     gpipe.pipeline.iteration.RunStages traced once as a graph
                   (gpipe.loops.cell_graph): every stage's call, bubbles
                   masked, on [S, mb, ...] stage inputs
-    .Bind(...)    -> BoundCell, the cell an iteration.Step runs: its
+    .Bind(...)    -> BoundCell, the cell an iteration.Iterate runs: its
                   forward imported (the forward loop, the forward wave)
     .Backward     its gradient, the backward wave's (gradient_loop)
     Row           row i of the schedule's [T, S] tables, [S] per field
@@ -78,7 +78,7 @@ class StageCell:
       graph = cell_graph.CellGraph(
           self._Fn, theta, self.state0, self._inputs, policy,
           sharding.ManualBoundary.For(self.spec.runner.manual_mesh),
-          data_state=NestedMap(buffer=[True] * len(self.state0.buffer),
+          activation_state=NestedMap(buffer=[True] * len(self.state0.buffer),
                                vars=[False] * len(self.state0.vars)),
           keeps_new_state=False)
     return graph, watcher.watched_variables()
@@ -96,14 +96,14 @@ class StageCell:
             NestedMap(aux=done.aux, summaries=done.summaries,
                       states=done.states, loss=done.losses))
 
-  def _Work(self, theta, row, stage_in, state_slots, var_values):
+  def _Work(self, theta, row, stage_in, stage_states, var_values):
     """Every stage's call, bubbles masked (iteration.MaskedStages)."""
     return iteration.RunStages(
         self.spec, iteration.StageRange.All(self.spec.schedule.num_stages),
-        theta, row, stage_in, state_slots, var_values)
+        theta, row, stage_in, stage_states, var_values)
 
   def Bind(self, theta, captures, with_extras=True, with_stored=False):
-    """The cell an iteration.Step runs, on these weights and captures."""
+    """The cell an iteration.Iterate runs, on these weights and captures."""
     return BoundCell(self, theta, captures, with_extras, with_stored)
 
 
@@ -119,13 +119,13 @@ class ScoringCell(StageCell):
       return stage_ends.Unstored(policy)
     return policy
 
-  def _Work(self, theta, row, stage_in, state_slots, var_values):
+  def _Work(self, theta, row, stage_in, stage_states, var_values):
     spec = self.spec
     if spec.first_stage is not None:  # stage 0 makes its fresh inputs
       stage_in = stage_ends.FirstStageInputs(
           spec.first_stage, stage_in, row.reads, row.microbatch, spec.runner,
           spec.placement)
-    done = super()._Work(theta, row, stage_in, state_slots, var_values)
+    done = super()._Work(theta, row, stage_in, stage_states, var_values)
     return dataclasses.replace(done, losses=self._LastStageSums(row, done))
 
   def _LastStageSums(self, row, done):
@@ -144,7 +144,7 @@ class ScoringCell(StageCell):
 
 @dataclasses.dataclass(frozen=True)
 class BoundCell:
-  """A StageCell's forward on given weights: what iteration.Step runs.
+  """A StageCell's forward on given weights: what iteration.Iterate runs.
 
   Attributes:
     cell: the StageCell.
@@ -162,10 +162,10 @@ class BoundCell:
   with_stored: bool
 
   def Run(self, stage_in, var_values, row,
-          state_slots) -> iteration.MaskedStages:
+          stage_states) -> iteration.MaskedStages:
     new, extras, stored = self.cell.graph.Forward(
         self.theta, NestedMap(buffer=stage_in, vars=var_values),
-        NestedMap(row=CellFields(row), states=state_slots), self.captures,
+        NestedMap(row=CellFields(row), states=stage_states), self.captures,
         with_stored=self.with_stored, with_extras=self.with_extras)
     extras = extras or NestedMap(aux=None, summaries={}, states=[],
                                  loss=NestedMap())

@@ -1,6 +1,6 @@
 """The 1f1b forward loop: T iterations that keep no activation.
 
-    for i in 0..T-1:   gpipe.pipeline.iteration.Step on the StageCell's
+    for i in 0..T-1:   gpipe.pipeline.iteration.Iterate on the StageCell's
                        forward (gpipe.pipeline.one_f_one_b.cell); the
                        outputs written by the io, the aux loss, summaries
                        and states kept per iteration
@@ -25,7 +25,7 @@ NestedMap = py_utils.NestedMap
 FORWARD_LOOP = 'one_f_one_b_forward'
 
 
-def ForwardLoop(cell: cell_lib.StageCell, io, theta, native, state_leaves,
+def ForwardLoop(cell: cell_lib.StageCell, io, theta, held, state_leaves,
                 var_values, captures):
   """The T forward iterations, keeping the outputs, the aux loss, the
   summaries and states per iteration, and no activation.
@@ -34,7 +34,7 @@ def ForwardLoop(cell: cell_lib.StageCell, io, theta, native, state_leaves,
     cell: the stage work, traced with its gradient.
     io: the loop io (gpipe.pipeline.loop_io.LoopIo).
     theta: the stage-stacked weights, [S, (R,) ...].
-    native: the inputs as io.ToNative made them.
+    held: the inputs as io.Hold made them.
     state_leaves: the [T, S, ...] padded per-stage state leaves.
     var_values: the carried non-trainable values, [S, (R,) ...].
     captures: the cell's captured tensors.
@@ -53,7 +53,7 @@ def ForwardLoop(cell: cell_lib.StageCell, io, theta, native, state_leaves,
   carry = NestedMap(
       buffer=handoff.Start(filler),  # [S, mb, ...] per leaf (delayed: 2)
       vars=[place.SplitStages(v) for v in var_values],  # [S, (R,) ...]
-      reading=io.StartReading(native),  # the io's ([] unless streamed)
+      reading=io.StartReading(held),  # the io's ([] unless streamed)
       writing=io.StartWriting(filler),  # the io's
       # TensorLists of T entries, summed or stacked after the loop: a
       # loop-carried scalar is what the partitioner tends to give the
@@ -66,9 +66,9 @@ def ForwardLoop(cell: cell_lib.StageCell, io, theta, native, state_leaves,
 
   def Body(i, carry):
     row = iteration.RowAt(cell.tables, i, place)  # [S] per field
-    stepped = iteration.Step(
-        bound, io, handoff, row, native, carry.buffer, carry.vars,
-        carry.reading, state_slots=[x[i] for x in states])
+    stepped = iteration.Iterate(
+        bound, io, handoff, row, held, carry.buffer, carry.vars,
+        carry.reading, stage_states=[x[i] for x in states])
     done = stepped.done
     return i + 1, NestedMap(
         buffer=stepped.buffer, vars=done.vars, reading=stepped.reading,

@@ -4,7 +4,7 @@ gpipe.pipeline.one_f_one_b says what the waves do; gpipe.schedule.OneFOneB
 has the picture and the arithmetic (which call each stage's backward wave
 differentiates, and where its input waits in the ring). Per iteration j:
 
-    forward wave    iteration.Step on the cell's forward (cell.BoundCell):
+    forward wave    iteration.Iterate on the cell's forward (cell.BoundCell):
                     the forward loop's iteration j again; each stage's
                     input (and what the remat policy keeps) pushed into its
                     ring at j mod ring_size
@@ -51,7 +51,7 @@ class GradientLoop:
   """The gradient of one forward loop (forward_loop.ForwardLoop), or with
   a LastStageLoss the whole pass."""
 
-  def __init__(self, cell, io, theta, native, state_leaves, var_values,
+  def __init__(self, cell, io, theta, held, state_leaves, var_values,
                captures, loss=None):
     self._loss = loss
     self._cell = cell
@@ -66,7 +66,7 @@ class GradientLoop:
                                              shift=-1)
     self._backward_tables = iteration.Tables(self._waves.BackwardRows())
     self._theta = theta
-    self._native = native
+    self._held = held
     self._states = [self._place.SplitStages(x, 1) for x in state_leaves]
     self._num_vars = len(tf.nest.flatten(var_values))
     self._var_values = [self._place.SplitStages(v) for v in var_values]
@@ -84,7 +84,7 @@ class GradientLoop:
         stored=[ring(s) for s in self._graph.StoredSpecs()])
 
   def Run(self, d):
-    """Gradients of the forward loop's arguments, flat: theta, native
+    """Gradients of the forward loop's arguments, flat: theta, held
     inputs, state leaves, non-trainable values (None), captures."""
     carry = self._Start(d)
     consts = NestedMap(
@@ -135,7 +135,7 @@ class GradientLoop:
     after = [] if d.aux is None else [d.aux]
     return GradientCarry(
         buffer=self._handoff.Start(filler), vars=self._var_values,
-        reading=self._io.StartReading(self._native),
+        reading=self._io.StartReading(self._held),
         rings=tf.nest.map_structure(lambda r: r.Empty(), self._rings),
         d_buffer=self._handoff_back.Start(
             [tf.zeros_like(x) for x in filler]),
@@ -184,13 +184,13 @@ class GradientLoop:
   def _ForwardWave(self, j, carry):
     """Iteration j of the forward loop again, its stage inputs (and what
     the policy keeps) pushed into the rings at entry j mod ring_size."""
-    stepped = iteration.Step(
+    stepped = iteration.Iterate(
         self._cell.Bind(self._theta, self._captures,
                         with_extras=self._loss is not None, with_stored=True),
         self._io, self._handoff,
-        iteration.RowAt(self._cell.tables, j, self._place), self._native,
+        iteration.RowAt(self._cell.tables, j, self._place), self._held,
         carry.buffer, carry.vars, carry.reading,
-        state_slots=[x[j] for x in self._states])
+        stage_states=[x[j] for x in self._states])
     done = stepped.done
     index = j % self._waves.ring_size
     # Each ring entry [S, ...]: stage s's input (and what the policy keeps).
@@ -292,15 +292,15 @@ class GradientLoop:
     d_theta = [None] * len(flat_theta)
     for i, g in zip(diff['theta'], carry.d_theta):
       d_theta[i] = g
-    d_native = [
+    d_held = [
         g if cell_graph.IsDifferentiable(x) else None for g, x in zip(
             self._io.FinishWritingGradients(carry.d_writing,
                                             self._cell.state0.buffer),
-            self._native)]
+            self._held)]
     d_states = [None] * len(self._states)
     for i, g in zip(self._DiffStateInputs(), carry.d_states):
       d_states[i] = _ByIteration(g, place)
-    return (d_theta + d_native + d_states + [None] * self._num_vars +
+    return (d_theta + d_held + d_states + [None] * self._num_vars +
             list(carry.d_captures))
 
 

@@ -33,10 +33,10 @@ def RunOneFOneB(spec, theta, mb_leaves, state_leaves,
   if spec.loss is not None:
     return _Scored(spec, theta, mb_leaves, state_leaves, var_values)
   io = spec.io_kind(spec)
-  native = io.ToNative(mb_leaves)  # [M, mb, ...] or [K, S, mb, ...] a leaf
-  cell = cell_lib.StageCell(spec, theta, io.Filler(native), state_leaves,
+  held = io.Hold(mb_leaves)  # [M, mb, ...] or [K, S, mb, ...] a leaf
+  cell = cell_lib.StageCell(spec, theta, io.Filler(held), state_leaves,
                             var_values)
-  result = _Pipelined(cell, io, theta, native, state_leaves, var_values)
+  result = _Pipelined(cell, io, theta, held, state_leaves, var_values)
   return loop_spec.LoopResult(
       outputs=io.Outputs(result.outputs),
       states=[spec.placement.SplitStages(x, 1) for x in result.states],
@@ -51,17 +51,17 @@ def _Scored(spec, theta, mb_leaves, state_leaves, var_values):
       spec.schedule.num_stages)
   spec = dataclasses.replace(spec, loss=loss, first_stage=first_stage)
   io = spec.io_kind(spec)
-  native = io.ToNative(mb_leaves)  # as for RunOneFOneB; made: [1, ...]
-  cell = cell_lib.ScoringCell(spec, theta, io.Filler(native), state_leaves,
+  held = io.Hold(mb_leaves)  # as for RunOneFOneB; made: [1, ...]
+  cell = cell_lib.ScoringCell(spec, theta, io.Filler(held), state_leaves,
                               var_values)
-  return _WithLoss(cell, io, theta, native, var_values)
+  return _WithLoss(cell, io, theta, held, var_values)
 
 
-def _Pipelined(cell, io, theta, native, state_leaves, var_values):
+def _Pipelined(cell, io, theta, held, state_leaves, var_values):
   """The forward loop as a custom gradient whose gradient is the 1f1b
   loop: a NestedMap(outputs, aux, summaries, states, vars)."""
   graph = cell.graph
-  structure = (theta, native, state_leaves, var_values)
+  structure = (theta, held, state_leaves, var_values)
   Unflatten = _Unflattener(graph, structure)
   result_structure = []
 
@@ -110,7 +110,7 @@ def _NoVariableGradients(grads, variables):
 
 
 def _Unflattener(graph, structure):
-  """flat -> the parts of `structure` (theta, native inputs, states, the
+  """flat -> the parts of `structure` (theta, held inputs, states, the
   vars' values) and the cell's captures with the differentiable ones
   replaced by the rest of flat: how a custom gradient's flat arguments
   come back apart."""
@@ -130,7 +130,7 @@ def _Unflattener(graph, structure):
   return Unflatten
 
 
-def _WithLoss(cell, io, theta, native, var_values):
+def _WithLoss(cell, io, theta, held, var_values):
   """The gradient loop alone, scoring each microbatch at the last stage
   (gradient_loop.GradientLoop.RunWithLoss), as a custom gradient: its
   value the loss's sums, its gradient the loop's gradients of the
@@ -143,7 +143,7 @@ def _WithLoss(cell, io, theta, native, var_values):
         "backward_schedule='1f1b' differentiates the loss alone, and the "
         'body adds aux losses; use the reverse backward_schedule (or FProp '
         'and a loss of your own) for a body with aux losses.')
-  structure = (theta, native, [], var_values)
+  structure = (theta, held, [], var_values)
   Unflatten = _Unflattener(graph, structure)
   values_structure = []
 
