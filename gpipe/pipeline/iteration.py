@@ -3,16 +3,16 @@
 Every loop of the pod's schedule runs this iteration: the reverse loop
 (gpipe.pipeline.pipeline_loop), the 1f1b forward loop and the 1f1b
 gradient loop's forward wave (gpipe.pipeline.one_f_one_b). They hand it
-data: the io (how stage 0 reads and the last stage writes:
-gpipe.pipeline.loop_io) and the cell (the stages' work, run here or as one
-traced graph). S = 3; slot s of the buffer holds what stage s - 1 made,
+data: the io (how stage 0 reads: gpipe.pipeline.loop_io) and what runs
+the stages' calls (`calls`: DirectStages, run where the iteration is
+traced, or the 1f1b loops' cell, traced once on its own). S = 3; slot s of the buffer holds what stage s - 1 made,
 slot 0 what the last stage made (a linear pipeline drops it, a circular
 one feeds it to the microbatch's next repeat)::
 
     buffer        [ y2 | y0 | y1 ]   carried in, [S, mb, ...] per leaf
     1 read        io.Read: stage 0's fresh input (row i says which)
     2 stage in    io.StageInputs: [ x  | y0 | y1 ], x where row.reads
-    3 run         cell.Run -> RunStages: every stage's call, a bubble's
+    3 run         calls.Run -> RunStages: every stage's call, a bubble's
                   output its input (MaskBubbles)
     outputs       [ y0'| y1'| y2']
     4 hand on     handoff.Next (rotation): slot s <- stage s - 1
@@ -44,7 +44,7 @@ from lingvo.core import py_utils
 NestedMap = py_utils.NestedMap
 
 
-def Iterate(cell, io, handoff, row, held, buffer, var_values, reading,
+def Iterate(calls, io, handoff, row, held, buffer, var_values, reading,
          stage_states=()) -> 'IterationResult':
   """One iteration over the buffer: read, stage inputs, run, hand on.
 
@@ -54,8 +54,9 @@ def Iterate(cell, io, handoff, row, held, buffer, var_values, reading,
   them.
 
   Args:
-    cell: runs the stages' work: a DirectCell, or the 1f1b loops' traced
-      one (gpipe.pipeline.one_f_one_b.cell); its Run gives MaskedStages.
+    calls: runs the stages' calls: DirectStages, or the 1f1b loops' cell
+      (gpipe.pipeline.one_f_one_b.cell.BoundCell); its Run gives
+      MaskedStages.
     io: how stage 0 reads (gpipe.pipeline.loop_io: a LoopInputs).
     handoff: how the outputs reach the next stages (rotation.HandoffFor
       the schedule), which also says what `buffer` holds.
@@ -73,7 +74,7 @@ def Iterate(cell, io, handoff, row, held, buffer, var_values, reading,
   stage_in = [place.SplitStages(io.StageInputs(row.reads,
                                                place.SplitStages(b), f))
               for b, f in zip(handoff.Ready(buffer), fresh)]  # [S, mb, ...]
-  done = cell.Run(stage_in, var_values, row, stage_states)
+  done = calls.Run(stage_in, var_values, row, stage_states)
   buffer = handoff.Next(buffer, done.outputs)  # [S, mb, ...] per leaf
   return IterationResult(stage_in=stage_in, done=done, buffer=buffer,
                          reading=reading)
@@ -97,9 +98,10 @@ class IterationResult:
 
 
 @dataclasses.dataclass(frozen=True)
-class DirectCell:
-  """The stages' work run where the iteration is traced (the reverse loop:
-  gpipe.recurrent differentiates the whole iteration).
+class DirectStages:
+  """The stages' calls run where the iteration is traced, no cell of their
+  own (the reverse loop: its cell is the whole iteration, which
+  gpipe.recurrent differentiates).
 
   Attributes:
     spec: the loop_spec.LoopSpec.

@@ -1,7 +1,7 @@
 """The pipeline loop with the reverse backward: T iterations over a rotating
 [S, mb, ...] buffer, and a gradient loop over them in reverse.
 
-    for i in 0..T-1:       gpipe.pipeline.iteration.Iterate, a DirectCell:
+    for i in 0..T-1:       gpipe.pipeline.iteration.Iterate, DirectStages:
                            read, stage inputs, every stage's call (bubbles
                            masked), rotate; the last stage's outputs kept
                            at the iterations that finish a microbatch
@@ -171,19 +171,19 @@ def _Iteration(spec: loop_spec.LoopSpec, io, handoff, phase, loop_theta,
   """One loop iteration (gpipe.pipeline.iteration.Iterate): the phase's
   stages run on their slots, the others pass their input on."""
   place = spec.placement
-  cell = iteration.DirectCell(
+  calls = iteration.DirectStages(
       spec, iteration.StageRange.Of(phase, spec.schedule.num_stages),
       loop_theta.weights)
   row = inp.row.Transform(place.ReplicateBookkeeping)  # [S] per field
-  stepped = iteration.Iterate(
-      cell, io, handoff, row, loop_theta.microbatches, state.buffer,
+  iterated = iteration.Iterate(
+      calls, io, handoff, row, loop_theta.microbatches, state.buffer,
       state.vars, state.reading, stage_states=inp.states)
-  done = stepped.done
+  done = iterated.done
   writing, kept = io.ReverseLoopOutputs(state.writing, row, done.outputs)
   new_state = NestedMap(
-      buffer=stepped.buffer,  # the handoff's carry
+      buffer=iterated.buffer,  # the handoff's carry
       vars=done.vars,  # [S, (R,) ...] per variable
-      reading=stepped.reading, writing=writing)  # the io's
+      reading=iterated.reading, writing=writing)  # the io's
   extras = NestedMap(
       outputs=kept,  # [S or 1, mb, ...] per leaf (none with stream_io)
       aux_loss=place.ReplicateBookkeeping(tf.reduce_sum(done.aux)),  # []

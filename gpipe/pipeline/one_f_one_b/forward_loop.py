@@ -66,12 +66,12 @@ def ForwardLoop(cell: cell_lib.StageCell, io, theta, held, state_leaves,
 
   def Body(i, carry):
     row = iteration.RowAt(cell.tables, i, place)  # [S] per field
-    stepped = iteration.Iterate(
+    iterated = iteration.Iterate(
         bound, io, handoff, row, held, carry.buffer, carry.vars,
         carry.reading, stage_states=[x[i] for x in states])
-    done = stepped.done
+    done = iterated.done
     return i + 1, NestedMap(
-        buffer=stepped.buffer, vars=done.vars, reading=stepped.reading,
+        buffer=iterated.buffer, vars=done.vars, reading=iterated.reading,
         # The last stage's outputs, where it finishes a microbatch.
         writing=io.Write(carry.writing, row, done.outputs),
         aux=tensor_lists.SetEntry(carry.aux, i, place.ReplicateBookkeeping(

@@ -184,25 +184,25 @@ class GradientLoop:
   def _ForwardWave(self, j, carry):
     """Iteration j of the forward loop again, its stage inputs (and what
     the policy keeps) pushed into the rings at entry j mod ring_size."""
-    stepped = iteration.Iterate(
+    iterated = iteration.Iterate(
         self._cell.Bind(self._theta, self._captures,
                         with_extras=self._loss is not None, with_stored=True),
         self._io, self._handoff,
         iteration.RowAt(self._cell.tables, j, self._place), self._held,
         carry.buffer, carry.vars, carry.reading,
         stage_states=[x[j] for x in self._states])
-    done = stepped.done
+    done = iterated.done
     index = j % self._waves.ring_size
     # Each ring entry [S, ...]: stage s's input (and what the policy keeps).
-    entries = NestedMap(buffer=stepped.stage_in, vars=carry.vars,
+    entries = NestedMap(buffer=iterated.stage_in, vars=carry.vars,
                         stored=done.stored)
     changed = dict(
         rings=tf.nest.map_structure(
             lambda r, ring, e: r.Write(ring, index, e),
             self._rings, carry.rings, entries),
-        buffer=stepped.buffer,  # the hand-off's carry
+        buffer=iterated.buffer,  # the hand-off's carry
         vars=done.vars,  # [S, (R,) ...] per variable
-        reading=stepped.reading)
+        reading=iterated.reading)
     if self._loss is not None:
       changed.update(
           loss=tf.nest.map_structure(
