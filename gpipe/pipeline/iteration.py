@@ -5,9 +5,10 @@ Every loop of the pod's schedule runs this iteration: the reverse loop
 gradient loop's forward wave (gpipe.pipeline.one_f_one_b). They hand it
 data: the io (how stage 0 reads: gpipe.pipeline.loop_io) and what runs
 the stages' calls (`calls`: DirectStages, run where the iteration is
-traced, or the 1f1b loops' cell, traced once on its own). S = 3; slot s of the buffer holds what stage s - 1 made,
-slot 0 what the last stage made (a linear pipeline drops it, a circular
-one feeds it to the microbatch's next repeat)::
+traced, or the 1f1b loops' cell, traced once on its own). S = 3; slot s
+of the buffer holds what stage s - 1 made, slot 0 what the last stage
+made (a linear pipeline drops it, a circular one feeds it to the
+microbatch's next repeat)::
 
     buffer        [ y2 | y0 | y1 ]   carried in, [S, mb, ...] per leaf
     1 read        io.Read: stage 0's fresh input (row i says which)
@@ -45,7 +46,7 @@ NestedMap = py_utils.NestedMap
 
 
 def Iterate(calls, io, handoff, row, held, buffer, var_values, reading,
-         stage_states=()) -> 'IterationResult':
+            stage_states=()) -> 'IterationResult':
   """One iteration over the buffer: read, stage inputs, run, hand on.
 
   The loop that runs it hands the outputs on (done.outputs): the 1f1b

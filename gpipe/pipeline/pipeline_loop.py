@@ -54,8 +54,8 @@ def RunReverse(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
   # Carried: the buffer, the body's non-trainable variables (see
   # gpipe.pipeline.non_trainable_vars) and with stream_io the streams.
   # Without, the microbatches are read inside the loop, one an iteration
-  # (no [T, ...] copy of them). The iteration index comes in as an input
-  # and each iteration's aux loss goes out as an extra, summed afterwards:
+  # (no [T, ...] copy of them). Each iteration's row of the schedule comes
+  # in as an input and its aux loss goes out as an extra, summed afterwards:
   # loop-carried scalars are what the partitioner tends to mis-shard. The
   # loop keeps the last stage's output only from the iteration that
   # finishes each microbatch, [M, 1, ...] on the last stage's device (or in
@@ -76,7 +76,6 @@ def RunReverse(spec: loop_spec.LoopSpec, theta, mb_leaves, state_leaves,
   # Sliced per iteration: the schedule's rows ([T, S] per field: computed
   # once here, not in every iteration) and the per-stage states.
   inputs = NestedMap(
-      iteration=tf.range(sched.num_iterations, dtype=tf.int32),  # [T]
       row=iteration.Tables(sched.Rows()),  # [T, S] per field
       states=[place.SplitStages(x, 1) for x in state_leaves])  # [T, S, ...]
   pieces = []
@@ -108,7 +107,7 @@ def _Phases(spec):
 
 def _PhaseInputs(inputs, phase):
   """The phase's iterations of the loop's [T, ...] inputs."""
-  if phase.begin == 0 and phase.end == inputs.iteration.shape[0]:
+  if phase.begin == 0 and phase.end == inputs.row.valid.shape[0]:
     return inputs
   return inputs.Transform(lambda x: x[phase.begin:phase.end])
 
