@@ -109,12 +109,15 @@ def pytest_sessionfinish(session):
     workeroutput['gpipe_errors'] = _LocalErrors()
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_unconfigure(config):
   """An xdist worker ends here, its results sent (xdist's
-  pytest_sessionfinish sent them before this hook), rather than by
-  Python's finalization, slow with TensorFlow, Lingvo and the tests'
-  graphs in memory (docs/testing.md, 'Where the time goes')."""
+  pytest_sessionfinish sent them before this hook), first of the
+  unconfigure hooks: pytest's own sweep for unraisable exceptions collects
+  garbage for seconds with TensorFlow, Lingvo and the tests' graphs in
+  memory, and so does Python's finalization (docs/testing.md, 'Where the
+  time goes'); a worker still sweeping when the controller shut it down
+  printed a KeyboardInterrupt warning."""
   if hasattr(config, 'workerinput'):
     sys.stdout.flush()
     sys.stderr.flush()
