@@ -32,7 +32,6 @@ BANNED = {
     'StageTables': ('row', 'one way to the tables: iteration.Tables'),
     'InputIndexPerIteration': ('row', "the rows' first_layer and microbatch"),
     'OutputIndexPerIteration': ('row', "the rows' last_layer and microbatch"),
-    'row_examples': ('row', 'a batch example is an example'),
     'DirectCell': ('cell', 'it is never traced on its own: DirectStages'),
 }
 

@@ -385,7 +385,7 @@ def BubbleFiller(x, num_stages):
 # stage (see RotateStages): slot s holds what stage s - 1 produced, and slot
 # 0 what the last stage produced. Stage 0 takes the fresh microbatch
 # whenever the schedule says it reads one: always when linear (the wrapped
-# slot is dropped), in the first S iterations of each segment's R * S when
+# slot is dropped), in the first S of a segment's R * S iterations when
 # circular (otherwise it keeps the wrapped slot: the microbatch's next
 # repeat). `reads` ([S] bools, each stage's StageWork.reads in the schedule's
 # row) says where. The

@@ -30,8 +30,9 @@ Circular schedule (R > 1): layer `r * S + s` is repeat `r` of stage `s`. The
 microbatches are cut into segments of S; each segment cycles through the S
 stages R times before the next one enters, so the buffer rotates (the last
 stage feeds stage 0) and stage 0 reads fresh input only in the first S
-iterations of each segment's R * S (its turn). A short last segment is padded, so
-T = R * ceil(M / S) * S + S - 1. S=2, M=3, R=2 (entries are microbatch/repeat)::
+of the R * S iterations a segment spends in the stages. A short last
+segment is padded, so T = R * ceil(M / S) * S + S - 1. S=2, M=3, R=2
+(entries are microbatch/repeat)::
 
     iteration     0    1    2    3    4    5    6    7    8
     stage 0     0/0  1/0  0/1  1/1  2/0    .  2/1    .    .
@@ -233,8 +234,8 @@ class Schedule:
     """True where stage 0 takes a fresh microbatch instead of the buffer.
 
     Linear: always (the slot the rotation brings round from the last stage
-    is dropped). Circular: in the first h S
-    iterations of each segment's R h S; otherwise it takes the last stage's
+    is dropped). Circular: in the first h S of the R h S iterations a
+    segment spends in the stages; otherwise it takes the last stage's
     output.
     """
     if not self.circular:

@@ -149,7 +149,8 @@ class OneFOneB:
     return sched.LayerIteration(sched.MicrobatchId(k, mirror), layer)
 
   def BackwardWorkAt(self, k, stage):
-    """What `stage`'s backward wave does at backward iteration k: BackwardWork."""
+    """What `stage`'s backward wave does at backward iteration k, a
+    BackwardWork."""
     sched = self.schedule
     iteration = self.BackwardIteration(k, stage)
     valid = iteration is not None
