@@ -27,15 +27,15 @@ times; the head width stays 256.
 numbers: one stage of all its blocks on a [1, data, model] PodMesh with
 FSDP over the data axis (params/fsdp.py) and tensor parallelism over the
 model axis, the per-chip batch and sequence as published, each block
-recomputed in the backward pass from its stored input
-(remat_blocks with 'save_checkpoints', what `full` stores: a step runs
-the forward twice and the backward once, as MaxText's does), Adam, the
-embedding tied (large_lm.LargeLMTask, the reverse schedule: its loss one
-sequence a chip at a time). Not backward_schedule='1f1b': with one stage
-its gradient loop would run each block's forward a third time. What
-differs, none of it in the matrix work: Lingvo's blocks are sequential
-(attention, then the feed-forward) where MaxText's are parallel,
-normalize with LayerNorm where MaxText uses RMSNorm (and normalizes queries, keys and values), add
+recomputed in the backward pass from its stored input (remat_blocks with
+'save_checkpoints', what `full` stores: a step runs the forward twice and
+the backward once, as MaxText's does), Adam, the embedding tied
+(large_lm.LargeLMTask, the reverse schedule: its loss one sequence a chip
+at a time). Not backward_schedule='1f1b': with one stage its gradient loop
+would run each block's forward a third time. What differs, none of it in
+the matrix work: Lingvo's blocks are sequential (attention, then the
+feed-forward) where MaxText's are parallel, normalize with LayerNorm where
+MaxText uses RMSNorm (and normalizes queries, keys and values), add
 biases, a learned position table beside the rotary embedding, and a
 softmax bias (`ParameterCount` says by how much); the attention is a dense
 einsum, which computes all of the 2048 x 2048 scores as the run's flash

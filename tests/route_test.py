@@ -5,12 +5,12 @@ A small pipelined FProp and its gradient are built under a profiler
 entered, and every call from a gpipe function into one the package maps
 (tests/house_test.py reads them) place above it: a call back up. Then:
 
-  * each route list's steps are entered in the list's order: each step
+  * each route list's stops are entered in the list's order: each stop
     after the one before it (the forward list while FProp builds, the
     backward list while tf.gradients builds, with stream_io, the 1f1b list
     through both);
-  * every call back up comes from a step that says it calls back up, and
-    every step that says so does.
+  * every call back up comes from a stop that says it calls back up, and
+    every stop that says so does.
 
 Three kinds of call are not gpipe calling back up, and are left out: a
 function gpipe.nest maps over a structure (its caller's), an op's gradient
@@ -181,21 +181,21 @@ def _FirstEntry(name, entered, start=0):
   return None
 
 
-def _Owns(step_name, function):
-  return function == step_name or function.startswith(step_name + '.')
+def _Owns(stop_name, function):
+  return function == stop_name or function.startswith(stop_name + '.')
 
 
 def test_the_route_has_its_three_lists():
   lists = _Lists()
   assert list(lists) == list(_LISTS)
-  for steps in lists.values():
-    assert len(steps) >= 5
-    assert [s.number for s in steps] == list(range(1, len(steps) + 1))
+  for stops in lists.values():
+    assert len(stops) >= 5
+    assert [s.number for s in stops] == list(range(1, len(stops) + 1))
 
 
-@pytest.mark.parametrize('name', [s.name for steps in _Lists().values()
-                                  for s in steps])
-def test_every_step_names_a_definition(name):
+@pytest.mark.parametrize('name', [s.name for stops in _Lists().values()
+                                  for s in stops])
+def test_every_stop_names_a_definition(name):
   parts = name.split('.')
   for i in range(len(parts), 0, -1):
     try:
@@ -214,17 +214,17 @@ def test_each_list_is_the_order_the_calls_run_in(heading):
   case_name, phase = _LISTS[heading]
   entered = _Entered(case_name, phase)
   at = 0
-  for step in _Lists()[heading]:
-    i = _FirstEntry(step.name, entered, at)
+  for stop in _Lists()[heading]:
+    i = _FirstEntry(stop.name, entered, at)
     assert i is not None, (
-        f'{heading}: step {step.number}, {step.name}, is not entered after '
-        f'step {step.number - 1}' if _FirstEntry(step.name, entered) is not None
-        else f'{heading}: step {step.number}, {step.name}, is never entered')
+        f'{heading}: stop {stop.number}, {stop.name}, is not entered after '
+        f'stop {stop.number - 1}' if _FirstEntry(stop.name, entered) is not None
+        else f'{heading}: stop {stop.number}, {stop.name}, is never entered')
     at = i
 
 
-def test_every_call_back_up_is_a_step_that_says_so():
-  flagged = {s.name for steps in _Lists().values() for s in steps
+def test_every_call_back_up_is_a_stop_that_says_so():
+  flagged = {s.name for stops in _Lists().values() for s in stops
              if s.calls_back_up}
   found = set()
   for case_name in _CASES:
@@ -235,12 +235,12 @@ def test_every_call_back_up_is_a_step_that_says_so():
   assert found == flagged, f'said to call back up, never do: {flagged - found}'
 
 
-def test_the_order_check_sees_a_step_back():
+def test_the_order_check_sees_a_stop_back():
   entered = _Entered('reverse', 'forward')
-  step = _FirstEntry('gpipe.pipeline.iteration.Iterate', entered)
-  assert step is not None
+  stop = _FirstEntry('gpipe.pipeline.iteration.Iterate', entered)
+  assert stop is not None
   assert _FirstEntry('gpipe.pipeline.pipeline_loop.RunReverse', entered,
-                     step) is None
+                     stop) is None
 
 
 def test_the_recorder_sees_a_call_back_up():

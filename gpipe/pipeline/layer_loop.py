@@ -3,9 +3,10 @@
 `unrolled.RunUnrolled` builds every one of the S * R logical layers into
 the graph, so the forward pass XLA compiles grows with the layers: for
 the largest pod LM on one device (gpipe.plan.model_flops) that compile
-outlived the planner (docs/flagships.md has the times). Run here, the same layers are one loop of S * R
-iterations over the layer index, each iteration taking its layer's
-weights by that index out of the stage-stacked [S, (R,) ...] weights:
+outlived the planner (docs/flagships.md has the times). Here the same
+layers are one loop of S * R iterations over the layer index, each
+iteration taking its layer's weights by that index out of the
+stage-stacked [S, (R,) ...] weights:
 
     x -> [ layer l:  theta[l % S][l // S](x) ]  l = 0 .. S*R-1  -> y
 

@@ -103,7 +103,7 @@ class StackedLayout:
     """The stage-stacked weights the loop carries, placed."""
     return self.Place(theta, placement).body
 
-  # -- Non-trainable variables (see gpipe.pipeline.non_trainable_vars). -------------
+  # -- Non-trainable variables (see gpipe.pipeline.non_trainable_vars). --
 
   def NonTrainableNames(self, layer):
     """Names (as in the body's theta) of its non-trainable variables."""
@@ -125,7 +125,8 @@ class StackedLayout:
 
   def AfterAssigning(self, layer, names, values, outputs):
     """Writes the final non-trainable values back (see
-    gpipe.pipeline.non_trainable_vars); returns outputs that run after the writes."""
+    gpipe.pipeline.non_trainable_vars); returns outputs that run after the
+    writes."""
     if not names:
       return outputs
     with tf.control_dependencies(self.AssignOps(layer, names, values)):
@@ -134,7 +135,8 @@ class StackedLayout:
   def RunLayerOnBatch(self, body, fn_name, theta, repeat, stage, inputs,
                       kwargs, kwargs_no_batch, var_names, carried):
     """One logical layer on the whole batch; returns (outputs, carried)."""
-    take = lambda v: non_trainable_vars.TakeStageSlice(v, stage, repeat, self.repeats)
+    take = lambda v: non_trainable_vars.TakeStageSlice(v, stage, repeat,
+                                                       self.repeats)
     res = stage_call.CallStage(
         body, fn_name, self.LayerTheta(theta, repeat, stage), inputs,
         dict(kwargs, **kwargs_no_batch),

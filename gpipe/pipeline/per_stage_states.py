@@ -6,8 +6,8 @@ batch, `MicrobatchStates` and `PadMicrobatches` lay them out for the
 pipeline's loop ([T, S, ...] per-call states, passed to FPropFn call
 after call), `UnpadStates` gives each layer's back. `BodyFProp` runs one
 iteration's stage calls for a caller that drives its own loop, as
-Lingvo's layer offers it. A mixin of gpipe.layers.PipelinedLayer: it reads the layer's
-layout, placement and loop spec.
+Lingvo's layer offers it. A mixin of gpipe.layers.PipelinedLayer: it
+reads the layer's layout, placement and loop spec.
 """
 
 import tensorflow as tf
@@ -106,9 +106,10 @@ class PerStageStates:
     states.
 
     Entry [i, s] is the state of call (i, s), which stage s reads and
-    writes at iteration i: that of the microbatch it works on then (diagrams: microbatch.PadStates).
-    The padded states are opaque to the caller: pass them to FPropFn call
-    after call; UnpadStates gives each layer's state back.
+    writes at iteration i: that of the microbatch it works on then
+    (diagrams: microbatch.PadStates). The padded states are opaque to the
+    caller: pass them to FPropFn call after call; UnpadStates gives each
+    layer's state back.
     """
     def Pad(t):
       sched = self.Schedule(t.shape.as_list()[0])

@@ -156,7 +156,7 @@ def RunMicrobatchByMicrobatch(num_microbatches, layout, body, fn_name, theta,
   The body sees one microbatch at a time, exactly as in the pipeline (a
   per-microbatch scalar stays a scalar); non-trainable variables are
   carried from one microbatch to the next. Outputs and states are stacked
-  back to [M, ...]. Args as for Run.
+  back to [M, ...]. num_microbatches is M; the other args as RunUnrolled's.
   """
   outputs, states = [], []
   summaries = StageSummaries(layout.num_stages)
@@ -180,7 +180,7 @@ def RunPremadeMicrobatches(aux_loss_accumulation, *run_args):
 
   Args:
     aux_loss_accumulation: the aux_loss_microbatch_accumulation param.
-    *run_args: as for Run.
+    *run_args: as for RunMicrobatchByMicrobatch.
   """
   _, _, _, _, args, kwargs, _, per_layer_states, _, _ = run_args
   num_mb = microbatch.NumPremadeMicrobatches((args, kwargs, per_layer_states))

@@ -5,16 +5,16 @@ The roofline charges a chip's matrix work at its peak; no chip sustains
 that. One number, the matrix units' efficiency (the share of peak its dots
 run at), is fitted so that the planned step of a published measured run
 takes as long as the run did: MaxText's 16B on one TPU v5e-256 at its
-published MFU (params/published_runs.py), planned as `lm.MaxText16BOnV5e256` or, on
-fewer chips with its per-chip batch and layout, `lm.MaxText16BOnV5e16`.
-Everything else stays as the roofline has it: the elementwise work at
-peak, HBM traffic at its bandwidth, the collectives by their bytes, hop
-latency and HBM traffic, hidden as far as a schedule of the step at the
-fitted speed hides them (gpipe.plan.overlap). The fit is a prediction
-only where it has been held against other measurements: the three other
-published runs (32B, 64B, 128B), which `python -m benchmarks.calibration`
-plans with it, prints beside their published MFU, and writes to
-docs/calibration.md.
+published MFU (params/published_runs.py), planned as
+`lm.MaxText16BOnV5e256` or, on fewer chips with its per-chip batch and
+layout, `lm.MaxText16BOnV5e16`. Everything else stays as the roofline has
+it: the elementwise work at peak, HBM traffic at its bandwidth, the
+collectives by their bytes, hop latency and HBM traffic, hidden as far as
+a schedule of the step at the fitted speed hides them
+(gpipe.plan.overlap). The fit is a prediction only where it has been held
+against other measurements: the three other published runs (32B, 64B,
+128B), which `python -m benchmarks.calibration` plans with it, prints
+beside their published MFU, and writes to docs/calibration.md.
 
     MATMUL_EFFICIENCY   the fitted figure every plan's calibrated step uses
     Fit(mfu_at, mfu)    the efficiency at which mfu_at(efficiency) = mfu

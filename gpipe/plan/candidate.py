@@ -375,7 +375,7 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
   `compile_timeout`: seconds each of its compiles may take.
   """
   start = time.time()
-  with tpu_build.AsOnTpu():  # Lingvo's layers annotate their weights when built for one
+  with tpu_build.AsOnTpu():  # Lingvo's layers then annotate their weights
     step = target.Build(candidate, depth_param)
   if log:
     log(f'Compiling {candidate.Describe()} for {num_devices} devices...')

@@ -119,10 +119,10 @@ def Rings(hlo_text, gradient_bodies, ring_size):
 
   Each stage keeps its stage inputs (and what the remat policy stores) in
   rings of ring_size entries, per device [stages of the device, ring_size,
-  ...] (gpipe.pipeline.one_f_one_b.rings.Ring): a loop's carried arrays of rank 3 or
-  more whose second dim is ring_size. The gradient loops carry the same rings (a
-  phase that only reads them may take them in otherwise): the largest set
-  of one loop counts.
+  ...] (gpipe.pipeline.one_f_one_b.rings.Ring): a loop's carried arrays of
+  rank 3 or more whose second dim is ring_size. The gradient loops carry
+  the same rings (a phase that only reads them may take them in
+  otherwise): the largest set of one loop counts.
   """
   found = []
   for line in hlo_text.splitlines():

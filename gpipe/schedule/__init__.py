@@ -72,6 +72,7 @@ import numbers
 from typing import List, Sequence, Set, Tuple
 
 from .one_f_one_b import BackwardWork
+from .one_f_one_b import ForwardWaveWork
 from .one_f_one_b import GradientPhase
 from .one_f_one_b import GradientWork
 from .one_f_one_b import OneFOneB
@@ -84,6 +85,7 @@ __all__ = [
     'Phase',
     'StageWork',
     'OneFOneB',
+    'ForwardWaveWork',
     'BackwardWork',
     'GradientWork',
     'GradientPhase',

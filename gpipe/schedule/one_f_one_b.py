@@ -13,6 +13,7 @@ from .work import StageWork
 
 __all__ = [
     'OneFOneB',
+    'ForwardWaveWork',
     'BackwardWork',
     'GradientWork',
     'GradientPhase',
@@ -20,6 +21,14 @@ __all__ = [
 
 
 WAVES = ('forward', 'backward')
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardWaveWork(StageWork):
+  """What one stage's forward wave does in iteration j of the 1f1b
+  gradient loop (OneFOneB.ForwardWaveRows): the forward loop's StageWork of
+  iteration j, and the ring entry its input goes to."""
+  ring_index: int = Field('int32')  # the same for every stage of a row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +115,12 @@ class OneFOneB:
     """Iterations of the gradient loop: T + delay."""
     return self.schedule.num_iterations + self.delay
 
+  def RingIndex(self, iteration):
+    """The ring entry of a stage input of forward iteration `iteration`:
+    the forward wave writes it there, the backward wave reads it back; no
+    entry is written again before its backward (ring_size)."""
+    return iteration % self.ring_size
+
   def WorkAt(self, j, stage):
     """What `stage` does in iteration j, a GradientWork: the forward wave
     runs iteration j of the forward loop (j < T), the backward wave
@@ -161,11 +176,18 @@ class OneFOneB:
         **dict(vars(work), valid=valid and work.valid,
                last_layer=valid and layer == sched.num_layers - 1,
                first_layer=valid and layer == 0),
-        iteration=iteration, ring_index=iteration % self.ring_size)
+        iteration=iteration, ring_index=self.RingIndex(iteration))
+
+  def ForwardWaveRows(self) -> List[Tuple[ForwardWaveWork, ...]]:
+    """The forward wave's table: the forward loop's rows (j < T), each
+    work with its ring entry."""
+    return [tuple(ForwardWaveWork(**vars(work), ring_index=self.RingIndex(j))
+                  for work in row)
+            for j, row in enumerate(self.schedule.Rows())]
 
   def BackwardRows(self) -> List[Tuple[BackwardWork, ...]]:
     """The backward wave's table: a row of S BackwardWork per backward
-    step k, 0 <= k < T."""
+    iteration k, 0 <= k < T."""
     return [tuple(self.BackwardWorkAt(k, s)
                   for s in range(self.schedule.num_stages))
             for k in range(self.schedule.num_iterations)]

@@ -12,7 +12,8 @@ __all__ = [
 
 
 class Streams:
-  """Where stream_io keeps each microbatch (gpipe.pipeline.streamed_io.StreamedIo).
+  """Where stream_io keeps each microbatch
+  (gpipe.pipeline.streamed_io.StreamedIo).
 
   A stream holds the [M, ...] inputs (outputs, their gradients) split over
   the stages as [K, S, ...], K = ceil(M / S): stage s keeps microbatches

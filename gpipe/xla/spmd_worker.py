@@ -1,4 +1,4 @@
-"""Partitions one HLO module for N virtual CPU devices with jaxlib; runs it or not.
+"""Partitions an HLO module for N virtual CPU devices with jaxlib; may run it.
 
 Runs in its own process (started by `gpipe.xla.worker_pool`), because the
 number of virtual devices is fixed when XLA's CPU client starts and because this

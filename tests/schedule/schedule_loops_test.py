@@ -96,7 +96,11 @@ def _BackwardWaveRunsEveryCallOnceByTheRule(s, m, r, d=False):
   done = _Simulate(s, m, r, d).calls
   expected = _ExpectedBackward(s, m, r, d)
   rows = waves.BackwardRows()
-  assert len(rows) == sched.num_iterations
+  forward_rows = waves.ForwardWaveRows()
+  assert len(rows) == len(forward_rows) == sched.num_iterations
+  for plain, wave in zip(sched.Rows(), forward_rows):  # the forward's own
+    assert [vars(w) for w in plain] == [
+        {k: v for k, v in vars(w).items() if k != 'ring_index'} for w in wave]
   seen = {}
   for k in range(sched.num_iterations):
     for stage in range(s):
@@ -113,6 +117,9 @@ def _BackwardWaveRunsEveryCallOnceByTheRule(s, m, r, d=False):
       assert work.iteration == forward_iteration
       assert 0 <= j - forward_iteration < waves.ring_size
       assert work.ring_index == forward_iteration % waves.ring_size
+      # ... the entry the forward wave wrote it to.
+      assert forward_rows[forward_iteration][stage].ring_index == (
+          work.ring_index)
       assert work.last_layer == (layer == s * r - 1)
       assert work.first_layer == (layer == 0)
       assert work.seed_offset == sched.StepSeedOffset(layer, mb)

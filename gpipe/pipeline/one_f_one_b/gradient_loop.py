@@ -7,7 +7,7 @@ differentiates, and where its input waits in the ring). Per iteration j:
     forward wave    iteration.Iterate on the cell's forward (cell.BoundCell):
                     the forward loop's iteration j again; each stage's
                     input (and what the remat policy keeps) pushed into its
-                    ring at j mod ring_size
+                    ring at the row's ring_index (OneFOneB.ForwardWaveRows)
     backward wave   each stage's output gradient: the layer's (the io
                     reads it) where its call is the last layer's, else the
                     one the next stage handed back (rotation.RotateStages
@@ -64,6 +64,7 @@ class GradientLoop:
     self._handoff = rotation.HandoffFor(cell.spec.schedule, self._place)
     self._handoff_back = rotation.HandoffFor(cell.spec.schedule, self._place,
                                              shift=-1)
+    self._forward_tables = iteration.Tables(self._waves.ForwardWaveRows())
     self._backward_tables = iteration.Tables(self._waves.BackwardRows())
     self._theta = theta
     self._held = held
@@ -183,16 +184,16 @@ class GradientLoop:
 
   def _ForwardWave(self, j, carry):
     """Iteration j of the forward loop again, its stage inputs (and what
-    the policy keeps) pushed into the rings at entry j mod ring_size."""
+    the policy keeps) pushed into the rings at the row's ring_index."""
+    row = iteration.RowAt(self._forward_tables, j, self._place)  # [S] a field
     iterated = iteration.Iterate(
         self._cell.Bind(self._theta, self._captures,
                         with_extras=self._loss is not None, with_stored=True),
-        self._io, self._handoff,
-        iteration.RowAt(self._cell.tables, j, self._place), self._held,
+        self._io, self._handoff, row, self._held,
         carry.buffer, carry.vars, carry.reading,
         stage_states=[x[j] for x in self._states])
     done = iterated.done
-    index = j % self._waves.ring_size
+    index = row.ring_index[0]  # the same entry for every stage
     # Each ring entry [S, ...]: stage s's input (and what the policy keeps).
     entries = NestedMap(buffer=iterated.stage_in, vars=carry.vars,
                         stored=done.stored)

@@ -1,5 +1,5 @@
-"""The 1f1b pipeline's entry, RunOneFOneB: the forward loop (forward_loop, keeping
-nothing per iteration) as one tf.custom_gradient whose gradient is the
+"""The 1f1b pipeline's entry, RunOneFOneB: the forward loop (forward_loop,
+keeping nothing per iteration) as one tf.custom_gradient whose gradient is the
 gradient loop (gradient_loop); with a LastStageLoss, the gradient loop
 alone. The two loops share the cell (cell.StageCell) and nothing else.
 """

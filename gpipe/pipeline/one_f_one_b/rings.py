@@ -36,8 +36,9 @@ class Ring:
   select into the reduction does not; a batched matmul with a one-hot
   mask made XLA:CPU copy the ring into the dot's layout, a larger
   temporary; a gather at per-stage indices is kept local by XLA's
-  partitioner only where it sees through the indices.) Otherwise a TensorList of `size` [S, ...] entries
-  (a write stores a reference, a read copies S entries).
+  partitioner only where it sees through the indices.) Otherwise a
+  TensorList of `size` [S, ...] entries (a write stores a reference, a
+  read copies S entries).
 
   Under XLA, 16-bit float entries are kept as their 16-bit patterns
   (uint16; the masked sum picks one entry exactly): XLA:CPU computes no
