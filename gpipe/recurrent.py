@@ -129,7 +129,7 @@ def Recurrent(theta: Any,
     loops = _Loops(cell, (theta, state0, inputs), num_iterations,
                    kept_extras_lib.FlatKept(cell.extras_spec, kept_extras),
                    watcher.watched_variables(), undo)
-    return loops.Run(return_states)
+    return loops.Forward(return_states)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +181,7 @@ class _Loops:
       caps[i] = c
     return parts + [caps]
 
-  def Run(self, return_states):
+  def Forward(self, return_states):
     """(states or None, final, extras) of the forward loop."""
     cell = self._cell
     diff_caps = cell.differentiable['captures']

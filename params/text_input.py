@@ -43,6 +43,7 @@ batches are.
 
 import bisect
 import fnmatch
+import functools
 import glob
 import os
 import re
@@ -290,13 +291,24 @@ def PatternRoot(pattern):
                                         else os.curdir)
 
 
+@functools.lru_cache(maxsize=16)
+def _MatchedFiles(pattern):
+  """(root, sorted relative paths) of the files a glob pattern matches.
+
+  Globbed once a process per pattern (the default, the standard library's
+  tree, takes about a second, and a run builds an input generator for each
+  of its jobs and checks): files added under the pattern later are seen by
+  the next process.
+  """
+  root = PatternRoot(pattern)
+  return root, tuple(sorted(os.path.relpath(f, root)
+                            for f in glob.glob(pattern, recursive=True)
+                            if os.path.isfile(f)))
+
+
 def ListFiles(p):
   """(root, sorted relative paths) of the files p.file_pattern matches."""
-  pattern = os.path.expanduser(p.file_pattern)
-  root = PatternRoot(pattern)
-  paths = sorted(os.path.relpath(f, root)
-                 for f in glob.glob(pattern, recursive=True)
-                 if os.path.isfile(f))
+  root, paths = _MatchedFiles(os.path.expanduser(p.file_pattern))
   kept = [f for f in paths
           if not any(fnmatch.fnmatch(f, x) for x in p.exclude_patterns)]
   if not kept:

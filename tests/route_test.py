@@ -245,7 +245,7 @@ def test_the_order_check_sees_a_stop_back():
 
 def test_the_recorder_sees_a_call_back_up():
   """The 1f1b loops hand Iterate a cell from above it (one_f_one_b.cell):
-  Iterate's call of its Run is a call back up."""
+  Iterate's call of its Apply is a call back up."""
   assert any(caller == 'gpipe.pipeline.iteration.Iterate' and
              callee.startswith('gpipe.pipeline.one_f_one_b.cell.')
              for caller, callee in _Traced('1f1b').up)

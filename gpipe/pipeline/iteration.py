@@ -13,7 +13,7 @@ microbatch's next repeat)::
     buffer        [ y2 | y0 | y1 ]   carried in, [S, mb, ...] per leaf
     1 read        io.Read: stage 0's fresh input (row i says which)
     2 stage in    io.StageInputs: [ x  | y0 | y1 ], x where row.reads
-    3 run         calls.Run -> RunStages: every stage's call, a bubble's
+    3 run         calls.Apply -> RunStages: every stage's call, a bubble's
                   output its input (MaskBubbles)
     outputs       [ y0'| y1'| y2']
     4 hand on     handoff.Next (rotation): slot s <- stage s - 1
@@ -56,7 +56,7 @@ def Iterate(calls, io, handoff, row, held, buffer, var_values, reading,
 
   Args:
     calls: runs the stages' calls: DirectStages, or the 1f1b loops' cell
-      (gpipe.pipeline.one_f_one_b.cell.BoundCell); its Run gives
+      (gpipe.pipeline.one_f_one_b.cell.BoundCell); its Apply gives
       MaskedStages.
     io: how stage 0 reads (gpipe.pipeline.loop_io: a LoopInputs).
     handoff: how the outputs reach the next stages (rotation.HandoffFor
@@ -75,7 +75,7 @@ def Iterate(calls, io, handoff, row, held, buffer, var_values, reading,
   stage_in = [place.SplitStages(io.StageInputs(row.reads,
                                                place.SplitStages(b), f))
               for b, f in zip(handoff.Ready(buffer), fresh)]  # [S, mb, ...]
-  done = calls.Run(stage_in, var_values, row, stage_states)
+  done = calls.Apply(stage_in, var_values, row, stage_states)
   buffer = handoff.Next(buffer, done.outputs)  # [S, mb, ...] per leaf
   return IterationResult(stage_in=stage_in, done=done, buffer=buffer,
                          reading=reading)
@@ -113,7 +113,8 @@ class DirectStages:
   stages: 'StageRange'
   theta: object
 
-  def Run(self, stage_in, var_values, row, stage_states) -> 'MaskedStages':
+  def Apply(self, stage_in, var_values, row,
+            stage_states) -> 'MaskedStages':
     return RunStages(self.spec, self.stages, self.theta, row, stage_in,
                      stage_states, var_values)
 
@@ -196,7 +197,7 @@ def _RunRange(spec, stages, theta, row, args, var_values):
   widened back to all S: the others are all bubbles, which the caller
   masks (their outputs are their inputs, their aux losses and summaries
   zero, their variables kept)."""
-  res = spec.runner.Run(
+  res = spec.runner.CallStages(
       spec, theta,
       StagesAt(spec, stages.Narrow(row), stages.Narrow(args),
                stages.Narrow(var_values), stages.first))

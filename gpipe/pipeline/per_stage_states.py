@@ -81,7 +81,7 @@ class PerStageStates:
     with tf.name_scope(self.params.name):
       iteration = self._placement.ReplicateBookkeeping(
           tf.convert_to_tensor(iteration, tf.int32))
-      res = spec.runner.Run(
+      res = spec.runner.CallStages(
           spec, self._LoopTheta(theta),
           iteration_lib.StagesAt(
               spec, iteration_lib.RowAt(iteration_lib.Tables(sched.Rows()),

@@ -5,7 +5,7 @@ In each iteration all S stages compute, each on its own slot of the
 layer picks its runner on every call (`RunnerFor`, from its layout and
 placement: whether graphs are being built for the SPMD partitioner is
 known only then); the runner says what the loop may ask of it
-(`StageRunner`'s attributes) and runs the stages (`Run`):
+(`StageRunner`'s attributes) and runs the stages (`CallStages`):
 
   * `OneByOne` (one device, no partitioner): the stages one after
     another on their slices, results stacked back to [S, ...]. The manual-
@@ -101,7 +101,8 @@ class StageRunner(abc.ABC):
   stage_dim_inside = False
 
   @abc.abstractmethod
-  def Run(self, spec, theta, it: 'IterationStages') -> 'RunnerResult':
+  def CallStages(self, spec, theta,
+                 it: 'IterationStages') -> 'RunnerResult':
     """Every stage's body call on `it` (each tensor [S, ...])."""
 
 
@@ -109,7 +110,7 @@ class OneByOne(StageRunner):
   """One device: the stages one after another (RunOneByOne)."""
   any_stage_range = True
 
-  def Run(self, spec, theta, it):
+  def CallStages(self, spec, theta, it):
     return RunOneByOne(spec, theta, it)
 
 
@@ -120,7 +121,7 @@ class InManualRegion(StageRunner):
   def __init__(self, manual_mesh):
     self.manual_mesh = manual_mesh
 
-  def Run(self, spec, theta, it):
+  def CallStages(self, spec, theta, it):
     return RunInManualRegion(spec, theta, it, self.manual_mesh)
 
 
@@ -128,7 +129,7 @@ class Together(StageRunner):
   """A stage_parallel_body: one call computes all stages (RunTogether)."""
   stage_parallel = True
 
-  def Run(self, spec, theta, it):
+  def CallStages(self, spec, theta, it):
     return RunTogether(spec, theta, it)
 
 

@@ -73,7 +73,7 @@ class Vectorizing(stage_runners.StageRunner):
     """Once a call has run vectorized (and none fell back)."""
     return self.vectorized and self.reason is None
 
-  def Run(self, spec, theta, it):
+  def CallStages(self, spec, theta, it):
     if (self.mode == 'never' or self.reason is not None or
         it.num_stages == 1 or tf.executing_eagerly()):
       return stage_runners.RunOneByOne(spec, theta, it)

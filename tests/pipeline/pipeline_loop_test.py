@@ -30,7 +30,7 @@ ROWS, DIM = 2, 3
 class _FakeRunner(stage_runners.StageRunner):
   """Every stage at once, in NumPy-checkable arithmetic."""
 
-  def Run(self, spec, theta, it):
+  def CallStages(self, spec, theta, it):
     return _FakeRun(spec, theta, it)
 
 

@@ -161,8 +161,8 @@ class BoundCell:
   with_extras: bool
   with_stored: bool
 
-  def Run(self, stage_in, var_values, row,
-          stage_states) -> iteration.MaskedStages:
+  def Apply(self, stage_in, var_values, row,
+            stage_states) -> iteration.MaskedStages:
     new, extras, stored = self.cell.graph.Forward(
         self.theta, NestedMap(buffer=stage_in, vars=var_values),
         NestedMap(row=CellFields(row), states=stage_states), self.captures,

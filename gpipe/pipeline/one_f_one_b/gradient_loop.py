@@ -84,7 +84,7 @@ class GradientLoop:
         vars=[ring(entry(x)) for x in self._var_values],
         stored=[ring(s) for s in self._graph.StoredSpecs()])
 
-  def Run(self, d):
+  def Gradients(self, d):
     """Gradients of the forward loop's arguments, flat: theta, held
     inputs, state leaves, non-trainable values (None), captures."""
     carry = self._Start(d)
@@ -102,7 +102,7 @@ class GradientLoop:
     """The whole pass with a LastStageLoss: (NestedMap(loss: its sums,
     summaries: {name: (value x weight [S], weight [S])} summed over the
     iterations, vars), the gradients of its differentiated sum, flat as
-    Run's)."""
+    Gradients'."""
     extras = self._graph.extras_spec
     zeros = lambda spec: tf.zeros(spec.shape, spec.dtype)
     carry = self._Start(NestedMap(outputs=None, aux=None)).With(

@@ -84,7 +84,7 @@ def _Pipelined(cell, io, theta, held, state_leaves, var_values):
           for g, x in zip(dys, tf.nest.flatten(result))])
       with compiled_loops.Allowed(compiles):
         grads = gradient_loop.GradientLoop(
-            cell, io, th, nat, states, var_vals, caps).Run(d)
+            cell, io, th, nat, states, var_vals, caps).Gradients(d)
       return _NoVariableGradients(grads, variables)
 
     return tf.nest.flatten(result), Grad
