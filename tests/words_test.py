@@ -33,6 +33,8 @@ BANNED = {
     'InputIndexPerIteration': ('row', "the rows' first_layer and microbatch"),
     'OutputIndexPerIteration': ('row', "the rows' last_layer and microbatch"),
     'DirectCell': ('cell', 'it is never traced on its own: DirectStages'),
+    'Run': ('(none)', 'say what it runs: a stage runner\'s CallStages, the '
+            'stage calls\' Apply, GradientLoop.Gradients, _Loops.Forward'),
 }
 
 

@@ -422,7 +422,7 @@ def PlanCandidate(target, candidate, num_devices, chip, hbm_bytes,
 def _Guarded(compile_fn, candidate, target):
   """compile_fn (a one-device compile for FLOPs, run when a report is
   printed), failing with a CandidateError as the candidate's compile does."""
-  def Run():
+  def Guarded():
     try:
       return compile_fn()
     except CandidateError:
@@ -430,7 +430,7 @@ def _Guarded(compile_fn, candidate, target):
     except Exception as e:  # pylint: disable=broad-except
       raise CandidateError(candidate, e, target.DescribeError(e)) from e
 
-  return Run
+  return Guarded
 
 
 class CandidateError(RuntimeError):

@@ -53,7 +53,7 @@ class _Worker:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
         env=env, text=True)
 
-  def Run(self, workdir, timeout):
+  def DoJob(self, workdir, timeout):
     """Does one job. Raises subprocess.TimeoutExpired if it takes longer
     than `timeout` seconds, RuntimeError (the exit code and stderr) if the
     worker fails; either way the worker is done for (Close it)."""
@@ -105,7 +105,7 @@ def RunJob(workdir, num_devices, timeout):
     if worker is None:
       worker = _WORKERS[num_devices] = _Worker(num_devices, env)
     try:
-      worker.Run(workdir, timeout)
+      worker.DoJob(workdir, timeout)
     except BaseException:
       del _WORKERS[num_devices]
       worker.Close()

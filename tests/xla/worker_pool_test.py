@@ -78,7 +78,7 @@ def test_a_worker_asked_for_another_device_count_fails_saying_so(tmp_path):
   worker = worker_pool._WORKERS[2]  # pylint: disable=protected-access
   with pytest.raises(RuntimeError, match='asks for 4 devices; this worker '
                      'has 2'):
-    worker.Run(str(tmp_path), timeout=300)
+    worker.DoJob(str(tmp_path), timeout=300)
   worker_pool.CloseAll()
   assert not worker_pool._WORKERS  # pylint: disable=protected-access
 
