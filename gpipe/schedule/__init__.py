@@ -58,6 +58,8 @@ Besides this module, the package holds
                  command
     plot         the schedule drawn (the command's --out)
     streams      where stream_io keeps each microbatch (Streams)
+    zero_bubble  1f1b with each backward split into B and a deferred W
+                 (ZeroBubble), and the bubbles both leave
     one_f_one_b  the 1f1b gradient loop's arithmetic (OneFOneB)
     work         what a stage does in an iteration (StageWork), as tables
 
@@ -78,6 +80,9 @@ from .one_f_one_b import GradientWork
 from .one_f_one_b import OneFOneB
 from .one_f_one_b import WAVES
 from .work import FieldTables
+from .zero_bubble import TaskCosts
+from .zero_bubble import WeightGradientWork
+from .zero_bubble import ZeroBubble
 from .work import StageWork
 
 __all__ = [
@@ -91,6 +96,9 @@ __all__ = [
     'GradientPhase',
     'ComputedCalls',
     'FieldTables',
+    'ZeroBubble',
+    'TaskCosts',
+    'WeightGradientWork',
 ]
 
 # Step seeds one body call may draw (each py_utils.GenerateStepSeedPair takes

@@ -2,7 +2,7 @@
 
     python -m gpipe.schedule --num_stages 4 --num_microbatches 8 \\
         --circular_repeat 2 [--delayed_sends] [--skip_bubbles] \\
-        [--backward_schedule 1f1b] [--out schedule.png]
+        [--backward_schedule 1f1b|zero_bubble] [--out schedule.png]
 
 prints the schedule's summary and its table (gpipe.schedule has the
 arithmetic; gpipe.schedule.plot draws it). Loads no TensorFlow.
@@ -107,6 +107,59 @@ def GradientLoopSummary(schedule):
   return '\n'.join(lines)
 
 
+def RenderZeroBubble(schedule):
+  """zero_bubble's backward wave (ZeroBubble.SlotRows) as text, one line
+  per stage: 'b,w' is the microbatch whose input gradient (B) the stage
+  computes and the one whose deferred weight gradient (W) it computes
+  ('microbatch/repeat' when circular), '.' an idle task, '-' no W slot."""
+  zero_bubble = schedule_lib.ZeroBubble(schedule)
+  backward = zero_bubble.one_f_one_b.BackwardRows()
+  slots = zero_bubble.SlotRows()
+
+  def Text(work):
+    if not work.valid:
+      return '.'
+    if schedule.circular:
+      return f'{work.microbatch}/{work.repeat}'
+    return str(work.microbatch)
+
+  def WText(k, s):
+    if slots[k] is None:
+      return '-'
+    w = slots[k][s]
+    return Text(backward[w.made_at][s]) if w.valid else '.'
+
+  texts = [[f'{Text(row[s])},{WText(k, s)}' for k, row in enumerate(backward)]
+           for s in range(schedule.num_stages)]
+  width = 1 + max(len(text) for line in texts for text in line)
+  lines = ['k         ' + ''.join(
+      f'{k:>{width}}' for k in range(len(backward)))]
+  lines += [f'stage {s:<4}' + ''.join(f'{text:>{width}}' for text in line)
+            for s, line in enumerate(texts)]
+  return '\n'.join(lines)
+
+
+def ZeroBubbleSummary(schedule):
+  """What backward_schedule='zero_bubble' defers and saves, as text: its W
+  slots and ring, and the weighted bubbles at F = B = W (ZeroBubble)."""
+  zero_bubble = schedule_lib.ZeroBubble(schedule)
+  bubbles = zero_bubble.Bubbles(schedule_lib.TaskCosts())
+  slots = len(zero_bubble.SlotIterations())
+  ratio = (bubbles['zero_bubble'] / bubbles['1f1b']
+           if bubbles['1f1b'] else 1.0)
+  return '\n'.join([
+      "backward_schedule='zero_bubble': each backward split into B and a "
+      'deferred W',
+      f'  W slots in {slots} of {schedule.num_iterations} backward '
+      f"iterations; a ring of {zero_bubble.ring_size} W's operands a stage "
+      f'(at most {zero_bubble.WaitingAtMost()} waiting)',
+      '  weighted bubble of the gradient loop (F = B = W): 1f1b '
+      f"{bubbles['1f1b']:g}, zero_bubble {bubbles['zero_bubble']:g} "
+      f"({ratio:.2f} of 1f1b's), per-stage branches "
+      f"{bubbles['per-stage branches']:g}, fill bound "
+      f"{bubbles['fill bound']:g}"])
+
+
 # Spellings from before the commands spoke one dialect (Lingvo's).
 _OLD_SPELLINGS = {'--stages': '--num_stages',
                   '--microbatches': '--num_microbatches',
@@ -135,10 +188,13 @@ def _Parser():
                       help='show what a layer with skip_bubbles=True runs '
                       'on one device: the bubbles it does not compute '
                       "('-') and its loops")
-  parser.add_argument('--backward_schedule', choices=('reverse', '1f1b'),
+  parser.add_argument('--backward_schedule', choices=('reverse', '1f1b', 'zero_bubble'),
                       default='reverse',
                       help="with 1f1b, also show the gradient loop: each "
-                      "stage's forward and backward wave per iteration")
+                      "stage's forward and backward wave per iteration; "
+                      "with zero_bubble, also each backward iteration's "
+                      "input gradient (B) and deferred weight gradient (W), "
+                      "and the bubbles both schedules leave")
   parser.add_argument('--out', default=None,
                       help='write the diagram to this .png path (default: '
                       'text only)')
@@ -176,9 +232,12 @@ def main(argv=None):
   if args.skip_bubbles:
     print(PhasesSummary(schedule))
   print(Render(schedule, schedule.Phases() if args.skip_bubbles else None))
-  if args.backward_schedule == '1f1b':
+  if args.backward_schedule in ('1f1b', 'zero_bubble'):
     print(GradientLoopSummary(schedule))
     print(RenderGradientLoop(schedule))
+  if args.backward_schedule == 'zero_bubble':
+    print(ZeroBubbleSummary(schedule))
+    print(RenderZeroBubble(schedule))
   if args.out:
     from gpipe.schedule import plot as schedule_plot  # pylint: disable=g-import-not-at-top
     schedule_plot.Draw(schedule, args.out)

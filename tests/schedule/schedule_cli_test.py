@@ -312,3 +312,21 @@ def test_without_skip_bubbles_every_bubble_is_computed(capsys):
                             '4']) == 0
   text = capsys.readouterr().out
   assert 'skip_bubbles' not in text and '-' not in text.split('iteration ')[-1]
+
+
+def test_zero_bubble_shows_each_stages_b_and_deferred_w(capsys):
+  """--backward_schedule zero_bubble: the 1f1b gradient loop, then the W
+  slots and the bubbles (the S=3, M=4 example of gpipe.schedule.zero_bubble's
+  docstring, stage 0 first)."""
+  assert schedule_text.main(['--num_stages', '3', '--num_microbatches', '4',
+                            '--backward_schedule', 'zero_bubble']) == 0
+  text = capsys.readouterr().out
+  assert "backward_schedule='1f1b': 8 gradient-loop iterations" in text
+  assert ('  W slots in 4 of 6 backward iterations; a ring of 3 W\'s '
+          'operands a stage (at most 2 waiting)\n'
+          '  weighted bubble of the gradient loop (F = B = W): 1f1b 6, '
+          "zero_bubble 4 (0.67 of 1f1b's), per-stage branches 4, fill "
+          'bound 2\n') in text
+  assert ('stage 0    .,- .,- 0,0 1,1 2,2 3,3\n'
+          'stage 1    .,- 0,- 1,0 2,1 3,2 .,3\n'
+          'stage 2    0,- 1,- 2,0 3,1 .,2 .,3') in text

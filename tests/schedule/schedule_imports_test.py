@@ -43,9 +43,10 @@ def test_schedule_imports_only_the_standard_library_at_module_level():
   # The arithmetic must be importable (and testable) without TF or NumPy; the
   # only non-standard import is the plotting helper, loaded lazily inside the
   # command when --out is given.
-  # Its own modules (one_f_one_b, work) import each other relative to the
-  # package, never through gpipe, and the standard library only.
-  own = {'one_f_one_b', 'work'}
+  # Its own modules (one_f_one_b, work, zero_bubble) import each other
+  # relative to the package, never through gpipe, and the standard library
+  # only.
+  own = {'one_f_one_b', 'work', 'zero_bubble'}
   for path in [schedule_reference.SCHEDULE_PATH] + [
       schedule_reference.SCHEDULE_PATH.with_name(f'{name}.py')
       for name in own]:
