@@ -1,6 +1,6 @@
-"""The bubble each backward schedule leaves: 1f1b, zero bubble, per-stage branches.
+"""The bubble each backward schedule leaves: 1f1b, zero bubble, branches.
 
-    python -m benchmarks.schedules      # about a minute: three compiles of one block
+    python -m benchmarks.schedules    # about 10 s: one block compiled 3 times
 
 Prints, at S = 4, 8; M = S, 2S, 4S; R = 1, 2, the weighted bubble of the
 gradient loop (gpipe.schedule.ZeroBubble: the loop in lockstep less one
@@ -9,9 +9,9 @@ of zero bubble with per-stage branches, and the fill's bound h (S - 1) F,
 for two weightings of F, B and W:
 
   * equal: F = B = W;
-  * the pod block's FLOPs: one block of lm.LargestOn8x16GiB (width 4096,
-    32 heads, feed-forward 16384, one sequence of 1024), compiled for one
-    CPU device from shapes: F its forward, B its input gradient alone, W
+  * the pod block's FLOPs: params.pod_blocks' block at
+    lm.LargestOn8x16GiB's sizes (width 4096, 32 heads, feed-forward 16384,
+    one sequence of 1024), compiled for one CPU device from shapes: F its forward, B its input gradient alone, W
     the rest of its whole backward. A count of XLA's cost analysis, not a
     time: a TPU's B and W also differ in how well their matmuls run.
 

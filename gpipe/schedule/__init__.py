@@ -80,10 +80,10 @@ from .one_f_one_b import GradientWork
 from .one_f_one_b import OneFOneB
 from .one_f_one_b import WAVES
 from .work import FieldTables
+from .work import StageWork
 from .zero_bubble import TaskCosts
 from .zero_bubble import WeightGradientWork
 from .zero_bubble import ZeroBubble
-from .work import StageWork
 
 __all__ = [
     'Schedule',

@@ -188,7 +188,8 @@ def _Parser():
                       help='show what a layer with skip_bubbles=True runs '
                       'on one device: the bubbles it does not compute '
                       "('-') and its loops")
-  parser.add_argument('--backward_schedule', choices=('reverse', '1f1b', 'zero_bubble'),
+  parser.add_argument('--backward_schedule',
+                      choices=('reverse', '1f1b', 'zero_bubble'),
                       default='reverse',
                       help="with 1f1b, also show the gradient loop: each "
                       "stage's forward and backward wave per iteration; "

@@ -22,7 +22,7 @@ stage runs; '.' idle, '-' no slot)::
     stage 0                .,-  .,-  0,0  1,1  2,2  3,3
 
 The two schedules' gradient loops, counted in lockstep (per stage: F the
-forward wave's recomputation, B and W; CostsOf), for T backward
+forward wave's recomputation, B and W; TaskCosts), for T backward
 iterations and R M calls a stage::
 
     1f1b         T F + T B + T W
@@ -30,10 +30,11 @@ iterations and R M calls a stage::
 
 so zero bubble's weighted bubble (the loop less one stage's R M (F + B +
 W)) is (T - R M)(F + B): with F = B = W two thirds of 1f1b's. The rest, the
-forward and backward waves' fill, no lockstep loop avoids; a partitioned
-step whose devices each compute only their own stage's work
-(PerStageBranchSeconds) gets closer to the fill's bound h (S - 1) F
-(FillBound).
+forward and backward waves' fill, no lockstep loop avoids. A partitioned
+step whose devices each computed only their own stage's calls
+(PerStageBranchSeconds) would get no further in this loop's order, except
+where a circular schedule pads a segment with bubbles; the fill's bound,
+h (S - 1) F (FillBound), would take another order of the waves.
 
 A deferred W needs its call's stage input and output gradient until its
 slot: each stage keeps them in a ring of `ring_size` entries (the longest
