@@ -6,9 +6,11 @@
 
 Each cell says which microbatch (and, when circular, which repeat) the stage
 works on at that iteration; cells are coloured by microbatch, bubbles are
-grey and hatched. Everything comes from the gpipe.schedule.Schedule passed
-in, the same arithmetic the layer runs (this module does not import it:
-gpipe.schedule's command imports this one).
+grey and hatched. With a gpipe.schedule.ZeroBubble, its backward wave is
+drawn below: each cell's upper half the stage's input gradient (B), its
+lower half the deferred weight gradient (W). Everything comes from the
+schedule objects passed in, the same arithmetic the layer runs (this module
+does not import them: gpipe.schedule's command imports this one).
 """
 
 import io
@@ -67,18 +69,20 @@ def _PngSize(png):
   return (int.from_bytes(png[20:24], 'big'), int.from_bytes(png[16:20], 'big'))
 
 
-def Draw(schedule, path):
+def Draw(schedule, path, zero_bubble=None):
   """Writes the schedule diagram to `path` (PNG; or a binary file object);
-  returns CellLabels."""
+  returns CellLabels. With `zero_bubble` (a gpipe.schedule.ZeroBubble of
+  the schedule), its backward wave is drawn below (ZeroBubbleAxes)."""
   from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
-  fig, _ = Figure(schedule)
+  fig, _ = Figure(schedule, zero_bubble)
   fig.savefig(path, dpi=100, format='png')  # exactly `path`, any suffix
   pyplot.close(fig)
   return CellLabels(schedule)
 
 
-def Figure(schedule):
-  """The diagram as a matplotlib (figure, axes); the caller closes it."""
+def Figure(schedule, zero_bubble=None):
+  """The diagram as a matplotlib (figure, axes of the forward schedule);
+  the caller closes it. With `zero_bubble`, a second axes below it."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
@@ -87,12 +91,18 @@ def Figure(schedule):
   table = schedule.Table()
   s_count, t_count = schedule.num_stages, schedule.num_iterations
   width = min(max(4.0, 0.45 * t_count + 1.5), 60.0)
-  fig, ax = pyplot.subplots(figsize=(width, 0.5 * s_count + 1.5), dpi=100)
+  height = 0.5 * s_count + 1.5
+  if zero_bubble is None:
+    fig, ax = pyplot.subplots(figsize=(width, height), dpi=100)
+  else:
+    fig, (ax, zb_ax) = pyplot.subplots(2, 1, figsize=(width, 2 * height),
+                                       dpi=100)
+    ZeroBubbleAxes(zb_ax, schedule, zero_bubble)
   colors = pyplot.get_cmap('tab20')
   for stage in range(s_count):
     for iteration in range(t_count):
       entry = table[iteration][stage]
-      y = s_count - 1 - stage
+      y = _RowY(stage, s_count)
       if entry is None:
         ax.add_patch(
             pyplot.Rectangle((iteration, y), 1, 1, facecolor='0.9',
@@ -104,13 +114,7 @@ def Figure(schedule):
                            linewidth=1.0))
       ax.text(iteration + 0.5, y + 0.5, labels[stage][iteration],
               ha='center', va='center', fontsize=8)
-  ax.set_xlim(0, t_count)
-  ax.set_ylim(0, s_count)
-  ax.set_xticks([i + 0.5 for i in range(t_count)])
-  ax.set_xticklabels([str(i) for i in range(t_count)], fontsize=7)
-  ax.set_yticks([s_count - 1 - s + 0.5 for s in range(s_count)])
-  ax.set_yticklabels([f'stage {s}' for s in range(s_count)])
-  ax.set_xlabel('iteration')
+  _StageAxes(ax, s_count, t_count, 'iteration')
   cell_kind = 'microbatch/repeat' if schedule.circular else 'microbatch'
   ax.set_title(
       f'S={s_count} stages, M={schedule.num_microbatches} microbatches, '
@@ -119,3 +123,74 @@ def Figure(schedule):
       fontsize=9)
   fig.tight_layout()
   return fig, ax
+
+
+def ZeroBubbleLabels(schedule, zero_bubble):
+  """[S][T] (B label, W label) of zero bubble's backward wave: 'm' or
+  'm/r' of the call whose input gradient (B), then whose deferred weight
+  gradient (W), the stage computes at backward iteration k; None where a
+  task idles, '-' for W where k has no slot."""
+  backward = zero_bubble.one_f_one_b.BackwardRows()
+  slots = zero_bubble.SlotRows()
+
+  def Label(work):
+    if not work.valid:
+      return None
+    if schedule.circular:
+      return f'{work.microbatch}/{work.repeat}'
+    return str(work.microbatch)
+
+  def WLabel(k, s):
+    if slots[k] is None:
+      return '-'
+    w = slots[k][s]
+    return Label(backward[w.made_at][s]) if w.valid else None
+
+  return [[(Label(row[s]), WLabel(k, s)) for k, row in enumerate(backward)]
+          for s in range(schedule.num_stages)]
+
+
+def ZeroBubbleAxes(ax, schedule, zero_bubble):
+  """Draws zero bubble's backward wave on `ax`: per stage and backward
+  iteration, B in the cell's upper half and W in its lower half, coloured
+  by microbatch; an idle task grey and hatched, no W slot left white."""
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+  colors = pyplot.get_cmap('tab20')
+  labels = ZeroBubbleLabels(schedule, zero_bubble)
+  s_count, t_count = schedule.num_stages, schedule.num_iterations
+  for stage, line in enumerate(labels):
+    y = _RowY(stage, s_count)
+    for k, halves in enumerate(line):
+      for half, label in zip((0.5, 0.0), halves):
+        if label == '-':
+          continue
+        if label is None:
+          patch = dict(facecolor='0.9', edgecolor='0.6', hatch='///',
+                       linewidth=0.5)
+        else:
+          patch = dict(facecolor=colors(int(label.split('/')[0]) % 20),
+                       edgecolor='white', linewidth=1.0)
+        ax.add_patch(pyplot.Rectangle((k, y + half), 1, 0.5, **patch))
+        if label is not None:
+          ax.text(k + 0.5, y + half + 0.25, label, ha='center',
+                  va='center', fontsize=7)
+  _StageAxes(ax, s_count, t_count, 'backward iteration k')
+  ax.set_title('zero_bubble: B above, deferred W below (white: no W slot)',
+               fontsize=9)
+
+
+def _RowY(stage, s_count):
+  """Where stage's row starts on the y axis: stage 0 at the top."""
+  return s_count - 1 - stage
+
+
+def _StageAxes(ax, s_count, t_count, xlabel):
+  """Limits and ticks of a stages x iterations grid: a column a label
+  0..t_count - 1, a row 'stage s' (stage 0 at the top)."""
+  ax.set_xlim(0, t_count)
+  ax.set_ylim(0, s_count)
+  ax.set_xticks([i + 0.5 for i in range(t_count)])
+  ax.set_xticklabels([str(i) for i in range(t_count)], fontsize=7)
+  ax.set_yticks([s_count - 1 - s + 0.5 for s in range(s_count)])
+  ax.set_yticklabels([f'stage {s}' for s in range(s_count)])
+  ax.set_xlabel(xlabel)

@@ -54,11 +54,17 @@ def RenderGradientLoop(schedule):
     return str(work.microbatch)
 
   rows = loop.Rows()
-  texts = [[f'{Text(row[s].forward)},{Text(row[s].backward)}' for row in rows]
-           for s in range(schedule.num_stages)]
+  return _StageLines('j', [
+      [f'{Text(row[s].forward)},{Text(row[s].backward)}' for row in rows]
+      for s in range(schedule.num_stages)])
+
+
+def _StageLines(index_name, texts):
+  """texts [S][n] as lines: a header of the indices 0..n-1 under
+  `index_name`, then a line a stage, each column right-aligned."""
   width = 1 + max(len(text) for line in texts for text in line)
-  lines = ['j         ' + ''.join(
-      f'{j:>{width}}' for j in range(loop.num_iterations))]
+  lines = [f'{index_name:<10}' + ''.join(
+      f'{i:>{width}}' for i in range(len(texts[0])))]
   lines += [f'stage {s:<4}' + ''.join(f'{text:>{width}}' for text in line)
             for s, line in enumerate(texts)]
   return '\n'.join(lines)
@@ -112,31 +118,11 @@ def RenderZeroBubble(schedule):
   per stage: 'b,w' is the microbatch whose input gradient (B) the stage
   computes and the one whose deferred weight gradient (W) it computes
   ('microbatch/repeat' when circular), '.' an idle task, '-' no W slot."""
-  zero_bubble = schedule_lib.ZeroBubble(schedule)
-  backward = zero_bubble.one_f_one_b.BackwardRows()
-  slots = zero_bubble.SlotRows()
-
-  def Text(work):
-    if not work.valid:
-      return '.'
-    if schedule.circular:
-      return f'{work.microbatch}/{work.repeat}'
-    return str(work.microbatch)
-
-  def WText(k, s):
-    if slots[k] is None:
-      return '-'
-    w = slots[k][s]
-    return Text(backward[w.made_at][s]) if w.valid else '.'
-
-  texts = [[f'{Text(row[s])},{WText(k, s)}' for k, row in enumerate(backward)]
-           for s in range(schedule.num_stages)]
-  width = 1 + max(len(text) for line in texts for text in line)
-  lines = ['k         ' + ''.join(
-      f'{k:>{width}}' for k in range(len(backward)))]
-  lines += [f'stage {s:<4}' + ''.join(f'{text:>{width}}' for text in line)
-            for s, line in enumerate(texts)]
-  return '\n'.join(lines)
+  from gpipe.schedule import plot as schedule_plot  # pylint: disable=g-import-not-at-top
+  labels = schedule_plot.ZeroBubbleLabels(
+      schedule, schedule_lib.ZeroBubble(schedule))
+  return _StageLines('k', [[f'{b or "."},{w or "."}' for b, w in line]
+                          for line in labels])
 
 
 def ZeroBubbleSummary(schedule):
@@ -195,7 +181,8 @@ def _Parser():
                       "stage's forward and backward wave per iteration; "
                       "with zero_bubble, also each backward iteration's "
                       "input gradient (B) and deferred weight gradient (W), "
-                      "and the bubbles both schedules leave")
+                      "and the bubbles both schedules leave (with --out, "
+                      "drawn below the schedule)")
   parser.add_argument('--out', default=None,
                       help='write the diagram to this .png path (default: '
                       'text only)')
@@ -241,7 +228,10 @@ def main(argv=None):
     print(RenderZeroBubble(schedule))
   if args.out:
     from gpipe.schedule import plot as schedule_plot  # pylint: disable=g-import-not-at-top
-    schedule_plot.Draw(schedule, args.out)
+    schedule_plot.Draw(
+        schedule, args.out,
+        schedule_lib.ZeroBubble(schedule)
+        if args.backward_schedule == 'zero_bubble' else None)
     print(f'wrote {os.path.abspath(args.out)}')
   return 0
 

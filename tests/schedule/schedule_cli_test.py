@@ -330,3 +330,46 @@ def test_zero_bubble_shows_each_stages_b_and_deferred_w(capsys):
   assert ('stage 0    .,- .,- 0,0 1,1 2,2 3,3\n'
           'stage 1    .,- 0,- 1,0 2,1 3,2 .,3\n'
           'stage 2    0,- 1,- 2,0 3,1 .,2 .,3') in text
+
+
+def test_zero_bubble_is_drawn_as_it_is_printed():
+  """Read from the pixels of the picture's second axes: each B half (upper)
+  and W half (lower) coloured by the microbatch the printed table (the
+  S=3, M=4 example above) gives, grey where a task idles, white where no W
+  slot is."""
+  from matplotlib import pyplot  # pylint: disable=g-import-not-at-top
+  sched = schedule_lib.Schedule(3, 4, 1)
+  printed = {0: '.,- .,- 0,0 1,1 2,2 3,3', 1: '.,- 0,- 1,0 2,1 3,2 .,3',
+             2: '0,- 1,- 2,0 3,1 .,2 .,3'}
+  fig, _ = schedule_plot.Figure(sched, schedule_lib.ZeroBubble(sched))
+  try:
+    fig.canvas.draw()
+    pixels = np.asarray(fig.canvas.buffer_rgba())[..., :3].astype(int)
+    ax = fig.axes[1]
+    box = ax.get_window_extent()
+    cell_w, cell_h = box.width / 6, box.height / 3
+    palette = np.round(
+        np.asarray(pyplot.get_cmap('tab20').colors) * 255).astype(int)
+
+    def Seen(stage, k, upper):
+      """What the half at (stage, k) shows: 'm', '.' (grey) or '-'."""
+      x = int(box.x0 + (k + 0.15) * cell_w)
+      row_bottom = box.y0 + (2 - stage) * cell_h
+      y = int(pixels.shape[0] - (row_bottom + (0.9 if upper else 0.4) *
+                                 cell_h))
+      patch = pixels[y - 2:y + 3, x - 2:x + 3].reshape(-1, 3)
+      matches = [m for m in range(4) if np.abs(patch - palette[m]).max() <= 2]
+      if matches:
+        return str(matches[0])
+      if (patch >= 253).all():
+        return '-'
+      assert np.ptp(patch, axis=1).max() <= 2, (stage, k, upper, patch)
+      return '.'
+
+    for stage, line in printed.items():
+      for k, cell in enumerate(line.split()):
+        b, w = cell.split(',')
+        assert Seen(stage, k, True) == b, (stage, k, 'B')
+        assert Seen(stage, k, False) == w, (stage, k, 'W')
+  finally:
+    pyplot.close(fig)
