@@ -70,13 +70,20 @@ class CellGraph:
   `activation_state` (bools shaped like state0) may leave out state entries that
   carry no data (e.g. the pipeline's non-trainable values): what depends
   only on them and on theta is weight-like, recomputed rather than stored.
+
+  defer_weight_dots: Backward returns a weight gradient that is one dot of
+  per-iteration operands as those operands, where they are small enough to
+  keep for every iteration (gpipe.loops.deferred_dots); split_weight_dots:
+  every such gradient, whatever their size (a loop that contracts each
+  iteration's own, later: zero bubble's deferred W).
   """
 
   def __init__(self, cell_fn, theta, state0, inputs, policy,
                manual_boundary=None, activation_state=None,
-               keeps_new_state=True, defer_weight_dots=False):
+               keeps_new_state=True, defer_weight_dots=False,
+               split_weight_dots=False):
     self._structure = (theta, state0, inputs)
-    self._defer_weight_dots = defer_weight_dots
+    self._operand_limit = _OperandLimit(defer_weight_dots, split_weight_dots)
     graph = func_graph_lib.FuncGraph('recurrent_cell')
     with graph.as_default():
       ph = lambda x, shape: tf.compat.v1.placeholder(x.dtype, shape)
@@ -111,8 +118,7 @@ class CellGraph:
         k: [i for i, x in enumerate(v) if IsDifferentiable(x)]
         for k, v in groups.items()
     }
-    self._graph = graph
-    self._groups = groups
+    self._graph, self._groups = graph, groups
     self._flat_new = flat_new
     self._flat_extras = flat_extras
     self._grads = None
@@ -186,20 +192,22 @@ class CellGraph:
     self._gradient_ops = _OpsNeededBy(
         self._grads, self._graph.get_operations()[num_ops:])
     self._deferred = {}
-    if self._defer_weight_dots:
+    if self._operand_limit is not False:
       per_iteration = _ActivationsOf(
           [groups['state'][i] for i in self.differentiable['state']] +
           [groups['inputs'][i] for i in self.differentiable['inputs']] +
           self._d_state + self._d_extras, self._graph.get_operations())
       for j in range(len(self.differentiable['theta'])):
-        found = deferred_dots.Find(self._grads[j], per_iteration)
+        found = deferred_dots.Find(self._grads[j], per_iteration,
+                                   self._operand_limit)
         if found is not None:
           self._deferred[j] = found
 
   def DeferredDots(self):
     """{position among the differentiable theta entries: DeferredDot}: the
     weight gradients Backward returns as their dot's two operands (only
-    with defer_weight_dots; gpipe.loops.deferred_dots)."""
+    with defer_weight_dots or split_weight_dots;
+    gpipe.loops.deferred_dots)."""
     self._BuildGradient()
     return self._deferred
 
@@ -341,6 +349,14 @@ _VARIABLE_READS = frozenset([
     'ReadVariableOp', 'ResourceGather', 'ResourceGatherNd', 'VariableShape',
     'VarIsInitializedOp'
 ])
+
+
+def _OperandLimit(defer_weight_dots, split_weight_dots):
+  """deferred_dots.Find's max_operands_per_gradient for the cell's weight
+  gradients (None: any size), or False: none returned as operands."""
+  if split_weight_dots:
+    return None
+  return deferred_dots.MAX_OPERANDS_PER_GRADIENT if defer_weight_dots else False
 
 
 def _CheckNoStatefulRandomOps(ops):

@@ -40,12 +40,20 @@ class DeferredDot:
   equation: str  # the stacked operands' equation: iteration label first
   operands: Tuple[str, str]  # tensor names in the cell's graph
   specs: Tuple[tf.TensorSpec, tf.TensorSpec]
+  one_equation: str = ''  # one iteration's: the gradient's own dot
 
   def Contract(self, stacked_a, stacked_b):
     return tf.einsum(self.equation, stacked_a, stacked_b)
 
+  def ContractOne(self, a, b):
+    """The gradient of one iteration from its two operands (what a
+    deferred weight gradient computes where it runs: zero bubble's W)."""
+    return tf.einsum(self.one_equation, a, b)
 
-def Find(grad, per_iteration: AbstractSet[str]) -> Optional[DeferredDot]:
+
+def Find(grad, per_iteration: AbstractSet[str],
+         max_operands_per_gradient: Optional[float] = (
+             MAX_OPERANDS_PER_GRADIENT)) -> Optional[DeferredDot]:
   """The deferred form of `grad`, or None.
 
   Args:
@@ -53,6 +61,9 @@ def Find(grad, per_iteration: AbstractSet[str]) -> Optional[DeferredDot]:
     per_iteration: names of the tensors that differ from iteration to
       iteration (those depending on the carried state, the iteration's
       inputs or the incoming gradients).
+    max_operands_per_gradient: how large the two operands may be, as a
+      fraction of the gradient; None: any size (a caller that keeps one
+      iteration's operands, not all of them).
   """
   while grad.op.type == 'Identity':
     grad = grad.op.inputs[0]
@@ -67,14 +78,16 @@ def Find(grad, per_iteration: AbstractSet[str]) -> Optional[DeferredDot]:
           grad.shape.is_fully_defined()) or a.dtype != b.dtype:
     return None
   sizes = [t.shape.num_elements() for t in (a, b, grad)]
-  if sizes[0] + sizes[1] > MAX_OPERANDS_PER_GRADIENT * sizes[2]:
+  if (max_operands_per_gradient is not None and
+      sizes[0] + sizes[1] > max_operands_per_gradient * sizes[2]):
     return None
   label = next(c for c in string.ascii_letters if c not in equation)
   lhs, out = equation.split('->')
   in_a, in_b = lhs.split(',')
   return DeferredDot(f'{label}{in_a},{label}{in_b}->{out}', (a.name, b.name),
                      (tf.TensorSpec(a.shape, a.dtype),
-                      tf.TensorSpec(b.shape, b.dtype)))
+                      tf.TensorSpec(b.shape, b.dtype)),
+                     one_equation=equation)
 
 
 class WeightGradientSums:

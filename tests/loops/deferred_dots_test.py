@@ -12,7 +12,9 @@ import pytest
 import tensorflow as tf
 
 from gpipe import recurrent
+from gpipe.loops import cell_graph
 from gpipe.loops import deferred_dots
+from gpipe.loops import remat
 from tests import close
 
 S, B, D, F, T = 2, 2, 16, 32, 5  # stages, examples, widths, iterations
@@ -84,8 +86,8 @@ def _RecordingFind(monkeypatch):
   found = []
   find = deferred_dots.Find
 
-  def Recording(grad, per_iteration):
-    result = find(grad, per_iteration)
+  def Recording(grad, per_iteration, *limit):
+    result = find(grad, per_iteration, *limit)
     if result is not None:
       found.append(result)
     return result
@@ -164,3 +166,58 @@ def test_what_is_not_deferred(shapes, op, per_iteration):
   grad, a, b = _Traced(shapes, op)
   names = {t.name for t, key in ((a, 'a'), (b, 'b')) if key in per_iteration}
   assert deferred_dots.Find(grad, names) is None
+
+
+@pytest.mark.parametrize('shapes, op', [f[1:] for f in _FORMS],
+                         ids=[f[0] for f in _FORMS])
+def test_without_a_size_limit_one_iterations_dot_is_its_gradient(shapes, op):
+  # Many examples: over the limit for keeping every iteration's operands,
+  # found without it; ContractOne is the op itself on one iteration's.
+  many = [[64 if d == _EXAMPLES else d for d in s] for s in shapes]
+  grad, a, b = _Traced(many, op)
+  assert deferred_dots.Find(grad, {a.name, b.name}) is None
+  found = deferred_dots.Find(grad, {a.name, b.name},
+                             max_operands_per_gradient=None)
+  assert found is not None
+  rng = np.random.default_rng(2)
+  x, y = (tf.constant(rng.normal(size=s).astype(np.float32)) for s in many)
+  close.AssertClose(found.ContractOne(x, y).numpy(), op(x, y).numpy(),
+                    close.FLOAT32_TIGHT)
+
+
+@pytest.mark.parametrize('split', [False, True])
+def test_split_weight_dots_returns_every_dots_operands(split):
+  """A cell of 64 examples a stage: defer_weight_dots keeps no operands
+  (too large for every iteration), split_weight_dots returns w1's and w2's
+  (the bias's gradient is a sum, not a dot); contracted, they and the
+  rest equal TensorFlow's gradients of the cell called directly."""
+  rows = 64
+  rng = np.random.default_rng(3)
+  f32 = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  theta = {'w1': f32(S, D, F) / 8, 'w2': f32(S, F, D) / 12,
+           'b': f32(S, 1, F) / 2}
+  state, x, dy = f32(S, rows, D), f32(S, rows, D), f32(S, rows, D)
+  with tf.Graph().as_default():
+    th = {k: tf.constant(v) for k, v in theta.items()}
+    cell = cell_graph.CellGraph(
+        lambda t, s, i: (_Cell(t, s, i)[0], {}), th, tf.constant(state),
+        tf.constant(x[None]), remat.For('recompute'), keeps_new_state=False,
+        defer_weight_dots=not split, split_weight_dots=split)
+    grads = cell.Backward(tf.nest.flatten(th), [tf.constant(state)],
+                          [tf.constant(x)], [], None, [tf.constant(dy)], [],
+                          [])
+    deferred = cell.DeferredDots()
+    names = list(tf.nest.flatten({k: k for k in theta}))
+    assert sorted(names[j] for j in deferred) == (['w1', 'w2'] if split
+                                                  else [])
+    got = [deferred[j].ContractOne(*g) if j in deferred else g
+           for j, g in enumerate(grads)]
+    flat_th = tf.nest.flatten(th)
+    s_in = tf.constant(state)
+    new, _ = _Cell(tf.nest.pack_sequence_as(th, flat_th), s_in,
+                   tf.constant(x))
+    expected = tf.gradients(new, flat_th + [s_in], grad_ys=tf.constant(dy))
+    with tf.compat.v1.Session() as sess:
+      got, expected = sess.run([got, expected])
+  for g, e in zip(got, expected):
+    close.AssertClose(g, e, close.FLOAT32)
