@@ -15,6 +15,9 @@ loop::
 The numbers are the same sum in another order. The price is memory: the
 operands of every iteration until the loop ends, which `Find` allows only
 where they are at most a quarter of the gradient (n <= d h / (4 (d + h))).
+A loop that keeps one iteration's operands a while and contracts them on
+their own (zero bubble's deferred weight gradient, DeferredDot.ContractOne)
+asks for them whatever their size (max_operands_per_gradient=None).
 A pipeline defers on one device only (gpipe.sharding's placement
 splits_stage_dim False): partitioned, memory is what the pipeline saves.
 """

@@ -47,6 +47,7 @@ import dataclasses
 import functools
 from typing import List, Optional, Tuple
 
+from .one_f_one_b import GradientPhase
 from .one_f_one_b import OneFOneB
 from .work import Field
 
@@ -145,6 +146,22 @@ class ZeroBubble:
           WeightGradientWork(valid=False, made_at=0, ring_index=0)
           for stage in calls)
     return rows
+
+  def Phases(self) -> List[GradientPhase]:
+    """The gradient loop's phases: OneFOneB's, each cut where the W slots
+    begin or end, so that a phase's iterations all run the same waves
+    (names from WAVES, then 'weight' where each runs a slot)."""
+    loop, slots = self.one_f_one_b, set(self._slots)
+    phases = []
+    for phase in loop.Phases():
+      for j in range(phase.begin, phase.end):
+        waves = phase.waves + (('weight',) if j - loop.delay in slots
+                               else ())
+        if phases and phases[-1].waves == waves and phases[-1].end == j:
+          phases[-1] = dataclasses.replace(phases[-1], end=j + 1)
+        else:
+          phases.append(GradientPhase(j, j + 1, waves))
+    return phases
 
   # What each schedule's gradient loop costs (see the module docstring).
 

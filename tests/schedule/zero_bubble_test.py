@@ -156,3 +156,21 @@ def test_deferred_ws_wait_for_at_most_s_minus_1_microbatches(s, m, r):
   # gradient, at most S - 1 a stage (h (S - 1) with delayed sends).
   assert ZeroBubble(Schedule(s, m, r)).WaitingAtMost() == s - 1
   assert ZeroBubble(Schedule(s, m, r, True)).WaitingAtMost() <= 2 * (s - 1)
+
+
+@pytest.mark.parametrize('s, m, r, d', _SWEEP)
+def test_phases_tile_the_loop_each_running_its_iterations_waves(s, m, r, d):
+  zb = ZeroBubble(Schedule(s, m, r, d))
+  run = _LockstepRun(s, m, r, d)
+  t, delay = run.num_iterations, zb.one_f_one_b.delay
+  phases = zb.Phases()
+  assert phases[0].begin == 0 and phases[-1].end == t + delay
+  for before, after in zip(phases, phases[1:]):
+    assert before.end == after.begin and before.waves != after.waves
+  for phase in phases:
+    for j in range(phase.begin, phase.end):
+      k = j - delay
+      expected = ((('forward',) if j < t else ()) +
+                  (('backward',) if 0 <= k < t else ()) +
+                  (('weight',) if k in run.slots else ()))
+      assert phase.waves == expected, (j, phase)
