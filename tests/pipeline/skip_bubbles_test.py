@@ -315,8 +315,8 @@ def test_deferred_weight_gradients_equal_the_reference(monkeypatch, mode,
   deferred = []
   find = deferred_dots.Find
 
-  def Recording(grad, per_iteration):
-    found = find(grad, per_iteration)
+  def Recording(grad, per_iteration, *limit):
+    found = find(grad, per_iteration, *limit)
     deferred.append(found is not None)
     return found
 
