@@ -79,12 +79,14 @@ def BlockFlops(model_dim, num_heads, hidden_dim, seq_len, batch=1):
 
 
 def Table(costs):
-  """Rows of the grid: (S, M, R, {name: bubble in calls})."""
+  """Rows of the grid: (S, M, R, {name: bubble in calls}, {name: its share
+  of the gradient loop}), from gpipe.schedule.ZeroBubble."""
   rows = []
   for s, m, r in GRID:
-    bubbles = schedule_lib.ZeroBubble(schedule_lib.Schedule(s, m, r)).Bubbles(
-        costs)
-    rows.append((s, m, r, {k: v / costs.call for k, v in bubbles.items()}))
+    zb = schedule_lib.ZeroBubble(schedule_lib.Schedule(s, m, r))
+    bubbles, useful = zb.Bubbles(costs), zb.UsefulSeconds(costs)
+    rows.append((s, m, r, {k: v / costs.call for k, v in bubbles.items()},
+                 {k: v / (useful + v) for k, v in bubbles.items()}))
   return rows
 
 
@@ -94,15 +96,10 @@ def Render(title, costs):
            '   S   M   R |  1f1b (share) | zero_bubble (share, of 1f1b) | '
            'per-stage | fill bound',
            '-' * 80]
-  for s, m, r, b in Table(costs):
-    useful = m * r
-
-    def Share(name, b=b, useful=useful):
-      return b[name] / (useful + b[name])
-
+  for s, m, r, b, share in Table(costs):
     lines.append(
-        f'{s:4d}{m:4d}{r:4d} | {b["1f1b"]:5.2f} ({Share("1f1b"):5.1%}) | '
-        f'{b["zero_bubble"]:11.2f} ({Share("zero_bubble"):5.1%}, '
+        f'{s:4d}{m:4d}{r:4d} | {b["1f1b"]:5.2f} ({share["1f1b"]:5.1%}) | '
+        f'{b["zero_bubble"]:11.2f} ({share["zero_bubble"]:5.1%}, '
         f'{b["zero_bubble"] / b["1f1b"]:4.2f}) | '
         f'{b["per-stage branches"]:9.2f} | {b["fill bound"]:10.2f}')
   return '\n'.join(lines)

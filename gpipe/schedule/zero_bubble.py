@@ -112,7 +112,7 @@ class ZeroBubble:
     return tuple(max(stage[n] for stage in calls)
                  for n in range(max(len(stage) for stage in calls)))
 
-  @property
+  @functools.cached_property
   def ring_size(self):
     """Deferred W operands each stage keeps: the longest wait plus one (B
     writes entry k % ring_size at backward iteration k)."""
